@@ -1,0 +1,84 @@
+"""``plait <command> [hydra overrides]``: train, plan, plugins, and commands that plugins add.
+
+Examples::
+
+    plait train strategy=ddp launcher.nproc_per_node=2 train.steps=100
+    plait plan parallel.tp=2 launcher.nproc_per_node=4
+    plait plugins
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from plait import api
+from plait.plan import format_plan, make_plan
+from plait.plugin_manager import make_plugin_manager
+from plait.types import PlanError
+
+USAGE = """usage: plait <command> [key=value ...]
+
+commands:
+{commands}
+
+Everything after the command is a Hydra override, e.g. strategy=zero3 parallel.tp=2."""
+
+
+def cmd_train(overrides: list[str]) -> int:
+    run_dir = api.train(overrides)
+    print(f"plait: run finished; outputs in {run_dir}")
+    return 0
+
+
+def cmd_plan(overrides: list[str]) -> int:
+    plan = make_plan(overrides)
+    print(format_plan(plan))
+    return 1 if plan.problems else 0
+
+
+def cmd_plugins(overrides: list[str]) -> int:
+    """List every registered plugin, where it came from, what selects it and its hooks."""
+    cfg = OmegaConf.from_dotlist(overrides) if overrides else None
+    pm = make_plugin_manager(cfg)
+    for record in pm.records.values():
+        selected = ", ".join(f"{k}={v}" for k, v in record.info.selected_by.items()) or "always"
+        print(f"{record.info.name}  [{record.source}]  selected by: {selected}")
+        print(f"    module: {getattr(record.plugin, '__name__', type(record.plugin).__name__)}")
+        print(f"    hooks:  {', '.join(record.hooks(pm))}")
+    return 0
+
+
+def commands() -> dict[str, tuple[Callable[[list[str]], int], str]]:
+    table = {
+        "train": (cmd_train, "launch training workers and train"),
+        "plan": (cmd_plan, "print the composed plan (plugins, mesh, backend configs, refusals)"),
+        "plugins": (cmd_plugins, "list registered plugins, their source and hooks"),
+    }
+
+    def register(name: str, function: Callable[[list[str]], int], help: str) -> None:
+        if name in table:
+            raise ValueError(f"two plugins add the command {name!r}")
+        table[name] = (function, help)
+
+    make_plugin_manager().hook.plait_register_commands(register=register)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    table = commands()
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in table:
+        listing = "\n".join(f"  {name:10s} {help}" for name, (_, help) in table.items())
+        print(USAGE.format(commands=listing), file=sys.stderr if argv else sys.stdout)
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    command, overrides = table[argv[0]][0], argv[1:]
+    try:
+        return command(overrides) or 0
+    except (PlanError, HydraException, OmegaConfBaseException, ValueError) as e:
+        print(f"plait: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,297 @@
+"""The plait hook specification: every point where a plugin can decide or observe.
+
+Hooks are called with keyword arguments; an implementation may accept any subset of a hook's
+arguments, so new arguments can be added here without breaking plugins. ``firstresult`` hooks are
+decisions: the first non-None result wins, and the core refuses a plan in which two active plugins
+implement the same decision (see ``plait.plugin_manager.check_conflicts``).
+
+Order of a run (``plait.train.train`` reads as this list)::
+
+    plait_declare, plait_register_configs, plait_configure,        # CLI, before launch
+    plait_validate, plait_backend_config, plait_launch
+    plait_build_topology
+    plait_build_dataset, plait_shard_data
+    plait_build_model, plait_apply_tensor_parallel, plait_split_pipeline, plait_build_loss
+    plait_build_optimizer, plait_build_lr_schedule, plait_comm_hook, plait_build_engine
+    plait_load_checkpoint, plait_on_run_start
+    per step:  plait_on_step_end, plait_save_checkpoint
+    plait_on_failure (on an exception), plait_on_run_end
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from plait import hookspec
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import DictConfig
+
+    from plait.topology import ParallelDims, Topology
+    from plait.types import BatchSampler, Engine, PluginInfo, TokenDataset, TrainState
+
+
+# ---------------------------------------------------------------------------------------------
+# configure: run in the CLI process, before any worker starts
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def plait_declare() -> PluginInfo:
+    """Describe this plugin: its name, the config values that select it, what it supports.
+
+    Called once per plugin when the plugin manager is built, with no arguments.
+
+    :return: a :class:`plait.types.PluginInfo`. A plugin that implements no ``plait_declare`` is
+        named after its module and is active in every run it is loaded into.
+    """
+
+
+@hookspec
+def plait_register_commands(register: Callable[..., None]) -> None:
+    """Add sub-commands to the ``plait`` CLI.
+
+    :param register: call ``register(name, function, help)``; ``function(overrides: list[str])``
+        runs the command with the Hydra overrides the user typed after it.
+    """
+
+
+@hookspec
+def plait_register_configs(config_store: ConfigStore) -> None:
+    """Store this plugin's structured-config schemas before the config is composed.
+
+    :param config_store: Hydra's ConfigStore; store e.g.
+        ``config_store.store(group="strategy", name="base_zero", node=ZeroStrategyConfig)`` and
+        list ``base_zero`` first in the defaults of the option's YAML file.
+    """
+
+
+@hookspec
+def plait_configure(cfg: DictConfig) -> None:
+    """Adjust the composed config in place before it is validated (fill derived values).
+
+    Called on every active plugin, in registration order; the config is writable here only.
+
+    :param cfg: the composed Hydra config.
+    """
+
+
+@hookspec
+def plait_validate(cfg: DictConfig, dims: ParallelDims) -> list[str] | None:
+    """Check the plan for settings this plugin cannot run with.
+
+    Called on every active plugin; all problems from all plugins are reported together.
+
+    :param cfg: the configured (read-only) config.
+    :param dims: the process layout the run will use.
+    :return: problems, each naming the setting and the fix, e.g.
+        ``"parallel.tp=3 does not divide model.n_head=4: choose tp in {1, 2, 4}"``.
+    """
+
+
+@hookspec
+def plait_backend_config(cfg: DictConfig, dims: ParallelDims) -> dict[str, Any] | None:
+    """Return the configuration this plugin generates for a backend, for ``plait plan`` to show.
+
+    :return: ``{"deepspeed": {...}}`` or similar, or None when the plugin generates nothing.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_launch(cfg: DictConfig, entrypoint: Callable[..., None], args: tuple) -> bool | None:
+    """Start the worker processes and wait for them.
+
+    Stops at the first non-None result.
+
+    :param cfg: the resolved config, already written to ``cfg.run.dir``.
+    :param entrypoint: a module-level (picklable) function; ``entrypoint(*args)`` runs training
+        in one process.
+    :return: True once the workers have finished.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# build: run in every worker, in this order
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def plait_build_topology(cfg: DictConfig) -> Topology | None:
+    """Initialise the process group and build the dp × tp × pp mesh.
+
+    Stops at the first non-None result; when no plugin answers, the core's
+    :meth:`plait.topology.Topology.initialize` builds it.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_build_dataset(cfg: DictConfig, topology: Topology, split: str) -> TokenDataset | None:
+    """Build the tokenized dataset for ``split`` ("train" or "val").
+
+    Stops at the first non-None result. Tokenize once (cache on disk); every rank may call this.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_shard_data(
+    cfg: DictConfig, dataset: TokenDataset, topology: Topology
+) -> BatchSampler | None:
+    """Give this data-parallel rank its disjoint, deterministic share of the samples.
+
+    Stops at the first non-None result.
+
+    :return: a sampler yielding, per optimizer step, ``grad_accum_steps`` lists of indices; its
+        ``state_dict`` goes into the checkpoint so a resumed run continues where it stopped.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_build_model(cfg: DictConfig) -> torch.nn.Module | None:
+    """Build the full (unsplit) model on the CPU, seeded, so every rank builds the same weights.
+
+    Stops at the first non-None result.
+    """
+
+
+@hookspec
+def plait_apply_tensor_parallel(
+    cfg: DictConfig, model: torch.nn.Module, topology: Topology
+) -> None:
+    """Split the model's layers across the tensor-parallel group, in place.
+
+    Called on every active plugin; a plugin does nothing when ``topology.dims.tp == 1``.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_split_pipeline(
+    cfg: DictConfig, model: torch.nn.Module, topology: Topology
+) -> torch.nn.Module | None:
+    """Cut the model into pipeline stages and return this rank's stage.
+
+    Stops at the first non-None result; None keeps the whole model (``pp == 1``).
+    """
+
+
+@hookspec(firstresult=True)
+def plait_build_loss(
+    cfg: DictConfig, model: torch.nn.Module, topology: Topology
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """Return ``loss_fn(logits, targets) -> scalar``; None means plain cross-entropy.
+
+    Stops at the first non-None result. A tensor-parallel plugin returns a vocab-parallel loss.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_build_optimizer(
+    cfg: DictConfig, model: torch.nn.Module
+) -> torch.optim.Optimizer | None:
+    """Build the optimizer over the (already split) model's parameters.
+
+    Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_build_lr_schedule(cfg: DictConfig) -> Callable[[int], float] | None:
+    """Return ``lr_at(step) -> float``; the loop sets this learning rate before each step.
+
+    Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_comm_hook(cfg: DictConfig, topology: Topology) -> tuple[Any, Callable] | None:
+    """Choose how gradients are communicated across data-parallel ranks.
+
+    Stops at the first non-None result.
+
+    :return: ``(state, hook)`` in the form of ``DistributedDataParallel.register_comm_hook``.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_build_engine(
+    cfg: DictConfig,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    comm_hook: tuple[Any, Callable] | None,
+    topology: Topology,
+) -> Engine | None:
+    """Wrap model and optimizer for the chosen strategy (DDP, DeepSpeed ZeRO, …).
+
+    Stops at the first non-None result.
+
+    :return: an :class:`plait.types.Engine`.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def plait_load_checkpoint(cfg: DictConfig, engine: Engine, topology: Topology) -> TrainState | None:
+    """Resume from ``cfg.resume`` (``latest`` or a path) if set; called on every rank.
+
+    Stops at the first non-None result.
+
+    :return: the restored :class:`plait.types.TrainState`, or None to start from step 0.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_save_checkpoint(
+    cfg: DictConfig, engine: Engine, state: TrainState, topology: Topology, final: bool
+) -> Path | None:
+    """Save a checkpoint if one is due after ``state.step``; called on every rank after each step.
+
+    Stops at the first non-None result. The write must be atomic: a crash part-way leaves the
+    previous checkpoint as ``latest``.
+
+    :param final: True after the last step.
+    :return: the checkpoint directory written, or None when none was due.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# step: tracking, called on global rank 0 only
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def plait_on_run_start(cfg: DictConfig, state: TrainState, topology: Topology) -> None:
+    """A run (new or resumed at ``state.step``) starts; a tracker opens its run here.
+
+    A tracker that continues an earlier run reads ``state.tracker_run_id`` and sets it for a new
+    one, so the id is stored with every checkpoint.
+    """
+
+
+@hookspec
+def plait_on_step_end(step: int, metrics: dict[str, float], state: TrainState) -> None:
+    """One optimizer step finished; ``metrics`` holds loss, lr, grad_norm, tokens_per_s, mfu,
+    step time and peak memory (min and max over ranks), and ``eval/loss`` when evaluated."""
+
+
+@hookspec
+def plait_on_run_end(state: TrainState, status: str) -> None:
+    """The run ended with ``status`` "finished" or "failed"; trackers close their run."""
+
+
+# ---------------------------------------------------------------------------------------------
+# failure
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def plait_on_failure(cfg: DictConfig, error: BaseException, state: TrainState) -> None:
+    """A worker raised ``error`` at ``state.step``; called on that rank before the error
+    propagates to the launcher (which may restart the workers; see ``launcher.max_restarts``)."""

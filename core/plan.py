@@ -1,0 +1,198 @@
+"""Compose the config once and check the whole plan before any process starts.
+
+A plan is the composed config, the plugins it selects, the process layout and the backend
+configs the plugins generate. Every problem found (core rules, plugin capabilities, conflicting
+decisions, plugin-specific validation) is collected, so the user sees all of them at once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from hydra import compose, initialize_config_module
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from plait.config import PRECISIONS, store_core_schemas
+from plait.plugin_manager import (
+    PlaitPluginManager,
+    check_conflicts,
+    deciders,
+    keep_selected,
+    make_plugin_manager,
+)
+from plait.topology import ParallelDims
+from plait.types import PlanError
+
+# The decisions every run needs, and the config setting that picks who makes each.
+REQUIRED_DECISIONS = {
+    "plait_build_model": "model._target_",
+    "plait_build_dataset": "data.name",
+    "plait_shard_data": "data.sharding",
+    "plait_build_optimizer": "optimizer.name",
+    "plait_build_lr_schedule": "optimizer.name",
+    "plait_build_engine": "strategy.name",
+    "plait_launch": "launcher.name",
+}
+
+
+def default_run_name() -> str:
+    """A run name every rank agrees on: the external launcher's job id, else the time."""
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        value = os.environ.get(var)
+        if value and value != "none":
+            return f"job-{value}"
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+OmegaConf.register_new_resolver("plait_run_name", default_run_name, replace=True)
+
+
+@dataclass
+class Plan:
+    cfg: DictConfig
+    pm: PlaitPluginManager
+    dims: ParallelDims | None
+    problems: list[str] = field(default_factory=list)
+    backend_configs: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> Plan:
+        if self.problems:
+            raise PlanError(self.problems)
+        return self
+
+
+def compose_config(overrides: Iterable[str], pm: PlaitPluginManager) -> DictConfig:
+    """Compose ``plait.conf/config.yaml`` with the user's overrides (Hydra's compose API)."""
+    cs = ConfigStore.instance()
+    store_core_schemas(cs)
+    pm.hook.plait_register_configs(config_store=cs)
+    with initialize_config_module(config_module="plait.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def make_plan(overrides: Iterable[str] = (), objects: Iterable[Any] = ()) -> Plan:
+    """Compose, select plugins, let them configure, and collect every problem."""
+    objects = list(objects)
+    available = make_plugin_manager(objects=objects)
+    cfg = compose_config(overrides, available)
+    pm = keep_selected(make_plugin_manager(cfg, objects), cfg)
+    with open_dict(cfg):
+        pm.hook.plait_configure(cfg=cfg)
+    OmegaConf.resolve(cfg)
+    OmegaConf.set_readonly(cfg, True)
+
+    plan = Plan(cfg=cfg, pm=pm, dims=None)
+    try:
+        plan.dims = ParallelDims.from_config(cfg)
+    except ValueError as e:
+        plan.problems.append(str(e))
+    plan.problems += core_problems(cfg, plan.dims)
+    plan.problems += unselected_choices(pm, available, cfg)
+    plan.problems += check_conflicts(pm)
+    if plan.dims is not None:
+        plan.problems += capability_problems(pm, cfg, plan.dims)
+        for found in pm.hook.plait_validate(cfg=cfg, dims=plan.dims):
+            plan.problems += found or []
+        for generated in pm.hook.plait_backend_config(cfg=cfg, dims=plan.dims):
+            plan.backend_configs.update(generated or {})
+    return plan
+
+
+def core_problems(cfg: DictConfig, dims: ParallelDims | None) -> list[str]:
+    problems = []
+    if cfg.launcher.nproc_per_node < 1:
+        problems.append(
+            f"launcher.nproc_per_node={cfg.launcher.nproc_per_node}: need at least 1 process "
+            "per node"
+        )
+    if cfg.precision not in PRECISIONS:
+        problems.append(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
+    train = cfg.train
+    if train.grad_accum_steps < 1:
+        problems.append(f"train.grad_accum_steps={train.grad_accum_steps} must be at least 1")
+    elif dims is not None and train.batch_size % (train.grad_accum_steps * dims.dp):
+        per_step = train.grad_accum_steps * dims.dp
+        problems.append(
+            f"train.batch_size={train.batch_size} is not divisible by train.grad_accum_steps"
+            f"({train.grad_accum_steps}) * dp({dims.dp}) = {per_step}: set train.batch_size to "
+            f"a multiple of {per_step}"
+        )
+    block_size = OmegaConf.select(cfg, "model.block_size", default=None)
+    if block_size is not None and train.seq_len > block_size:
+        problems.append(
+            f"train.seq_len={train.seq_len} is longer than the model's context "
+            f"model.block_size={block_size}: lower train.seq_len or raise model.block_size"
+        )
+    return problems
+
+
+def unselected_choices(
+    pm: PlaitPluginManager, available: PlaitPluginManager, cfg: DictConfig
+) -> list[str]:
+    """A required decision nobody makes: name the setting and the values that would work."""
+    problems = []
+    made = deciders(pm)
+    for hook, setting in REQUIRED_DECISIONS.items():
+        if made.get(hook):
+            continue
+        options = sorted(
+            {str(v) for r in available.records.values() for k, v in r.info.selected_by.items()
+             if k == setting}
+        )
+        value = OmegaConf.select(cfg, setting, default=None)
+        hint = f"; installed plugins offer: {', '.join(options)}" if options else ""
+        problems.append(f"{setting}={value} selects no plugin that decides {hook}{hint}")
+    return problems
+
+
+def capability_problems(pm: PlaitPluginManager, cfg: DictConfig, dims: ParallelDims) -> list[str]:
+    """Refuse a device, precision or parallel axis that an active plugin does not declare."""
+    problems = []
+    device = cfg.device if cfg.device != "auto" else None
+    active = {r.info.name for r in pm.records.values()}
+    axis_setting = {"dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp"}
+    for record in pm.records.values():
+        info, who = record.info, f"plugin {record.info.name!r}"
+        if device is not None and device not in info.devices:
+            problems.append(f"{who} does not run on device={device}: supports "
+                            f"{', '.join(sorted(info.devices))}")
+        if cfg.precision not in info.precisions:
+            problems.append(f"{who} does not support precision={cfg.precision}: choose one of "
+                            f"{', '.join(sorted(info.precisions))}")
+        for axis in sorted(dims.enabled_axes - info.parallel_axes):
+            problems.append(f"{who} does not support {axis} parallelism "
+                            f"({axis_setting[axis]}={getattr(dims, axis)}): set "
+                            f"{axis_setting[axis]}=1 or choose another plugin for it")
+        for other in sorted(info.excludes & active):
+            problems.append(f"{who} cannot run together with plugin {other!r}: "
+                            "change the setting that selects one of them")
+    return problems
+
+
+def format_plan(plan: Plan) -> str:
+    """The text ``plait plan`` prints."""
+    cfg, lines = plan.cfg, []
+    if plan.dims is not None:
+        d = plan.dims
+        lines.append(f"mesh: world_size={d.world_size} = pp {d.pp} x dp {d.dp} x tp {d.tp} "
+                     f"on {d.nnodes} node(s) x {cfg.launcher.nproc_per_node} process(es)")
+    lines.append(f"device={cfg.device} precision={cfg.precision} run.dir={cfg.run.dir}")
+    lines.append("decisions:")
+    for hook, names in sorted(deciders(plan.pm).items()):
+        lines.append(f"  {hook:28s} {', '.join(names) if names else '(core default)'}")
+    lines.append("active plugins:")
+    for record in plan.pm.records.values():
+        lines.append(f"  {record.info.name:16s} {record.source}")
+    for backend, generated in plan.backend_configs.items():
+        lines.append(f"{backend} config:")
+        lines += ["  " + line for line in OmegaConf.to_yaml(generated).splitlines()]
+    if plan.problems:
+        lines.append("refused:")
+        lines += [f"  - {p}" for p in plan.problems]
+    else:
+        lines.append("ok: nothing refused")
+    return "\n".join(lines)

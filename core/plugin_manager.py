@@ -1,0 +1,144 @@
+"""Find plugins, keep where each came from, and choose the ones a config turns on.
+
+Plugins arrive three ways, all through one :class:`PlaitPluginManager`, registered in this order:
+
+1. objects handed over from Python (``plait.api.train(..., plugins=[obj])``),
+2. dotted module paths listed in the config (``plugins: [my_team.plugins.fancy_sync]``),
+3. the ``plait`` entry-point group, which is how plait's own built-ins are found too.
+
+``PLAIT_BLOCK_PLUGINS=name,name`` keeps the named plugins out. The manager is built by a factory,
+never at import time, so importing plait loads no plugin.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import pluggy
+from omegaconf import DictConfig, OmegaConf
+
+from plait import PROJECT_NAME, hookspecs
+from plait.types import PluginInfo
+
+BLOCK_ENV = "PLAIT_BLOCK_PLUGINS"
+
+
+@dataclass(frozen=True)
+class PluginRecord:
+    """A registered plugin with its declaration and where it came from."""
+
+    name: str
+    plugin: Any
+    source: str
+    info: PluginInfo
+
+    def hooks(self, pm: pluggy.PluginManager) -> list[str]:
+        return sorted(c.name for c in pm.get_hookcallers(self.plugin) or [] if c.name != "plait_declare")
+
+
+class PlaitPluginManager(pluggy.PluginManager):
+    def __init__(self) -> None:
+        super().__init__(PROJECT_NAME)
+        self.add_hookspecs(hookspecs)
+        self.records: dict[str, PluginRecord] = {}
+
+    def register_plugin(self, plugin: Any, name: str, source: str) -> None:
+        if name in self.records:
+            raise ValueError(
+                f"two plugins are named {name!r}: {self.records[name].source} and {source}; "
+                "rename one of them"
+            )
+        self.register(plugin, name=name)
+        self.records[name] = PluginRecord(name, plugin, source, declaration_of(self, plugin, name))
+
+    def unregister_plugin(self, name: str) -> None:
+        self.unregister(name=name)
+        del self.records[name]
+
+
+def declaration_of(pm: pluggy.PluginManager, plugin: Any, fallback_name: str) -> PluginInfo:
+    for impl in pm.hook.plait_declare.get_hookimpls():
+        if impl.plugin is plugin:
+            return impl.function()
+    return PluginInfo(name=fallback_name)
+
+
+def make_plugin_manager(
+    cfg: DictConfig | None = None,
+    objects: Iterable[Any] = (),
+    load_entrypoints: bool = True,
+) -> PlaitPluginManager:
+    """Build a manager holding every available plugin (active or not)."""
+    pm = PlaitPluginManager()
+    blocked = {n.strip() for n in os.environ.get(BLOCK_ENV, "").split(",") if n.strip()}
+    for obj in objects:
+        name = getattr(obj, "__name__", None) or type(obj).__name__
+        if name not in blocked:
+            pm.register_plugin(obj, name, "python object")
+    dotted = list(cfg.get("plugins") or []) if cfg is not None else []
+    for path in dotted:
+        if path in blocked:
+            continue
+        try:
+            module = importlib.import_module(path)
+        except ImportError as e:
+            raise ValueError(
+                f"plugins: cannot import {path!r} ({e}); check the dotted path and that its "
+                "package is installed"
+            ) from e
+        pm.register_plugin(module, path, "config (plugins list)")
+    if load_entrypoints:
+        from importlib.metadata import entry_points
+
+        for ep in sorted(entry_points(group=PROJECT_NAME), key=lambda e: e.name):
+            if ep.name in blocked or ep.value in dotted:
+                continue
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
+            pm.register_plugin(ep.load(), ep.name, f"entry point ({dist})")
+    pm.check_pending()
+    return pm
+
+
+def is_selected(info: PluginInfo, cfg: DictConfig) -> bool:
+    """True when every config path in ``info.selected_by`` holds the value (or one of the values)."""
+    for path, wanted in info.selected_by.items():
+        value = OmegaConf.select(cfg, path, default=None)
+        options = wanted if isinstance(wanted, (list, tuple, set, frozenset)) else (wanted,)
+        if value not in options:
+            return False
+    return True
+
+
+def keep_selected(pm: PlaitPluginManager, cfg: DictConfig) -> PlaitPluginManager:
+    """Unregister the plugins this config does not select, so decisions have one answer."""
+    for name, record in list(pm.records.items()):
+        if not is_selected(record.info, cfg):
+            pm.unregister_plugin(name)
+    return pm
+
+
+def deciders(pm: pluggy.PluginManager) -> dict[str, list[str]]:
+    """For each ``firstresult`` hook, the plugins that implement it (wrappers do not decide)."""
+    result = {}
+    for name in dir(pm.hook):
+        caller = getattr(pm.hook, name)
+        if not isinstance(caller, pluggy.HookCaller) or caller.spec is None:
+            continue
+        if not caller.spec.opts.get("firstresult"):
+            continue
+        impls = [i for i in caller.get_hookimpls() if not (i.hookwrapper or i.wrapper)]
+        result[name] = [i.plugin_name for i in reversed(impls)]
+    return result
+
+
+def check_conflicts(pm: pluggy.PluginManager) -> list[str]:
+    """Two active plugins answering the same decision is an error that names both."""
+    return [
+        f"plugins {' and '.join(repr(p) for p in names)} both decide {hook}: select only one "
+        "through the config (e.g. strategy=..., data=...) or remove one from `plugins`"
+        for hook, names in deciders(pm).items()
+        if len(names) > 1
+    ]

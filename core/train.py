@@ -1,0 +1,100 @@
+"""The train loop: one worker process's whole run, as a sequence of hook calls.
+
+Started by ``plait train`` in each worker (see ``plait.worker``). Everything that differs between
+strategies happens inside the hooks; this file only fixes their order.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from plait.metrics import StepMeter
+from plait.plugin_manager import PlaitPluginManager
+from plait.topology import Topology
+from plait.types import Engine, TokenDataset, TrainState
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
+    hook = pm.hook
+    topology = hook.plait_build_topology(cfg=cfg) or Topology.initialize(cfg)
+    seed_everything(cfg.seed)
+
+    train_data = hook.plait_build_dataset(cfg=cfg, topology=topology, split="train")
+    sampler = hook.plait_shard_data(cfg=cfg, dataset=train_data, topology=topology)
+    val_data = None
+    if cfg.train.eval_every:
+        val_data = hook.plait_build_dataset(cfg=cfg, topology=topology, split="val")
+
+    # Parallelize in a fixed order: tensor parallel, then pipeline stages, then the
+    # data-parallel engine (torchtitan's order).
+    model = hook.plait_build_model(cfg=cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    hook.plait_apply_tensor_parallel(cfg=cfg, model=model, topology=topology)
+    model = hook.plait_split_pipeline(cfg=cfg, model=model, topology=topology) or model
+    loss_fn = hook.plait_build_loss(cfg=cfg, model=model, topology=topology) or cross_entropy
+    optimizer = hook.plait_build_optimizer(cfg=cfg, model=model)
+    lr_at = hook.plait_build_lr_schedule(cfg=cfg)
+    comm_hook = hook.plait_comm_hook(cfg=cfg, topology=topology)
+    engine = hook.plait_build_engine(cfg=cfg, model=model, optimizer=optimizer, loss_fn=loss_fn,
+                                     comm_hook=comm_hook, topology=topology)
+
+    state = hook.plait_load_checkpoint(cfg=cfg, engine=engine, topology=topology) or TrainState()
+    if state.data:
+        sampler.load_state_dict(state.data)
+    logging = topology.is_logging_rank
+    if logging:
+        hook.plait_on_run_start(cfg=cfg, state=state, topology=topology)
+
+    meter = StepMeter(cfg, n_params, topology)
+    batches = iter(sampler)
+    status = "failed"
+    try:
+        while state.step < cfg.train.steps:
+            micro_batches = [train_data.batch(indices) for indices in next(batches)]
+            lr = lr_at(state.step)
+            meter.start()
+            out = engine.train_step(micro_batches, lr=lr)
+            state.step += 1
+            state.tokens_seen += meter.tokens_per_step
+            state.data = sampler.state_dict()
+            metrics = meter.stop(state.step, out, lr)
+            if val_data is not None and state.step % cfg.train.eval_every == 0:
+                metrics["eval/loss"] = evaluate(cfg, engine, val_data, topology)
+            if logging and metrics:
+                hook.plait_on_step_end(step=state.step, metrics=metrics, state=state)
+            hook.plait_save_checkpoint(cfg=cfg, engine=engine, state=state, topology=topology,
+                                       final=state.step == cfg.train.steps)
+        status = "finished"
+    except BaseException as error:
+        hook.plait_on_failure(cfg=cfg, error=error, state=state)
+        raise
+    finally:
+        if logging:
+            hook.plait_on_run_end(state=state, status=status)
+    return state
+
+
+def evaluate(cfg: DictConfig, engine: Engine, data: TokenDataset, topology: Topology) -> float:
+    """Mean loss over the first ``train.eval_batches`` global batches of the validation split."""
+    dims = topology.dims
+    micro = cfg.train.batch_size // dims.dp
+    losses = []
+    for k in range(cfg.train.eval_batches):
+        start = ((k * dims.dp + topology.dp_rank) * micro) % max(len(data) - micro, 1)
+        losses.append(engine.eval_loss(data.batch(list(range(start, start + micro)))))
+    return sum(losses) / len(losses)

@@ -1,0 +1,120 @@
+"""The small data types that cross the hook boundary.
+
+Plugins return these from hooks and the core passes them between hooks; keeping them here lets a
+plugin author read every contract in two files: this one and ``hookspecs.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+ALL_DEVICES = frozenset({"cpu", "cuda"})
+ALL_PRECISIONS = frozenset({"fp32", "bf16", "fp16"})
+ALL_AXES = frozenset({"dp", "tp", "pp"})
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """A plugin's self-description, returned by ``plait_declare``.
+
+    ``selected_by`` maps config paths to the value that turns the plugin on, e.g.
+    ``{"strategy.name": "ddp"}``; a plugin with an empty mapping is active in every run it is
+    loaded into. The capability fields list what the plugin works with; the core refuses a plan in
+    which an active plugin meets a device, precision or parallel axis (with size > 1) it does not
+    list, or another active plugin it ``excludes``.
+    """
+
+    name: str
+    selected_by: Mapping[str, Any] = field(default_factory=dict)
+    devices: frozenset[str] = ALL_DEVICES
+    precisions: frozenset[str] = ALL_PRECISIONS
+    parallel_axes: frozenset[str] = ALL_AXES
+    excludes: frozenset[str] = frozenset()
+    description: str = ""
+
+
+@dataclass
+class StepOutput:
+    """What an engine reports for one optimizer step; ``loss`` is the mean over the global batch."""
+
+    loss: float
+    grad_norm: float
+
+
+@dataclass
+class TrainState:
+    """Everything besides model and optimizer that a resumed run needs to continue exactly."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    data: dict[str, Any] = field(default_factory=dict)
+    tracker_run_id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data,
+                "tracker_run_id": self.tracker_run_id}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TrainState:
+        return cls(step=d["step"], tokens_seen=d["tokens_seen"], data=dict(d["data"]),
+                   tracker_run_id=d.get("tracker_run_id"))
+
+
+Batch = tuple["torch.Tensor", "torch.Tensor"]
+"""Inputs and next-token targets, both ``[micro_batch_size, seq_len]`` int64."""
+
+
+class Engine(Protocol):
+    """A model and its optimizer wrapped for one parallel strategy (DDP, DeepSpeed, a pipeline).
+
+    The surface is deliberately small (Lightning Fabric's lesson): one optimizer step over the
+    micro-batches of a global batch, an evaluation loss, and collective save/load of the sharded
+    model and optimizer state.
+    """
+
+    model: torch.nn.Module
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
+        """Forward/backward every micro-batch (accumulating), clip, step; return global loss."""
+
+    def eval_loss(self, batch: Batch) -> float:
+        """Mean loss of ``batch`` without touching gradients, reduced over data-parallel ranks."""
+
+    def save_state(self, directory: Path) -> None:
+        """Write model and optimizer state into ``directory``; called on every rank."""
+
+    def load_state(self, directory: Path) -> None:
+        """Read back what ``save_state`` wrote; called on every rank."""
+
+
+class TokenDataset(Protocol):
+    """Fixed-length training samples cut from one token stream."""
+
+    seq_len: int
+
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: list[int]) -> Batch: ...
+
+
+class BatchSampler(Protocol):
+    """Yields, per optimizer step, this rank's micro-batches as lists of sample indices."""
+
+    def __iter__(self): ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class PlanError(ValueError):
+    """A composed configuration that cannot run; raised before any worker starts."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("plait refused this plan:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -1,0 +1,76 @@
+"""AdamW with decoupled weight decay on matrices only, and a cosine schedule with linear warm-up
+(nanoGPT's ``get_lr``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from plait import hookimpl
+from plait.config import OptimizerConfig
+from plait.types import PluginInfo
+
+
+@dataclass
+class AdamWConfig(OptimizerConfig):
+    name: str = "adamw"
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    decay_steps: Optional[int] = None  # None: train.steps
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    fused: Optional[bool] = None  # None: fused on CUDA, plain elsewhere
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay weights of dimension >= 2 (matmuls, embeddings); not biases or norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def cosine_with_warmup(lr: float, min_lr: float, warmup: int, decay: int) -> Callable[[int], float]:
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        if step >= decay:
+            return min_lr
+        progress = (step - warmup) / max(1, decay - warmup)
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+    return lr_at
+
+
+@hookimpl
+def plait_declare() -> PluginInfo:
+    return PluginInfo(name="adamw", selected_by={"optimizer.name": "adamw"},
+                      description="torch AdamW + cosine schedule with warm-up")
+
+
+@hookimpl
+def plait_register_configs(config_store) -> None:
+    config_store.store(group="optimizer", name="base_adamw", node=AdamWConfig)
+
+
+@hookimpl
+def plait_build_optimizer(cfg, model) -> torch.optim.Optimizer:
+    opt = cfg.optimizer
+    on_cuda = next(model.parameters()).is_cuda or (cfg.device in ("cuda", "auto")
+                                                   and torch.cuda.is_available())
+    fused = opt.fused if opt.fused is not None else on_cuda
+    return torch.optim.AdamW(param_groups(model, opt.weight_decay), lr=opt.lr,
+                             betas=tuple(opt.betas), eps=opt.eps, fused=fused or None)
+
+
+@hookimpl
+def plait_build_lr_schedule(cfg) -> Callable[[int], float]:
+    opt = cfg.optimizer
+    decay = opt.decay_steps if opt.decay_steps is not None else cfg.train.steps
+    return cosine_with_warmup(opt.lr, opt.min_lr, opt.warmup_steps, decay)

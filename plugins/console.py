@@ -1,0 +1,58 @@
+"""Rank 0's console: a progress bar (steps, loss, tokens/s) on a terminal, plain log lines
+otherwise (CI, files), so logs stay readable."""
+
+from __future__ import annotations
+
+import sys
+
+from plait import hookimpl
+from plait.types import PluginInfo
+
+
+def format_metrics(step: int, total: int, metrics: dict[str, float]) -> str:
+    line = (f"step {step}/{total} loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} "
+            f"grad_norm {metrics['grad_norm']:.3f} tok/s {metrics['tokens_per_s']:,.0f} "
+            f"mfu {100 * metrics['mfu']:.2f}%")
+    if "eval/loss" in metrics:
+        line += f" eval_loss {metrics['eval/loss']:.4f}"
+    return line
+
+
+class Console:
+    def __init__(self) -> None:
+        self.bar = None
+        self.total = 0
+
+    @hookimpl
+    def plait_declare(self) -> PluginInfo:
+        return PluginInfo(name="console", description="progress bar or log lines on rank 0")
+
+    @hookimpl
+    def plait_on_run_start(self, cfg, state, topology) -> None:
+        self.total = cfg.train.steps
+        d = topology.dims
+        print(f"plait: training {cfg.run.dir} from step {state.step} on {d.world_size} "
+              f"process(es) (dp {d.dp} x tp {d.tp} x pp {d.pp}, {topology.device}, "
+              f"{cfg.precision})", flush=True)
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, initial=state.step, unit="step", dynamic_ncols=True)
+
+    @hookimpl
+    def plait_on_step_end(self, step, metrics) -> None:
+        if self.bar is None:
+            print(format_metrics(step, self.total, metrics), flush=True)
+            return
+        self.bar.update(step - self.bar.n)
+        self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:,.0f}")
+
+    @hookimpl
+    def plait_on_run_end(self, state, status) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        print(f"plait: run {status} at step {state.step}", flush=True)
+
+
+plugin = Console()

@@ -1,0 +1,103 @@
+"""``strategy=ddp`` (the default): torch ``DistributedDataParallel`` over the data-parallel group.
+
+Gradient accumulation skips the all-reduce on all but the last micro-batch (``no_sync``); the
+gradient communication itself is whatever ``comm=`` plugin answered ``plait_comm_hook``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from plait import hookimpl
+from plait.plugins.mixed_precision import autocast, grad_scaler
+from plait.types import Batch, PluginInfo, StepOutput
+
+
+class DDPEngine:
+    def __init__(self, cfg, model, optimizer, loss_fn, comm_hook, topology):
+        self.device = topology.device
+        self.model = model.to(self.device)
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.precision = cfg.precision
+        self.grad_clip = cfg.train.grad_clip
+        self.scaler = grad_scaler(cfg.precision, self.device)
+        self.dp_group = topology.get_data_parallel_group()
+        self.dp_size = topology.dims.dp
+        self.checkpoint_name = f"model_pp{topology.pp_rank}_tp{topology.tp_rank}.pt"
+        self.saves_checkpoint = topology.dp_rank == 0
+        self.wrapped = model
+        if self.dp_size > 1:
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.wrapped = DistributedDataParallel(model, device_ids=device_ids,
+                                                   process_group=self.dp_group)
+            if comm_hook is not None:
+                self.wrapped.register_comm_hook(*comm_hook)
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        with autocast(self.precision, self.device):
+            return self.loss_fn(self.wrapped(x), y)
+
+    def _mean_over_dp(self, value: torch.Tensor) -> float:
+        if self.dp_size > 1:
+            dist.all_reduce(value, group=self.dp_group)  # gloo has no AVG
+            value = value / self.dp_size
+        return value.item()
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            last = i == n - 1
+            sync = contextlib.nullcontext() if last or self.dp_size == 1 else self.wrapped.no_sync()
+            with sync:
+                loss = self._loss(batch)
+                self.scaler.scale(loss / n).backward()
+            total += loss.detach()
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepOutput(loss=self._mean_over_dp(total / n), grad_norm=float(grad_norm))
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch) -> float:
+        self.model.eval()
+        loss = self._loss(batch).detach().float()
+        self.model.train()
+        return self._mean_over_dp(loss)
+
+    def save_state(self, directory: Path) -> None:
+        if self.saves_checkpoint:
+            torch.save({"model": self.model.state_dict(),
+                        "optimizer": self.optimizer.state_dict(),
+                        "scaler": self.scaler.state_dict()}, directory / self.checkpoint_name)
+
+    def load_state(self, directory: Path) -> None:
+        state = torch.load(directory / self.checkpoint_name, map_location=self.device,
+                           weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+
+
+@hookimpl
+def plait_declare() -> PluginInfo:
+    return PluginInfo(name="ddp", selected_by={"strategy.name": "ddp"},
+                      description="torch DistributedDataParallel")
+
+
+@hookimpl
+def plait_build_engine(cfg, model, optimizer, loss_fn, comm_hook, topology) -> DDPEngine:
+    return DDPEngine(cfg, model, optimizer, loss_fn, comm_hook, topology)

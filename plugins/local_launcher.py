@@ -1,0 +1,73 @@
+"""``launcher=local``: start ``launcher.nproc_per_node`` workers with torch's elastic launcher
+(the machinery behind ``torchrun``), or, when an external launcher already started this process
+(``torchrun``, ``srun``), run the worker in place.
+
+Multi-node: run the same command on every node with ``launcher.nnodes=N
+launcher.master_addr=<node 0's address> launcher.master_port=<port>``; the nodes meet at that
+address through the c10d rendezvous.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from plait import hookimpl
+from plait.types import PluginInfo
+
+
+def started_externally() -> bool:
+    return "LOCAL_RANK" in os.environ or "SLURM_PROCID" in os.environ
+
+
+def torch_env_from_slurm(environ: dict[str, str], master_port: int) -> dict[str, str]:
+    """The ``env://`` variables torch needs, derived from what ``srun`` sets."""
+    if "RANK" in environ or "SLURM_PROCID" not in environ:
+        return {}
+    return {
+        "RANK": environ["SLURM_PROCID"],
+        "WORLD_SIZE": environ["SLURM_NTASKS"],
+        "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": environ.get("SLURM_NTASKS_PER_NODE", environ["SLURM_NTASKS"]),
+        "GROUP_RANK": environ.get("SLURM_NODEID", "0"),
+        "MASTER_ADDR": environ.get("MASTER_ADDR", environ.get("SLURM_LAUNCH_NODE_IPADDR",
+                                                              "127.0.0.1")),
+        "MASTER_PORT": environ.get("MASTER_PORT", str(master_port or 29500)),
+    }
+
+
+@hookimpl
+def plait_declare() -> PluginInfo:
+    return PluginInfo(name="local_launcher", selected_by={"launcher.name": "local"},
+                      description="torch elastic launch on this node, or run in place under "
+                                  "torchrun / srun")
+
+
+@hookimpl
+def plait_launch(cfg, entrypoint, args) -> bool:
+    launcher = cfg.launcher
+    if started_externally():
+        os.environ.update(torch_env_from_slurm(dict(os.environ), launcher.master_port))
+        entrypoint(*args)
+        return True
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if launcher.nnodes == 1 and launcher.master_port == 0:
+        endpoint = "localhost:0"  # torchrun --standalone: a free port on this machine
+    else:
+        endpoint = f"{launcher.master_addr}:{launcher.master_port}"
+    config = LaunchConfig(
+        min_nodes=launcher.nnodes,
+        max_nodes=launcher.nnodes,
+        nproc_per_node=launcher.nproc_per_node,
+        run_id=f"plait-{cfg.run.name}" if launcher.nnodes > 1 else uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"is_host": launcher.node_rank == 0} if launcher.nnodes > 1 else {},
+        max_restarts=launcher.max_restarts,
+        start_method="spawn",
+        monitor_interval=0.1,
+    )
+    elastic_launch(config, entrypoint=entrypoint)(*args)
+    return True

@@ -1,0 +1,24 @@
+"""Builds the model named by ``model._target_`` with Hydra's ``instantiate``.
+
+Any ``nn.Module`` whose forward maps token ids ``[batch, seq]`` to logits ``[batch, seq, vocab]``
+trains through plait: ``plait train model=custom model._target_=my_pkg.MyLM +model.width=512``.
+"""
+
+from __future__ import annotations
+
+import torch
+from hydra.utils import instantiate
+
+from plait import hookimpl
+from plait.types import PluginInfo
+
+
+@hookimpl
+def plait_declare() -> PluginInfo:
+    return PluginInfo(name="model", description="instantiate model._target_")
+
+
+@hookimpl
+def plait_build_model(cfg) -> torch.nn.Module:
+    torch.manual_seed(cfg.seed)  # every rank builds identical full weights
+    return instantiate(cfg.model)
