@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from plait import api
+from plait.export import cmd_export
 from plait.plan import format_plan, make_plan
 from plait.plugin_manager import make_plugin_manager
 from plait.types import PlanError
@@ -58,6 +59,7 @@ def commands() -> dict[str, tuple[Callable[[list[str]], int], str]]:
         "train": (cmd_train, "launch training workers and train"),
         "plan": (cmd_plan, "print the composed plan (plugins, mesh, backend configs, refusals)"),
         "plugins": (cmd_plugins, "list registered plugins, their source and hooks"),
+        "export": (cmd_export, "write a checkpoint's consolidated fp32 state_dict"),
     }
 
     def register(name: str, function: Callable[[list[str]], int], help: str) -> None:

@@ -16,6 +16,7 @@ Order of a run (``plait.train.train`` reads as this list)::
     plait_load_checkpoint, plait_on_run_start
     per step:  plait_on_step_end, plait_save_checkpoint
     plait_on_failure (on an exception), plait_on_run_end
+    plait export: plait_find_checkpoint, plait_read_model_shards, plait_merge_tensor_parallel_shards
 """
 
 from __future__ import annotations
@@ -259,6 +260,31 @@ def plait_save_checkpoint(
     :param final: True after the last step.
     :return: the checkpoint directory written, or None when none was due.
     """
+
+
+@hookspec(firstresult=True)
+def plait_find_checkpoint(cfg: DictConfig, path: str) -> Path | None:
+    """Resolve ``path`` ("latest", a run directory or a checkpoint directory) to a checkpoint.
+
+    Stops at the first non-None result. Used by ``plait export``.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_read_model_shards(cfg: DictConfig, checkpoint: Path) -> dict[tuple[int, int], dict] | None:
+    """Read a checkpoint's model weights offline (one process, no process group), fp32.
+
+    Stops at the first non-None result; the strategy that wrote the checkpoint answers.
+
+    :return: ``{(pp_rank, tp_rank): state_dict}``, each state dict holding the full tensors of
+        that pipeline stage's tensor-parallel shard (data-parallel / ZeRO shards already joined).
+    """
+
+
+@hookspec(firstresult=True)
+def plait_merge_tensor_parallel_shards(cfg: DictConfig, shards: list[dict]) -> dict | None:
+    """Join the tensor-parallel shards of one pipeline stage (``shards[tp_rank]``) into the
+    unsplit state dict. Stops at the first non-None result; None is right only when tp == 1."""
 
 
 # ---------------------------------------------------------------------------------------------

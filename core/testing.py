@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -49,3 +51,33 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     plugin); a resumed run's steps follow the earlier ones."""
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, world_size: int, *args: Any) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in a gloo
+    process group (``torch.multiprocessing``); an exception in any rank fails the caller.
+
+    ``fn`` must be importable (module level). Ranks return results by writing files.
+    """
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawned, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+
+
+def _spawned(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()

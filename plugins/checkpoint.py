@@ -51,19 +51,19 @@ def latest_checkpoint(root: Path) -> Path | None:
     return root / pointer.read_text().strip()
 
 
-def resolve_resume(cfg) -> Path | None:
+def resolve_resume(cfg, resume: str | None) -> Path | None:
     """The checkpoint directory to resume from, or None for a fresh start.
 
-    ``resume=latest`` means the newest checkpoint of this run directory; a path may name a
-    checkpoint directory or a run directory (its newest checkpoint is used). After an elastic
-    restart (``TORCHELASTIC_RESTART_COUNT > 0``) the newest checkpoint is used automatically.
+    ``latest`` means the newest checkpoint of this run directory; a path may name a checkpoint
+    directory or a run directory (its newest checkpoint is used). After an elastic restart
+    (``TORCHELASTIC_RESTART_COUNT > 0``) the newest checkpoint is used automatically.
     """
-    if cfg.resume is None:
+    if resume is None:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
         return latest_checkpoint(checkpoint_root(cfg)) if restarted else None
-    if cfg.resume == LATEST:
+    if resume == LATEST:
         return latest_checkpoint(checkpoint_root(cfg))
-    path = Path(cfg.resume).expanduser()
+    path = Path(resume).expanduser()
     if (path / TRAINER_STATE).exists():
         return path
     for root in (path / "checkpoints", path):
@@ -110,7 +110,7 @@ def plait_register_configs(config_store) -> None:
 def plait_validate(cfg) -> list[str]:
     root = checkpoint_root(cfg)
     if cfg.resume is not None:
-        if resolve_resume(cfg) is None:
+        if resolve_resume(cfg, cfg.resume) is None:
             where = root if cfg.resume == LATEST else cfg.resume
             return [f"resume={cfg.resume}: no checkpoint found in {where}; start without "
                     "resume=, or give a checkpoint or run directory that holds one"]
@@ -123,8 +123,13 @@ def plait_validate(cfg) -> list[str]:
 
 
 @hookimpl
+def plait_find_checkpoint(cfg, path) -> Path | None:
+    return resolve_resume(cfg, path)
+
+
+@hookimpl
 def plait_load_checkpoint(cfg, engine, topology) -> TrainState | None:
-    path = resolve_resume(cfg)
+    path = resolve_resume(cfg, cfg.resume)
     if path is None:
         return None
     engine.load_state(path)

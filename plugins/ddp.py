@@ -99,5 +99,15 @@ def plait_declare() -> PluginInfo:
 
 
 @hookimpl
+def plait_read_model_shards(checkpoint) -> dict[tuple[int, int], dict]:
+    shards = {}
+    for path in sorted(checkpoint.glob("model_pp*_tp*.pt")):
+        pp, tp = (int(part[2:]) for part in path.stem.split("_")[1:])
+        state = torch.load(path, map_location="cpu", weights_only=True)["model"]
+        shards[(pp, tp)] = {k: v.float() for k, v in state.items()}
+    return shards
+
+
+@hookimpl
 def plait_build_engine(cfg, model, optimizer, loss_fn, comm_hook, topology) -> DDPEngine:
     return DDPEngine(cfg, model, optimizer, loss_fn, comm_hook, topology)
