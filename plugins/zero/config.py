@@ -220,9 +220,10 @@ def validate(cfg: DictConfig, dims) -> list[str]:
             problems.append(f"strategy.{setting}=nvme needs a CUDA device (DeepSpeed's async_io "
                             f"swaps to NVMe from GPU memory), but device={cfg.device} runs on the "
                             "CPU: use cpu or none")
-    if cfg.precision == "fp16" and on_cpu:
-        problems.append("precision=fp16 with DeepSpeed on the CPU: DeepSpeed's CPU accelerator has "
-                        "no fp16 training; use precision=bf16 or fp32, or a CUDA device")
+    if cfg.precision == "fp16" and on_cpu and not _cpu_supports_fp16():
+        problems.append("precision=fp16 with DeepSpeed on the CPU: this CPU has no fp16 kernels "
+                        "(DeepSpeed's CPU accelerator reports no fp16 support); use precision=bf16 "
+                        "or fp32, or a CUDA device")
     if strategy.config_file and not Path(strategy.config_file).is_file():
         problems.append(f"strategy.config_file={strategy.config_file}: no such file; give the path "
                         "of an existing DeepSpeed JSON config")
@@ -234,6 +235,16 @@ def validate(cfg: DictConfig, dims) -> list[str]:
             problems.append(f"strategy.config_file={strategy.config_file} is not valid JSON ({e})")
             return problems
     return problems + conflicts(cfg, dims.dp)
+
+
+def _cpu_supports_fp16() -> bool:
+    """What DeepSpeed's CPU accelerator checks (oneDNN fp16), without importing DeepSpeed."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _cuda_available() -> bool:

@@ -13,6 +13,7 @@ step, exactly as DDP does, so a run's per-step LR does not depend on the strateg
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,54 +30,64 @@ class TopologyMPU:
 
     DeepSpeed shards ZeRO states over ``get_data_parallel_group()`` and reduces the gradient norm
     over ``get_model_parallel_group()``, so ZeRO-1/2 compose with plait's tensor parallelism:
-    "model parallel" is Megatron's tensor-parallel group.
+    "model parallel" is Megatron's tensor-parallel group. DeepSpeed asks for these per parameter
+    on hot paths, so groups and ranks are looked up once (a mesh slice per call costs time).
     """
 
     def __init__(self, topology):
-        self.topology = topology
+        dims = topology.dims
+        self.dp_group = topology.get_data_parallel_group()
+        self.tp_group = topology.get_tensor_model_parallel_group()
+        self.pp_group = topology.get_pipeline_model_parallel_group()
+        self.dp_rank, self.tp_rank, self.pp_rank = (topology.dp_rank, topology.tp_rank,
+                                                    topology.pp_rank)
+        self.dp_size, self.tp_size, self.pp_size = dims.dp, dims.tp, dims.pp
+        self.dp_ranks = dist.get_process_group_ranks(self.dp_group)
+        self.tp_src_rank = dist.get_process_group_ranks(self.tp_group)[0]
 
     def get_data_parallel_group(self):
-        return self.topology.get_data_parallel_group()
+        return self.dp_group
 
     def get_data_parallel_rank(self) -> int:
-        return self.topology.dp_rank
+        return self.dp_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.topology.dims.dp
+        return self.dp_size
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return dist.get_process_group_ranks(self.get_data_parallel_group())
+        return self.dp_ranks
 
     def get_tensor_model_parallel_group(self):
-        return self.topology.get_tensor_model_parallel_group()
+        return self.tp_group
 
     def get_tensor_model_parallel_rank(self) -> int:
-        return self.topology.tp_rank
+        return self.tp_rank
 
     def get_tensor_model_parallel_world_size(self) -> int:
-        return self.topology.dims.tp
+        return self.tp_size
 
     def get_tensor_model_parallel_src_rank(self) -> int:
-        return dist.get_process_group_ranks(self.get_tensor_model_parallel_group())[0]
+        return self.tp_src_rank
 
     get_model_parallel_group = get_tensor_model_parallel_group
     get_model_parallel_rank = get_tensor_model_parallel_rank
     get_model_parallel_world_size = get_tensor_model_parallel_world_size
 
     def get_pipeline_model_parallel_group(self):
-        return self.topology.get_pipeline_model_parallel_group()
+        return self.pp_group
 
     def get_pipeline_model_parallel_rank(self) -> int:
-        return self.topology.pp_rank
+        return self.pp_rank
 
     def get_pipeline_model_parallel_world_size(self) -> int:
-        return self.topology.dims.pp
+        return self.pp_size
 
 
 def optimizer_param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The parameter grouping of plait's optimizer plugin (e.g. which tensors get weight decay),
-    without its tensors' optimizer state, for DeepSpeed to build its optimizer over."""
-    return [{k: v for k, v in g.items() if k not in ("lr", "initial_lr")}
+    """The parameter grouping of plait's optimizer plugin (which tensors get weight decay), for
+    DeepSpeed to build its AdamW over; every other hyperparameter comes from the DeepSpeed
+    config, so it is written in one place."""
+    return [{"params": g["params"], "weight_decay": g["weight_decay"]}
             for g in optimizer.param_groups]
 
 
@@ -92,13 +103,16 @@ class ZeroEngine:
         client = "optimizer" not in ds_config  # an in-house optimizer plugin's torch optimizer
         self.ds, *_ = deepspeed.initialize(
             model=model,
-            model_parameters=optimizer_param_groups(optimizer),
+            model_parameters=None if client else optimizer_param_groups(optimizer),
             optimizer=optimizer if client else None,
             config=ds_config,
             mpu=TopologyMPU(topology),
             dist_init_required=False,
         )
         self.model = self.ds.module
+        # ZeRO's optimizers (and DeepSpeed's bf16/fp16 ones) keep the global norm they clipped
+        # with; stage 0 in fp32 clips with torch's optimizer and discards it.
+        self.reports_grad_norm = hasattr(self.ds.optimizer, "_global_grad_norm")
         self.device = self.ds.device
         self.model_state_bytes: dict[str, int] | None = None
 
@@ -126,14 +140,27 @@ class ZeroEngine:
                 from plait.plugins.zero.estimate import measure_deepspeed_engine
 
                 self.model_state_bytes = self._max_over_ranks(measure_deepspeed_engine(self.ds))
+            if i == len(micro_batches) - 1 and not self.reports_grad_norm:
+                pre_clip_norm = self._grad_norm()
             self.ds.step()
             total += loss.detach().float()
-        grad_norm = self.ds.get_global_grad_norm()
+        grad_norm = self.ds.get_global_grad_norm() if self.reports_grad_norm else pre_clip_norm
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         metrics = {f"model_state_bytes/{k}": float(v)
                    for k, v in (self.model_state_bytes or {}).items()}
+        if self.ds.fp16_enabled():  # dynamic loss scaling: show the scale and skipped steps
+            metrics["loss_scale"] = float(getattr(self.ds.optimizer, "loss_scale", float("nan")))
+            metrics["skipped_steps"] = float(self.ds.skipped_steps)
         return StepOutput(loss=self._mean_over_dp(total / len(micro_batches)),
                           grad_norm=grad_norm, metrics=metrics)
+
+    def _grad_norm(self) -> float:
+        """The global norm of the (already data-parallel averaged) gradients that DeepSpeed's
+        stage-0 clipping computes next: its own ``clip_grad_norm_`` with no limit, so nothing
+        is clipped here."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        return clip_grad_norm_(self.model.parameters(), max_norm=math.inf, mpu=self.ds.mpu)
 
     def _max_over_ranks(self, figures: dict[str, int]) -> dict[str, int]:
         """The largest rank's bytes (ZeRO's partitions differ by padding at most)."""
