@@ -16,14 +16,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from plait import cli
+from plait import cli, hookimpl
 from plait.export import export
 from plait.plan import make_plan
 from plait.plugins.zero.command import estimate_model_states
 from plait.plugins.zero.estimate import measure_model_states, zero_formula
 from plait.testing import TEST_OVERRIDES, compose, read_metrics, run_training
 from plait.train import evaluate
-from plait.types import PlanError
+from plait.types import PlanError, PluginInfo
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -310,3 +310,31 @@ def test_offload_to_cpu_gives_the_same_losses(runs, tmp_path):
         *COMMON, f"train.steps={steps}", f"optimizer.decay_steps={STEPS}", "strategy=zero3",
         "strategy.offload_optimizer=cpu", "strategy.offload_params=cpu"])
     assert losses(offloaded) == pytest.approx(losses(runs["ddp"])[:steps], rel=LOSS_RTOL)
+
+
+class InHouseSGD:
+    """An in-house optimizer plugin: DeepSpeed gets its torch optimizer as a client optimizer."""
+
+    @hookimpl
+    def plait_declare(self) -> PluginInfo:
+        return PluginInfo(name="inhouse_sgd", selected_by={"optimizer.name": "inhouse_sgd"})
+
+    @hookimpl
+    def plait_build_optimizer(self, cfg, model):
+        return torch.optim.SGD(model.parameters(), lr=cfg.optimizer.lr, momentum=0.9)
+
+    @hookimpl
+    def plait_build_lr_schedule(self, cfg):
+        return lambda step: cfg.optimizer.lr
+
+
+@pytest.mark.slow
+def test_an_in_house_optimizer_runs_as_a_deepspeed_client_optimizer(tmp_path):
+    overrides = [*COMMON, "train.steps=6", "optimizer.name=inhouse_sgd", "optimizer.lr=0.05"]
+    plugins = [InHouseSGD()]
+    ddp = run_training(tmp_path / "ddp", overrides, plugins)
+    zero2 = run_training(tmp_path / "zero2", [*overrides, "strategy=zero2"], plugins)
+    assert "optimizer" not in make_plan([*TEST_OVERRIDES, *overrides, "strategy=zero2"],
+                                        plugins).backend_configs["deepspeed"]
+    assert losses(zero2) == pytest.approx(losses(ddp), rel=LOSS_RTOL)
+    assert losses(zero2)[-1] < losses(zero2)[0]  # SGD with momentum is training

@@ -111,8 +111,12 @@ class ZeroEngine:
         )
         self.model = self.ds.module
         # ZeRO's optimizers (and DeepSpeed's bf16/fp16 ones) keep the global norm they clipped
-        # with; stage 0 in fp32 clips with torch's optimizer and discards it.
+        # with; stage 0 in fp32 clips in ``engine.clip_fp32_gradients`` and drops the norm, so
+        # that method is replaced by the same call keeping its result (no second pass).
         self.reports_grad_norm = hasattr(self.ds.optimizer, "_global_grad_norm")
+        self.stage0_norm: float | None = None
+        if not self.reports_grad_norm:
+            self.ds.clip_fp32_gradients = self._clip_fp32_gradients
         self.device = self.ds.device
         self.model_state_bytes: dict[str, int] | None = None
 
@@ -140,27 +144,39 @@ class ZeroEngine:
                 from plait.plugins.zero.estimate import measure_deepspeed_engine
 
                 self.model_state_bytes = self._max_over_ranks(measure_deepspeed_engine(self.ds))
-            if i == len(micro_batches) - 1 and not self.reports_grad_norm:
-                pre_clip_norm = self._grad_norm()
-            self.ds.step()
             total += loss.detach().float()
-        grad_norm = self.ds.get_global_grad_norm() if self.reports_grad_norm else pre_clip_norm
+            last = i == len(micro_batches) - 1
+            if last:
+                if not self.reports_grad_norm and self.ds.gradient_clipping() == 0:
+                    self._clip_fp32_gradients(max_norm=math.inf)  # only measures: DeepSpeed won't
+                # Sum the loss over dp while the optimizer steps (gloo has no AVG).
+                loss_reduced = self._start_sum_over_dp(total)
+            self.ds.step()
+        loss_reduced()
+        grad_norm = self.ds.get_global_grad_norm() if self.reports_grad_norm else self.stage0_norm
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         metrics = {f"model_state_bytes/{k}": float(v)
                    for k, v in (self.model_state_bytes or {}).items()}
         if self.ds.fp16_enabled():  # dynamic loss scaling: show the scale and skipped steps
             metrics["loss_scale"] = float(getattr(self.ds.optimizer, "loss_scale", float("nan")))
             metrics["skipped_steps"] = float(self.ds.skipped_steps)
-        return StepOutput(loss=self._mean_over_dp(total / len(micro_batches)),
-                          grad_norm=grad_norm, metrics=metrics)
+        mean_loss = total.item() / (len(micro_batches) * self.dp_size)
+        return StepOutput(loss=mean_loss, grad_norm=grad_norm, metrics=metrics)
 
-    def _grad_norm(self) -> float:
-        """The global norm of the (already data-parallel averaged) gradients that DeepSpeed's
-        stage-0 clipping computes next: its own ``clip_grad_norm_`` with no limit, so nothing
-        is clipped here."""
+    def _start_sum_over_dp(self, value: torch.Tensor) -> Callable[[], None]:
+        """Start summing ``value`` in place over the dp group; call the result to wait."""
+        if self.dp_size == 1:
+            return lambda: None
+        return dist.all_reduce(value, group=self.dp_group, async_op=True).wait
+
+    def _clip_fp32_gradients(self, max_norm: float | None = None) -> None:
+        """DeepSpeed's stage-0 clipping (``DeepSpeedEngine.clip_fp32_gradients``), keeping the
+        pre-clipping global norm it computes; ``max_norm=inf`` measures without clipping."""
         from deepspeed.runtime.utils import clip_grad_norm_
 
-        return clip_grad_norm_(self.model.parameters(), max_norm=math.inf, mpu=self.ds.mpu)
+        limit = self.ds.gradient_clipping() if max_norm is None else max_norm
+        self.stage0_norm = float(clip_grad_norm_(self.model.parameters(), max_norm=limit,
+                                                 mpu=self.ds.mpu))
 
     def _max_over_ranks(self, figures: dict[str, int]) -> dict[str, int]:
         """The largest rank's bytes (ZeRO's partitions differ by padding at most)."""
