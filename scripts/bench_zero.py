@@ -153,7 +153,7 @@ def engine_ab_rank(rank: int, world_size: int, overrides: list[str], blocks: int
     weight_decay = cfg.optimizer.weight_decay
     torch.manual_seed(cfg.seed)
     model = GPT(**model_cfg)
-    plait_engine = ZeroEngine(cfg, model, torch.optim.AdamW(param_groups(model, weight_decay)),
+    plait_engine = ZeroEngine(model, torch.optim.AdamW(param_groups(model, weight_decay)),
                               cross_entropy, topology, ds_config)
     model = GPT(**model_cfg)
     raw, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),

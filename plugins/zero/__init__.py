@@ -63,7 +63,7 @@ def plait_build_engine(cfg, model, optimizer, loss_fn, topology):
     from plait.plugins.zero.engine import ZeroEngine
 
     ds_config = zero_config.deepspeed_config(cfg, topology.dims.dp)
-    return ZeroEngine(cfg, model, optimizer, loss_fn, topology, ds_config)
+    return ZeroEngine(model, optimizer, loss_fn, topology, ds_config)
 
 
 @hookimpl

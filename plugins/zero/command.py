@@ -54,7 +54,7 @@ def estimate_model_states(plan) -> Estimate:
     n_params, largest = count_params(plan)
     per_rank_params = n_params // (dims.tp * dims.pp)  # tp/pp split the weights (approximately)
     if strategy == "ddp":
-        return Estimate(n_params, per_rank_params, ddp_formula(per_rank_params, cfg.precision),
+        return Estimate(n_params, per_rank_params, ddp_formula(per_rank_params),
                         None)
     if strategy not in zero_config.STAGES:
         raise ValueError(f"strategy={strategy}: plait estimate knows ddp and zero0..zero3")

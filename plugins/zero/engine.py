@@ -92,7 +92,7 @@ def optimizer_param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, A
 
 
 class ZeroEngine:
-    def __init__(self, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable, topology, ds_config: dict[str, Any]):
         import deepspeed
 

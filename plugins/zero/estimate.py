@@ -56,9 +56,9 @@ def zero_formula(n_params: int, stage: int, dp: int, precision: str) -> ModelSta
     return ModelStates(int(params), int(grads), int(optimizer))
 
 
-def ddp_formula(n_params: int, precision: str) -> ModelStates:
-    """DDP with torch AdamW: fp32 states (K = 8), plus fp32 master weights only under autocast's
-    fp32 parameters (none: the parameters themselves are fp32, so b_p = b_g = 4 always)."""
+def ddp_formula(n_params: int) -> ModelStates:
+    """DDP with torch AdamW in any precision: autocast keeps the parameters (and so gradients)
+    in fp32, b_p = b_g = 4, and AdamW's states are K = 8."""
     return ModelStates(4 * n_params, 4 * n_params, 8 * n_params)
 
 
