@@ -68,6 +68,13 @@ def test_deepspeed_config_is_generated_from_plait_settings(stage):
     assert ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
 
 
+def test_adamw_settings_map_to_torch_adamw():
+    ds = backend_config("strategy=zero1", "optimizer.fused=true", "optimizer.eps=1e-6",
+                        "optimizer.weight_decay=0.05")
+    assert ds["optimizer"]["params"] == {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-6,
+                                         "weight_decay": 0.05, "torch_adam": True, "fused": True}
+
+
 def test_offload_maps_to_deepspeed_cpu_adam():
     ds = backend_config("strategy=zero3", "strategy.offload_optimizer=cpu",
                         "strategy.offload_params=cpu")

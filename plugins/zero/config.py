@@ -76,6 +76,8 @@ def generated_config(cfg: DictConfig, dp: int) -> dict[str, Any]:
                   "weight_decay": opt.weight_decay}
         if strategy.offload_optimizer == "none":
             params["torch_adam"] = True  # torch.optim.AdamW: the same math as plait's ddp
+            if opt.fused or (opt.fused is None and cfg.device != "cpu" and _cuda_available()):
+                params["fused"] = True  # as plait's adamw: torch's fused kernel on CUDA
         ds["optimizer"] = {"type": "AdamW", "params": params}
     else:
         ds["zero_allow_untested_optimizer"] = True
