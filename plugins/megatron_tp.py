@@ -33,6 +33,10 @@ def plait_validate(cfg, dims) -> list[str]:
                     "to 2 or more, or parallel.sequence_parallel=false"]
         return []
     problems = plan_problems(cfg, dims.tp)
+    if cfg.precision == "fp16" and cfg.strategy.name == "ddp":
+        problems.append(f"precision=fp16 with parallel.tp={dims.tp} and strategy=ddp: the loss "
+                        "scaler checks overflow per rank, so tensor-parallel ranks could skip "
+                        "different steps; use precision=bf16 or fp32")
     if problems or not parallel.sequence_parallel:
         return problems
     if not plan_for(cfg).supports_sequence_parallel:

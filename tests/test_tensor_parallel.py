@@ -48,6 +48,7 @@ GRAD_CLIP = "train.grad_clip=0.05"
     (["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=33"],
      "parallel.tp=2 does not divide train.seq_len=33"),
     (["parallel.tp=2", "parallel.dp=2"], "dp(2) * tp(2) * pp(1) != world_size(2)"),
+    (["parallel.tp=2", "precision=fp16"], "precision=fp16 with parallel.tp=2 and strategy=ddp"),
     (["parallel.tp=2", "+parallel.tp_plan={blocks.*.mlp.fc: diagonal}"],
      "parallel.tp_plan: 'blocks.*.mlp.fc' has style 'diagonal'; choose one of colwise"),
     (["parallel.tp=2", "model=custom", "model._target_=torch.nn.Identity"],
@@ -86,6 +87,14 @@ def test_split_then_merge_gives_the_unsplit_state_dict_and_whole_heads():
     assert merged.keys() == full.keys()
     for key in full:
         torch.testing.assert_close(merged[key], full[key], rtol=0, atol=0)
+
+
+def test_tied_embeddings_stay_tied_after_the_split():
+    model = GPT(n_layer=1, tie_embeddings=True)
+    apply_plan(model, GPT_PLAN, group=None, rank=1, size=2, sequence_parallel=False)
+    assert model.head.weight is model.embed.tok.weight
+    assert model.head.weight.shape == (128, 64)
+    assert len(list(model.parameters())) == len({id(p) for p in model.parameters()})
 
 
 def test_a_plan_pattern_that_matches_nothing_is_an_error():
@@ -309,6 +318,15 @@ def test_tp2_x_dp2_with_ddp_trains_like_one_process(reference, tmp_path):
                               "parallel.tp=2", "strategy=ddp"])
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert grad_norms(run) == pytest.approx(grad_norms(ref_run), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_plan_given_in_the_config_trains_like_one_process(reference, tmp_path):
+    """A user's own plan, no code: only the MLPs split, the rest replicated."""
+    plan = "parallel.tp_plan={blocks.*.mlp.fc: colwise, blocks.*.mlp.proj: rowwise}"
+    split = run_losses(tmp_path / "two", [f"train.steps={STEPS}", GRAD_CLIP,
+                                          "launcher.nproc_per_node=2", "parallel.tp=2", plan])
+    assert split == pytest.approx(reference[1], rel=1e-5)
 
 
 @pytest.mark.slow
