@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ from plait.plugins.tp_layers import VocabParallelCrossEntropy, split_tensor
 from plait.plugins.tp_plan import GPT_PLAN, TensorParallelPlan, apply_plan, merge_shards, shard_spec
 from plait.testing import compose, read_metrics, run_losses, spawn
 from plait.types import PlanError
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed (strategy=zero1) on CPU
 
 CLOSE = dict(rtol=1e-4, atol=1e-6)
 GRAD_CLIP = "train.grad_clip=0.05"
@@ -311,13 +314,23 @@ def test_sequence_parallel_trains_like_plain_tp(tp2, tmp_path):
 
 
 @pytest.mark.slow
-def test_tp2_x_dp2_with_ddp_trains_like_one_process(reference, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_tp2_x_dp2_trains_like_one_process(reference, tmp_path, strategy):
+    """DDP, or DeepSpeed ZeRO-1 (the real library, DS_ACCELERATOR=cpu) over the dp axis; the
+    export joins the strategy's shards and then the tensor-parallel ones."""
+    from plait.export import export
+
     ref_run, ref_losses = reference
     run = tmp_path / "tp2dp2"
     losses = run_losses(run, [f"train.steps={STEPS}", GRAD_CLIP, "launcher.nproc_per_node=4",
-                              "parallel.tp=2", "strategy=ddp"])
+                              "parallel.tp=2", f"strategy={strategy}"])
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert grad_norms(run) == pytest.approx(grad_norms(ref_run), rel=1e-4)
+    exported = torch.load(export(str(run)), weights_only=True)
+    single = torch.load(export(str(ref_run)), weights_only=True)
+    assert exported.keys() == single.keys()
+    for key in single:
+        torch.testing.assert_close(exported[key], single[key], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
