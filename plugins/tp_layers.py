@@ -15,6 +15,8 @@ holds whole heads of each of q, k and v (Megatron's ``partition_stride``).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -60,33 +62,62 @@ def _check_divisible(what: str, size: int, tp: int) -> None:
                          "that divides it or change the model")
 
 
+class RegionEntry:
+    """Enters the tensor-parallel region: ``copy_to_tensor_model_parallel_region`` (backward
+    all-reduces ``dL/dX``), or under sequence parallelism ``gather_from_sequence_parallel_region``.
+
+    Column-parallel siblings fed the same input tensor (Llama's separate q/k/v or gate/up
+    projections) share one entry and enter once, so backward communicates once, as Megatron's
+    fused QKV / gate-up linears do. The entered tensor is kept only until every member has used
+    it; a different input enters anew.
+    """
+
+    def __init__(self, group, sequence_parallel: bool):
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.members = 0
+        self._input: weakref.ref | None = None
+        self._entered: torch.Tensor | None = None
+        self._uses = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._entered is not None and self._input() is x:
+            entered = self._entered
+            self._uses += 1
+        else:
+            if self.sequence_parallel:
+                entered = gather_from_sequence_parallel_region(x, self.group)
+            else:
+                entered = copy_to_tensor_model_parallel_region(x, self.group)
+            self._input, self._entered, self._uses = weakref.ref(x), entered, 1
+        if self._uses >= self.members:
+            self._input = self._entered = None
+        return entered
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = XA + b`` with ``A`` split along its second (output) dimension as
     ``[A_1, ..., A_p]``: rank ``i`` computes ``Y_i = X A_i + b_i`` and keeps its slice of ``Y``.
 
-    Forward enters the region with ``copy_to_tensor_model_parallel_region`` (backward all-reduces
-    ``dL/dX``), or under sequence parallelism gathers the sequence-split ``X`` first (backward
-    reduce-scatters).
+    Forward first enters the region (:class:`RegionEntry`: identity forward / all-reduce
+    backward, or under sequence parallelism all-gather / reduce-scatter).
     """
 
     def __init__(self, linear: nn.Linear, group, rank: int, size: int, parts: int = 1,
-                 sequence_parallel: bool = False, memo: dict | None = None):
+                 sequence_parallel: bool = False, memo: dict | None = None,
+                 region: RegionEntry | None = None):
         super().__init__()
         memo = {} if memo is None else memo
         _check_divisible("output features per fused part", linear.out_features // parts, size)
-        self.group = group
-        self.sequence_parallel = sequence_parallel
+        self.region = region if region is not None else RegionEntry(group, sequence_parallel)
+        self.region.members += 1
         self.weight = shard_parameter(linear.weight, 0, parts, rank, size, memo)
         self.bias = (shard_parameter(linear.bias, 0, parts, rank, size, memo)
                      if linear.bias is not None else None)
         self.is_vocab_parallel_output = False  # True for the output layer: logits stay split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(self.region(x), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):

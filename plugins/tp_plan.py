@@ -144,6 +144,7 @@ def apply_plan(model: nn.Module, plan: TensorParallelPlan, group, rank: int, siz
 
     unused = set(plan.styles)
     memo: dict[int, nn.Parameter] = {}  # tied parameters are split once
+    regions: dict[str, L.RegionEntry] = {}  # column-parallel siblings share one region entry
     for name, module in list(model.named_modules()):
         style = plan.style_of(name)
         unused -= {p for p in plan.styles if fnmatchcase(name, p)}
@@ -163,9 +164,12 @@ def apply_plan(model: nn.Module, plan: TensorParallelPlan, group, rank: int, siz
             new = L.VocabParallelEmbedding(module, group, rank, size, memo)
         elif style in ("colwise", "colwise_qkv", "vocab"):
             _expect(name, style, module, nn.Linear)
+            parent = name.rpartition(".")[0]
+            region = regions.setdefault(parent, L.RegionEntry(group, sequence_parallel))
             new = L.ColumnParallelLinear(module, group, rank, size,
                                          parts=3 if style == "colwise_qkv" else 1,
-                                         sequence_parallel=sequence_parallel, memo=memo)
+                                         sequence_parallel=sequence_parallel, memo=memo,
+                                         region=region)
             new.is_vocab_parallel_output = style == "vocab"
         else:
             _expect(name, style, module, nn.Linear)

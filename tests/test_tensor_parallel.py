@@ -21,7 +21,14 @@ import torch.nn.functional as F
 
 from plait.plugins.gpt import GPT, Block
 from plait.plugins.tp_layers import VocabParallelCrossEntropy, split_tensor
-from plait.plugins.tp_plan import GPT_PLAN, TensorParallelPlan, apply_plan, merge_shards, shard_spec
+from plait.plugins.tp_plan import (
+    GPT_PLAN,
+    LLAMA_PLAN,
+    TensorParallelPlan,
+    apply_plan,
+    merge_shards,
+    shard_spec,
+)
 from plait.testing import compose, read_metrics, run_losses, spawn
 from plait.types import PlanError
 
@@ -107,7 +114,8 @@ def test_a_plan_pattern_that_matches_nothing_is_an_error():
 
 
 # ---------------------------------------------------------------------------------------------
-# split layers equal the unsplit ones, and their collectives are Megatron's (2 processes)
+# split layers (GPT block, GPT, transformers' Llama) equal the unsplit ones, and their
+# collectives are Megatron's (2 processes)
 # ---------------------------------------------------------------------------------------------
 
 BLOCK_PLAN = TensorParallelPlan(
@@ -207,6 +215,29 @@ def check_gpt(rank, tp, sequence_parallel, counter):
     return step
 
 
+def check_llama(rank, tp, counter):
+    from plait.plugins.llama import build_llama
+
+    torch.manual_seed(0)
+    full = build_llama()
+    torch.manual_seed(0)
+    split = build_llama()
+    apply_plan(split, LLAMA_PLAN, dist.group.WORLD, rank, tp, sequence_parallel=False)
+    idx = torch.randint(0, 256, (2, 32))
+    targets = torch.randint(0, 256, (2, 32))
+
+    logits_full = full(idx)
+    F.cross_entropy(logits_full.flatten(0, 1), targets.flatten()).backward()
+    counter.take()
+    logits_split = split(idx)
+    VocabParallelCrossEntropy(dist.group.WORLD, rank)(logits_split, targets).backward()
+    step = counter.take()
+
+    torch.testing.assert_close(logits_split, logits_full.chunk(tp, dim=-1)[rank], **CLOSE)
+    assert_grads_match(split, full, LLAMA_PLAN, rank, tp)
+    return step
+
+
 def _layers_equal_unsplit(rank, tp, out_file):
     counts = {}
     with CommCounter() as counter:
@@ -214,6 +245,7 @@ def _layers_equal_unsplit(rank, tp, out_file):
             forward, backward = check_block(rank, tp, sp, counter)
             counts[f"block sp={sp}"] = {"forward": forward, "backward": backward}
             counts[f"gpt sp={sp}"] = check_gpt(rank, tp, sp, counter)
+        counts["llama"] = check_llama(rank, tp, counter)
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(counts, f)
@@ -244,6 +276,9 @@ def test_split_layers_equal_unsplit_and_count_megatron_collectives(tmp_path):
     # norm's weight and bias add 2 gradient all-reduces.
     assert counts["gpt sp=True"] == {"all_gather": 4 * 2 + 1 + 1, "reduce_scatter": 4 * 2 + 1,
                                      "all_reduce": 6 * 2 + 1 + 3 + 2}
+    # transformers' Llama (2 layers) has separate q/k/v and gate/up linears; sharing one region
+    # entry per attention / MLP keeps Megatron's 4 all-reduces per layer.
+    assert counts["llama"] == {"all_reduce": 4 * 2 + 1 + 1 + 3}
 
 
 # ---------------------------------------------------------------------------------------------
