@@ -31,6 +31,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: no evaluation
     eval_batches: int = 4
     peak_flops: float = 1e12  # dense peak FLOP/s of one device, for the MFU estimate
+    compile: bool = False  # torch.compile the model (engines that support it)
 
 
 @dataclass

@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
 from omegaconf import DictConfig
 
-from plait import api
+from plait import api, hookimpl
 from plait.plan import make_plan
 
 # Settings that keep a test run small and quiet: the tiny GPT, no W&B, a few steps.
@@ -124,3 +125,21 @@ def _collect(record, run: dict[str, Any]) -> None:
     elif kind == "history":
         run["history"].append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
                                for i in record.history.item})
+
+
+class StepClock:
+    """A plugin for benchmarks: rank 0's wall clock at the end of every step, one line each."""
+
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+
+    @hookimpl
+    def plait_on_step_end(self, step):
+        with open(self.path, "a") as f:
+            f.write(f"{time.perf_counter()}\n")
+
+
+def steps_per_s(stamps: list[float], warmup: int) -> float:
+    """Steps per second between the end of step ``warmup`` and the last step."""
+    timed = stamps[warmup:]
+    return (len(timed) - 1) / (timed[-1] - timed[0])
