@@ -63,6 +63,7 @@ class LauncherConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: pick a free port (single node)
+    local_addr: Optional[str] = None  # this node's address as the others reach it (multi-node)
     max_restarts: int = 0
     timeout_s: int = 300
 
