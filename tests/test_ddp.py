@@ -29,9 +29,13 @@ def test_ddp_with_grad_accumulation_matches_one_process(tmp_path):
     assert two == pytest.approx(one, rel=REL)
 
 
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    return run_losses(tmp_path_factory.mktemp("fp32") / "r", [*STEPS, "launcher.nproc_per_node=1"])
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_trains_close_to_fp32(tmp_path, precision):
-    fp32 = run_losses(tmp_path / "fp32", [*STEPS, "launcher.nproc_per_node=1"])
+def test_mixed_precision_trains_close_to_fp32(tmp_path, precision, fp32):
     mixed = run_losses(tmp_path / precision, [*STEPS, "launcher.nproc_per_node=1",
                                               f"precision={precision}"])
     # bf16 keeps 8 mantissa bits, fp16 10 (with a dynamic loss scaler): per-step losses stay
