@@ -31,6 +31,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: no evaluation
     eval_batches: int = 4
     peak_flops: float = 1e12  # dense peak FLOP/s of one device, for the MFU estimate
+    compile: bool = False  # torch.compile the model (engines that support it)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class LauncherConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: pick a free port (single node)
+    local_addr: Optional[str] = None  # this node's address as the others reach it (multi-node)
     max_restarts: int = 0
     timeout_s: int = 300
 

@@ -43,6 +43,8 @@ class DDPEngine:
                                                    process_group=self.dp_group)
             if comm_hook is not None:
                 self.wrapped.register_comm_hook(*comm_hook)
+        if cfg.train.compile:  # compiled around DDP, so DDP's graph splitting applies
+            self.wrapped = torch.compile(self.wrapped)
 
     def _loss(self, batch: Batch) -> torch.Tensor:
         x, y = (t.to(self.device, non_blocking=True) for t in batch)
