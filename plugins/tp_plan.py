@@ -128,11 +128,13 @@ def plan_problems(cfg, tp: int) -> list[str]:
                 if style not in STYLES]
     for key, what in plan.divides:
         value = cfg.model.get(key)
-        if value is not None and value % tp:
-            ok = [d for d in range(1, value + 1) if value % d == 0]
-            hint = " (pad the vocabulary to a multiple of tp)" if key == "vocab_size" else ""
-            problems.append(f"parallel.tp={tp} does not divide model.{key}={value} ({what}): "
-                            f"choose tp in {ok}{hint}")
+        if value is None or value % tp == 0:
+            continue
+        if key == "vocab_size":  # padding rows are never a target, so padding changes nothing
+            fix = f"pad it: model.{key}={-(-value // tp) * tp}"
+        else:
+            fix = f"choose tp in {[d for d in range(1, value + 1) if value % d == 0]}"
+        problems.append(f"parallel.tp={tp} does not divide model.{key}={value} ({what}): {fix}")
     return problems
 
 

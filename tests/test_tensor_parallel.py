@@ -46,7 +46,8 @@ GRAD_CLIP = "train.grad_clip=0.05"
     (["parallel.tp=3", "launcher.nproc_per_node=3"],
      "parallel.tp=3 does not divide model.n_head=4 (attention heads): choose tp in [1, 2, 4]"),
     (["parallel.tp=2", "model.vocab_size=255"],
-     "parallel.tp=2 does not divide model.vocab_size=255 (vocabulary)"),
+     "parallel.tp=2 does not divide model.vocab_size=255 (vocabulary): pad it: "
+     "model.vocab_size=256"),
     (["model=llama_tiny", "parallel.tp=2", "model.num_key_value_heads=1"],
      "parallel.tp=2 does not divide model.num_key_value_heads=1 (KV heads)"),
     (["model=llama_tiny", "parallel.tp=2", "model.intermediate_size=129"],
