@@ -130,7 +130,7 @@ def plan_problems(cfg, tp: int) -> list[str]:
         value = cfg.model.get(key)
         if value is None or value % tp == 0:
             continue
-        if key == "vocab_size":  # padding rows are never a target, so padding changes nothing
+        if key == "vocab_size":  # padded rows are never a target (GPT-2 pads 50257 to 50304)
             fix = f"pad it: model.{key}={-(-value // tp) * tp}"
         else:
             fix = f"choose tp in {[d for d in range(1, value + 1) if value % d == 0]}"
