@@ -56,6 +56,10 @@ SCHEDULES = {
 }
 
 
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+MAX_DIMS = 6
+
+
 def stages_per_rank(cfg) -> int:
     return cfg.parallel.virtual_stages if SCHEDULES[cfg.parallel.schedule][1] != "1" else 1
 
@@ -206,13 +210,42 @@ def plait_split_pipeline(cfg, model, topology) -> PipelineStageModules | None:
     return stage
 
 
+def make_schedule(name: str, stages: list, n_microbatches: int, loss_fn):
+    """The torch schedule ``name`` over this rank's stages; gradients are the micro-batch mean."""
+    from torch.distributed import pipelining
+
+    torch_class, per_rank, _ = SCHEDULES[name]
+    return getattr(pipelining, torch_class)(stages if per_rank != "1" else stages[0],
+                                            n_microbatches=n_microbatches, loss_fn=loss_fn,
+                                            scale_grads=True)
+
+
+def send_tensor(tensor: torch.Tensor, dst: int) -> None:
+    """Send a tensor of any shape and dtype: a fixed-size header, then the data."""
+    dtype_code = DTYPES.index(tensor.dtype)
+    header = torch.tensor([tensor.dim(), dtype_code, *tensor.shape]
+                          + [0] * (MAX_DIMS - tensor.dim()), dtype=torch.int64)
+    dist.send(header.to(tensor.device), dst)
+    dist.send(tensor.contiguous(), dst)
+
+
+def recv_tensor(src: int, device: torch.device) -> torch.Tensor:
+    header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    ndim, dtype_code, *shape = header.tolist()
+    tensor = torch.empty(shape[:ndim], dtype=DTYPES[dtype_code], device=device)
+    dist.recv(tensor, src)
+    return tensor
+
+
 class PipelineEngine:
     """Runs one optimizer step as a pipeline schedule over the step's micro-batches.
 
     Reuses the strategy engine's optimizer and checkpoint files; the loss is computed on the
     last stage and summed over the pipeline group (zero elsewhere), so every rank, rank 0
-    included, returns the global mean. The gradient norm is the global one:
-    ``sqrt(sum over stages of |g_stage|^2)``, and clipping scales every stage by the same factor.
+    included, returns the global mean. The gradient norm is the global one,
+    ``sqrt(sum over stages (and tp shards) of |g|^2)``, and clipping scales every stage by the
+    same factor.
     """
 
     def __init__(self, cfg, inner, loss_fn, topology):
@@ -227,29 +260,26 @@ class PipelineEngine:
         self.pp_group = topology.get_pipeline_model_parallel_group()
         self.dp_group = topology.get_data_parallel_group()
         self.dp_size = topology.dims.dp
+        self.tp_group = topology.get_tensor_model_parallel_group()
+        self.tp_size, self.tp_rank = topology.dims.tp, topology.tp_rank
         n_stages = self.model.n_stages
         self.stages = [
             pipelining.PipelineStage(chunk, index, n_stages, self.device, group=self.pp_group)
             for index, chunk in self.model.chunks
         ]
-        indices = [index for index, _ in self.model.chunks]
-        self.has_first = 0 in indices
-        self.has_last = n_stages - 1 in indices
-        schedule_class = getattr(pipelining, SCHEDULES[cfg.parallel.schedule][0])
-        stages = self.stages if SCHEDULES[cfg.parallel.schedule][1] != "1" else self.stages[0]
-        self.schedule = schedule_class(stages, n_microbatches=cfg.parallel.microbatches,
-                                       loss_fn=loss_fn, scale_grads=True)
+        self.chunks = dict(self.model.chunks)
+        self.n_stages, self.loss_fn = n_stages, loss_fn
+        self.placement = stage_to_rank(topology.dims.pp, n_stages,
+                                       SCHEDULES[cfg.parallel.schedule][2])
+        self.pp_rank = topology.pp_rank
+        self.has_first, self.has_last = 0 in self.chunks, n_stages - 1 in self.chunks
+        self.schedule = make_schedule(cfg.parallel.schedule, self.stages,
+                                      cfg.parallel.microbatches, loss_fn)
 
-    def _run(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> float:
-        """One pass of the schedule; returns the mean micro-batch loss of the global batch."""
-        losses: list[torch.Tensor] = []
-        args = (x.to(self.device),) if self.has_first else ()
-        run = self.schedule.step if train else self.schedule.eval
-        with autocast(self.precision, self.device):
-            run(*args, target=y.to(self.device), losses=losses, return_outputs=False)
-        local = torch.stack(losses).float().mean() if self.has_last else torch.zeros(())
-        loss = local.detach().to(self.device, torch.float32)
-        dist.all_reduce(loss, group=self.pp_group)  # only the last stage holds a non-zero value
+    def _reduce_loss(self, loss: torch.Tensor) -> float:
+        """The last stage's loss (zero on the others) to every rank, averaged over dp."""
+        loss = loss.detach().to(self.device, torch.float32)
+        dist.all_reduce(loss, group=self.pp_group)
         if self.dp_size > 1:
             dist.all_reduce(loss, group=self.dp_group)
             loss = loss / self.dp_size
@@ -272,20 +302,30 @@ class PipelineEngine:
                 g.copy_(reduced)
 
     def _global_grad_norm(self) -> torch.Tensor:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        if hasattr(norm, "full_tensor"):  # DTensor gradients (tensor parallel)
-            norm = norm.full_tensor()
-        squared = norm.detach().to(self.device, torch.float64) ** 2
-        dist.all_reduce(squared, group=self.pp_group)
-        return squared.sqrt()
+        """``sqrt`` of the squared gradient norms summed over the model-parallel ranks, each
+        parameter counted once: a tensor-parallel shard (Megatron's ``tensor_model_parallel``
+        attribute) on every tp rank, a replicated parameter on tp rank 0 only."""
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in self.model.parameters():
+            if p.grad is not None and (getattr(p, "tensor_model_parallel", False)
+                                       or self.tp_rank == 0):
+                squares += p.grad.detach().float().pow(2).sum()
+        if self.tp_size > 1:
+            dist.all_reduce(squares, group=self.tp_group)
+        dist.all_reduce(squares, group=self.pp_group)
+        return squares.sqrt()
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        x = torch.cat([b[0] for b in micro_batches])
-        y = torch.cat([b[1] for b in micro_batches])
-        loss = self._run(x, y, train=True)
+        x = torch.cat([b[0] for b in micro_batches]).to(self.device)
+        y = torch.cat([b[1] for b in micro_batches]).to(self.device)
+        losses: list[torch.Tensor] = []
+        with autocast(self.precision, self.device):
+            self.schedule.step(*((x,) if self.has_first else ()), target=y, losses=losses,
+                               return_outputs=False)
+        loss = self._reduce_loss(torch.stack(losses).mean() if self.has_last
+                                 else torch.zeros(()))
         self._average_grads_over_dp()
         grad_norm = self._global_grad_norm()
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
@@ -297,10 +337,27 @@ class PipelineEngine:
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> float:
+        """Forward only, the whole batch at once, stage after stage over point-to-point sends
+        (the same for every schedule; torch's ``schedule.eval`` fails for ZBV in torch 2.13)."""
         self.model.eval()
-        loss = self._run(*batch, train=False)
+        x, y = (t.to(self.device) for t in batch)
+        hidden, loss = x, torch.zeros((), device=self.device)
+        with autocast(self.precision, self.device):
+            for index in range(self.n_stages):
+                if self.placement[index] != self.pp_rank:
+                    continue
+                if index > 0 and self.placement[index - 1] != self.pp_rank:
+                    hidden = recv_tensor(self._peer(self.placement[index - 1]), self.device)
+                hidden = self.chunks[index](hidden)
+                if index == self.n_stages - 1:
+                    loss = self.loss_fn(hidden, y).detach().float()
+                elif self.placement[index + 1] != self.pp_rank:
+                    send_tensor(hidden, self._peer(self.placement[index + 1]))
         self.model.train()
-        return loss
+        return self._reduce_loss(loss)
+
+    def _peer(self, pp_rank: int) -> int:
+        return dist.get_global_rank(self.pp_group, pp_rank)
 
     def save_state(self, directory: Path) -> None:
         self.inner.save_state(directory)
