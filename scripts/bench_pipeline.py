@@ -4,8 +4,8 @@
     DS_ACCELERATOR=cpu python scripts/bench_pipeline.py --pp 2 --micro 4 8 --steps 2
 
 For each pipeline size ``p`` (``p`` gloo processes, one thread each), each schedule of the
-pipeline plugin and each number of micro-batches ``m``, it builds a GPT (8 blocks, width 128,
-sequence 64, 4 sequences per micro-batch) split by the plugin (``balance=layers``), runs one
+pipeline plugin and each number of micro-batches ``m``, it builds a GPT (8 blocks, width 128
+or ``--width``, sequence 64, 4 sequences per micro-batch) split by the plugin (``balance=layers``), runs one
 warm-up step and ``--steps`` measured steps through the same ``torch.distributed.pipelining``
 schedule the plugin uses, and prints a markdown table:
 
@@ -43,7 +43,7 @@ from plait.plugins.pipeline import SCHEDULES, make_schedule, stage_to_rank
 from plait.plugins.pipeline_split import build_stage_modules, split_stages
 from plait.testing import spawn
 
-N_LAYER, WIDTH, SEQ, MICRO_BATCH = 8, 128, 64, 4
+N_LAYER, SEQ, MICRO_BATCH = 8, 64, 4
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 1, "zbv": 2}
 
 
@@ -92,7 +92,7 @@ class Recorder:
         return run
 
 
-def activation_bytes(chunk, x: torch.Tensor, first: bool) -> int:
+def activation_bytes(chunk, x: torch.Tensor, first: bool, width: int) -> int:
     """Bytes one micro-batch saves for backward in ``chunk`` (weights not counted)."""
     weights = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
     saved: dict[int, int] = {}
@@ -103,13 +103,14 @@ def activation_bytes(chunk, x: torch.Tensor, first: bool) -> int:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    hidden = torch.randn(x.shape[0], SEQ, WIDTH, requires_grad=True)
+    hidden = torch.randn(x.shape[0], SEQ, width, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         chunk(x if first else hidden)
     return sum(saved.values())
 
 
-def bench_rank(rank: int, world: int, micro: list[int], steps: int, out_dir: str) -> None:
+def bench_rank(rank: int, world: int, micro: list[int], steps: int, width: int,
+               out_dir: str) -> None:
     torch.set_num_threads(1)
     rows = []
     for schedule in SCHEDULES:
@@ -118,7 +119,7 @@ def bench_rank(rank: int, world: int, micro: list[int], steps: int, out_dir: str
         placement = stage_to_rank(world, n_stages, SCHEDULES[schedule][2])
         for m in micro:
             torch.manual_seed(0)
-            model = GPT(n_layer=N_LAYER, n_embd=WIDTH, n_head=4, block_size=SEQ)
+            model = GPT(n_layer=N_LAYER, n_embd=width, n_head=4, block_size=SEQ)
             split = split_stages(model, n_stages, "layers")
             mine = [s for s in range(n_stages) if placement[s] == rank]
             stage_modules = build_stage_modules(model, split, mine)
@@ -133,7 +134,7 @@ def bench_rank(rank: int, world: int, micro: list[int], steps: int, out_dir: str
                 continue
             x = torch.randint(0, 256, (MICRO_BATCH * m, SEQ))
             y = torch.randint(0, 256, (MICRO_BATCH * m, SEQ))
-            sizes = {i: activation_bytes(c, x[:MICRO_BATCH], i == 0)
+            sizes = {i: activation_bytes(c, x[:MICRO_BATCH], i == 0, width)
                      for i, c in stage_modules.chunks}
             recorder = Recorder(schedule in ("zero_bubble", "zbv"), sizes)
             for stage in stages:
@@ -177,15 +178,16 @@ def main() -> None:
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--width", type=int, default=128, help="model.n_embd")
     args = parser.parse_args()
     import tempfile
 
-    print(f"GPT {N_LAYER} blocks, width {WIDTH}, seq {SEQ}, {MICRO_BATCH} sequences per "
+    print(f"GPT {N_LAYER} blocks, width {args.width}, seq {SEQ}, {MICRO_BATCH} sequences per "
           f"micro-batch; {args.steps} measured steps after 1 warm-up; gloo, 1 thread per rank; "
           f"{os.cpu_count()} CPU cores")
     for p in args.pp:
         with tempfile.TemporaryDirectory() as out_dir:
-            spawn(bench_rank, p, args.micro, args.steps, out_dir)
+            spawn(bench_rank, p, args.micro, args.steps, args.width, out_dir)
             report(p, args.micro, out_dir)
 
 
