@@ -51,6 +51,9 @@ class ParallelConfig:
     virtual_stages: int = 1
     balance: Any = "layers"
     tensor: str = "megatron"  # the plugin that splits layers when tp > 1
+    # None: the built-in plan for model._target_; a name ("gpt", "llama"); or
+    # {module-name pattern: colwise|colwise_qkv|rowwise|vocab|norm|sequence_scatter|replicate}
+    tp_plan: Any = None
     pipeline: str = "torch"  # the plugin that cuts stages when pp > 1
 
 

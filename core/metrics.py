@@ -74,4 +74,5 @@ class StepMeter:
             "step_time_s/max": slowest,
             "peak_memory_bytes/min": lows[1].item(),
             "peak_memory_bytes/max": highs[1].item(),
+            **out.metrics,
         }

@@ -40,10 +40,15 @@ class PluginInfo:
 
 @dataclass
 class StepOutput:
-    """What an engine reports for one optimizer step; ``loss`` is the mean over the global batch."""
+    """What an engine reports for one optimizer step; ``loss`` is the mean over the global batch.
+
+    ``metrics`` holds any further figures the engine measures (e.g. a loss scale, bytes of model
+    states per rank); they are logged with the step's metrics under their own names.
+    """
 
     loss: float
     grad_norm: float
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,0 +1,73 @@
+"""``strategy=zero0|zero1|zero2|zero3``: DeepSpeed ZeRO (the real library, ``deepspeed.initialize``).
+
+    plait train strategy=zero3 strategy.offload_optimizer=cpu precision=bf16
+    plait plan strategy=zero2            # shows the generated DeepSpeed config
+    plait estimate strategy=zero3 launcher.nproc_per_node=8 model=gpt2_small
+
+The DeepSpeed config is generated from plait's settings (``config.py``); the engine
+(``engine.py``) runs DeepSpeed's forward/backward/step loop with plait's LR schedule and the
+data-parallel group of plait's topology; ``estimate.py`` predicts and measures model-state bytes;
+``export.py`` reads checkpoints back through DeepSpeed's zero-to-fp32 path. DeepSpeed itself is
+imported only inside the functions that run it, so ``plait plan`` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from plait import hookimpl
+from plait.plugins.zero import config as zero_config
+from plait.types import PluginInfo
+
+
+@hookimpl
+def plait_declare() -> PluginInfo:
+    return PluginInfo(name="zero", selected_by={"strategy.name": tuple(zero_config.STAGES)},
+                      description="DeepSpeed ZeRO stages 0-3, offload, bf16/fp16")
+
+
+@hookimpl
+def plait_register_configs(config_store) -> None:
+    config_store.store(group="strategy", name="base_zero", node=zero_config.ZeroStrategyConfig)
+
+
+@hookimpl
+def plait_register_commands(register) -> None:
+    from plait.plugins.zero.command import cmd_estimate
+
+    register("estimate", cmd_estimate,
+             "per-rank bytes of model states and activations for a strategy, without training")
+
+
+@hookimpl
+def plait_configure(cfg) -> None:
+    # Workers may start elsewhere: pin the user's DeepSpeed JSON to an absolute path.
+    if cfg.strategy.config_file:
+        cfg.strategy.config_file = str(Path(cfg.strategy.config_file).expanduser().absolute())
+
+
+@hookimpl
+def plait_validate(cfg, dims) -> list[str]:
+    return zero_config.validate(cfg, dims)
+
+
+@hookimpl
+def plait_backend_config(cfg, dims) -> dict:
+    if zero_config.validate(cfg, dims):
+        return {}
+    return {"deepspeed": zero_config.deepspeed_config(cfg, dims.dp)}
+
+
+@hookimpl
+def plait_build_engine(cfg, model, optimizer, loss_fn, topology):
+    from plait.plugins.zero.engine import ZeroEngine
+
+    ds_config = zero_config.deepspeed_config(cfg, topology.dims.dp)
+    return ZeroEngine(cfg, model, optimizer, loss_fn, topology, ds_config)
+
+
+@hookimpl
+def plait_read_model_shards(cfg, checkpoint) -> dict[tuple[int, int], dict]:
+    from plait.plugins.zero.export import read_model_shards
+
+    return read_model_shards(Path(checkpoint), zero_config.stage_of(cfg))

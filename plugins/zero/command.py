@@ -1,0 +1,103 @@
+"""``plait estimate [overrides]``: per-rank memory of a planned run, without starting it.
+
+Prints bytes of parameters, gradients and optimizer states per rank (the ZeRO paper's formula,
+:mod:`plait.plugins.zero.estimate`), DeepSpeed's own estimate where DeepSpeed has one, and the
+activations of one micro-batch, for the model, strategy, world size and precision the overrides
+give. The model is built on the ``meta`` device, so even a large model costs no memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plait.plan import make_plan
+from plait.plugins.zero import config as zero_config
+from plait.plugins.zero.estimate import (
+    ModelStates,
+    ddp_formula,
+    deepspeed_estimate,
+    gpt_activation_bytes,
+    zero_formula,
+)
+
+
+def gib(n: float) -> str:
+    value, unit = (n / 2**30, "GiB") if n >= 2**30 else (n / 2**20, "MiB")
+    return f"{value:10.3f} {unit}  ({int(n):,} B)"
+
+
+def count_params(plan) -> tuple[int, int]:
+    """Total parameters and the largest module's own parameters (DeepSpeed's "largest layer")."""
+    with torch.device("meta"):
+        model = plan.pm.hook.plait_build_model(cfg=plan.cfg)
+    total = sum(p.numel() for p in model.parameters())  # a tied weight is listed once
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return total, largest
+
+
+@dataclass
+class Estimate:
+    n_params: int
+    per_rank_params: int
+    states: ModelStates
+    deepspeed_bytes: int | None  # DeepSpeed's own estimator, where it has one
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+
+def estimate_model_states(plan) -> Estimate:
+    """Per-rank model-state bytes for the planned model, strategy, dp size and precision."""
+    cfg, dims = plan.cfg, plan.dims
+    strategy = cfg.strategy.name
+    n_params, largest = count_params(plan)
+    per_rank_params = n_params // (dims.tp * dims.pp)  # tp/pp split the weights (approximately)
+    if strategy == "ddp":
+        return Estimate(n_params, per_rank_params, ddp_formula(per_rank_params, cfg.precision),
+                        None)
+    if strategy not in zero_config.STAGES:
+        raise ValueError(f"strategy={strategy}: plait estimate knows ddp and zero0..zero3")
+    stage = zero_config.stage_of(cfg)
+    offload_opt = cfg.strategy.offload_optimizer != "none"
+    offload_params = cfg.strategy.offload_params != "none"
+    return Estimate(n_params, per_rank_params,
+                    zero_formula(per_rank_params, stage, dims.dp, cfg.precision),
+                    deepspeed_estimate(per_rank_params, largest, stage, dims.dp, offload_opt,
+                                       offload_params),
+                    offload_opt, offload_params)
+
+
+def estimate_lines(plan) -> list[str]:
+    cfg, dims = plan.cfg, plan.dims
+    est = estimate_model_states(plan)
+    states, ds = est.states, est.deepspeed_bytes
+    offload_opt, offload_params = est.offload_optimizer, est.offload_params
+    micro = zero_config.micro_batch_size(cfg, dims.dp)
+    activations = gpt_activation_bytes(cfg, micro)
+    device_bytes = ((0 if offload_params else states.params) + states.grads
+                    + (0 if offload_opt else states.optimizer))
+    lines = [
+        f"model: {est.n_params:,} parameters ({est.per_rank_params:,} per rank after "
+        f"tp={dims.tp} x pp={dims.pp}); strategy={cfg.strategy.name} dp={dims.dp} "
+        f"precision={cfg.precision}",
+        "model states per rank (ZeRO paper's formula):",
+        f"  parameters      {gib(states.params)}{'  [offloaded to host]' if offload_params else ''}",
+        f"  gradients       {gib(states.grads)}",
+        f"  optimizer       {gib(states.optimizer)}{'  [offloaded to host]' if offload_opt else ''}",
+        f"  total           {gib(states.total)}",
+    ]
+    if ds is not None:
+        lines.append(f"  DeepSpeed's estimator (device, assumes 16-bit training): {gib(ds)}")
+    if activations is not None:
+        lines.append(f"activations per micro-batch of {micro} (estimate): {gib(activations)}")
+        lines.append(f"total per rank on the device   {gib(device_bytes + activations)}")
+    else:
+        lines.append("activations: unknown for a custom model (no n_layer/n_head/n_embd)")
+    return lines
+
+
+def cmd_estimate(overrides: list[str]) -> int:
+    plan = make_plan(overrides).check()
+    print("\n".join(estimate_lines(plan)))
+    return 0

@@ -1,0 +1,242 @@
+"""The ``strategy=zero0..zero3`` schema and the DeepSpeed config generated from plait's config.
+
+plait owns every number it already has a setting for, so the user never keeps one number in two
+places. The generated config is, in order of precedence (later wins for keys plait does not own)::
+
+    generated from plait  <-  strategy.config_file (a DeepSpeed JSON)  <-  strategy.deepspeed.*
+
+A key plait owns (``OWNED``) may appear in the file or the passthrough only with the same value
+(or DeepSpeed/HF's ``"auto"``); any other value is refused naming both settings.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from plait.config import StrategyConfig
+
+STAGES = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+QUIET = 10**9  # steps_per_print: plait's console and trackers log, not DeepSpeed
+
+
+@dataclass
+class ZeroStrategyConfig(StrategyConfig):
+    name: str = "zero1"  # zero0 | zero1 | zero2 | zero3: the ZeRO stage
+    offload_optimizer: str = "none"  # none | cpu | nvme (DeepSpeed's CPU Adam runs the step)
+    offload_params: str = "none"  # none | cpu | nvme, stage 3 only
+    config_file: Optional[str] = None  # an existing DeepSpeed JSON to import
+    # Any DeepSpeed key, merged last. Not in struct mode, so `strategy.deepspeed.a.b=1` works
+    # without Hydra's `+` for keys no schema can list.
+    deepspeed: Any = field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False}))
+
+
+def stage_of(cfg: DictConfig) -> int:
+    return STAGES[cfg.strategy.name]
+
+
+def micro_batch_size(cfg: DictConfig, dp: int) -> int:
+    return cfg.train.batch_size // (cfg.train.grad_accum_steps * dp)
+
+
+def uses_deepspeed_adamw(cfg: DictConfig) -> bool:
+    """plait's ``optimizer=adamw`` maps onto DeepSpeed's AdamW; any other optimizer plugin's torch
+    optimizer is handed to DeepSpeed as a client optimizer."""
+    return cfg.optimizer.name == "adamw"
+
+
+def generated_config(cfg: DictConfig, dp: int) -> dict[str, Any]:
+    """The DeepSpeed config that follows from plait's settings alone."""
+    strategy, train = cfg.strategy, cfg.train
+    zero: dict[str, Any] = {"stage": stage_of(cfg)}
+    if strategy.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": strategy.offload_optimizer}
+    if strategy.offload_params != "none":
+        zero["offload_param"] = {"device": strategy.offload_params}
+    ds: dict[str, Any] = {
+        "train_batch_size": train.batch_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size(cfg, dp),
+        "gradient_accumulation_steps": train.grad_accum_steps,
+        "gradient_clipping": float(train.grad_clip),
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        # loss_scale 0 is DeepSpeed's dynamic loss scaling
+        "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0},
+        "steps_per_print": QUIET,
+    }
+    if uses_deepspeed_adamw(cfg):
+        opt = cfg.optimizer
+        params = {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps,
+                  "weight_decay": opt.weight_decay}
+        if strategy.offload_optimizer == "none":
+            params["torch_adam"] = True  # torch.optim.AdamW: the same math as plait's ddp
+        ds["optimizer"] = {"type": "AdamW", "params": params}
+    else:
+        ds["zero_allow_untested_optimizer"] = True
+    return ds
+
+
+# Keys plait owns -> the plait setting that decides each (for the error message).
+OWNED = {
+    "train_batch_size": "train.batch_size",
+    "train_micro_batch_size_per_gpu": "train.batch_size / (train.grad_accum_steps * dp)",
+    "gradient_accumulation_steps": "train.grad_accum_steps",
+    "gradient_clipping": "train.grad_clip",
+    "zero_optimization.stage": "strategy=zero0..zero3",
+    "zero_optimization.offload_optimizer.device": "strategy.offload_optimizer",
+    "zero_optimization.offload_param.device": "strategy.offload_params",
+    "bf16.enabled": "precision",
+    "fp16.enabled": "precision",
+    "optimizer.type": "optimizer.name",
+    "optimizer.params.lr": "optimizer.lr",
+    "optimizer.params.betas": "optimizer.betas",
+    "optimizer.params.eps": "optimizer.eps",
+    "optimizer.params.weight_decay": "optimizer.weight_decay",
+}
+# Whole sections plait decides itself, refused from the user whatever their content.
+OWNED_SECTIONS = {
+    "scheduler": "optimizer.* (plait's LR schedule, e.g. optimizer.warmup_steps, "
+                 "optimizer.min_lr)",
+}
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in d.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{path}."))
+        else:
+            out[path] = value
+    return out
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+def without_auto(d: dict[str, Any]) -> dict[str, Any]:
+    """Drop ``"auto"`` values (HF Trainer's convention in DeepSpeed JSONs): plait fills them."""
+    return {k: without_auto(v) if isinstance(v, dict) else v
+            for k, v in d.items() if v != "auto"}
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def user_sources(cfg: DictConfig) -> list[tuple[str, dict[str, Any]]]:
+    """The user's DeepSpeed settings, each with the name of where it came from."""
+    sources = []
+    if cfg.strategy.config_file:
+        sources.append((f"strategy.config_file={cfg.strategy.config_file}",
+                        without_auto(read_config_file(cfg.strategy.config_file))))
+    passthrough = OmegaConf.to_container(cfg.strategy.deepspeed, resolve=True) or {}
+    if passthrough:
+        sources.append(("strategy.deepspeed", without_auto(passthrough)))
+    return sources
+
+
+def conflicts(cfg: DictConfig, dp: int) -> list[str]:
+    """Every user-given DeepSpeed key that contradicts a plait setting, naming both."""
+    generated = flatten(generated_config(cfg, dp))
+    problems = []
+    for source, settings in user_sources(cfg):
+        for section, owner in OWNED_SECTIONS.items():
+            if section in settings:
+                problems.append(f"{source} sets DeepSpeed's {section!r}, which plait decides from "
+                                f"{owner}: remove it there and set {owner.split(' ')[0]} instead")
+        for key, value in flatten(settings).items():
+            if key not in OWNED:
+                continue
+            ours = generated.get(key)
+            if ours is None or not same(value, ours):
+                where = f"{source}.{key}" if source == "strategy.deepspeed" else f"{source} ({key})"
+                owner = OWNED[key]
+                plait_value = OmegaConf.select(cfg, owner, default=None)
+                named = f"{owner}={plait_value}" if plait_value is not None else owner
+                problems.append(f"{where}={json.dumps(value)} conflicts with {named} (DeepSpeed's "
+                                f"{key}={json.dumps(ours)}): set {owner} instead, or drop the key")
+    return problems
+
+
+def deepspeed_config(cfg: DictConfig, dp: int) -> dict[str, Any]:
+    """The DeepSpeed config a run uses: generated, then the file, then the passthrough."""
+    ds = generated_config(cfg, dp)
+    for _, settings in user_sources(cfg):
+        ds = deep_merge(ds, settings)
+    return ds
+
+
+def validate(cfg: DictConfig, dims) -> list[str]:
+    """Refusals before launch (the capability checks of ``PluginInfo`` cover devices/axes)."""
+    strategy, stage = cfg.strategy, stage_of(cfg)
+    problems = []
+    if stage >= 2 and dims.pp > 1:
+        problems.append(
+            f"strategy={strategy.name} with parallel.pp={dims.pp}: DeepSpeed shards gradients "
+            "(ZeRO-2) and parameters (ZeRO-3) only without pipeline parallelism; use strategy=zero1 "
+            "or set parallel.pp=1")
+    if cfg.comm.name != "allreduce":
+        problems.append(f"comm={cfg.comm.name} with strategy={strategy.name}: DeepSpeed reduces "
+                        "ZeRO's gradients itself and takes no DDP comm hook; use comm=allreduce "
+                        "or strategy=ddp")
+    for setting in ("offload_optimizer", "offload_params"):
+        value = strategy[setting]
+        if value not in OFFLOAD_DEVICES:
+            problems.append(f"strategy.{setting}={value}: choose one of "
+                            f"{', '.join(OFFLOAD_DEVICES)}")
+    if strategy.offload_params != "none" and stage != 3:
+        problems.append(f"strategy.offload_params={strategy.offload_params} needs ZeRO-3 (only "
+                        f"stage 3 partitions parameters), but strategy={strategy.name}: use "
+                        "strategy=zero3 or set strategy.offload_params=none")
+    if strategy.offload_optimizer != "none" and stage == 0:
+        problems.append(f"strategy.offload_optimizer={strategy.offload_optimizer} needs ZeRO-1 or "
+                        "higher (stage 0 keeps the torch optimizer): use strategy=zero1..zero3")
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not _cuda_available())
+    for setting in ("offload_optimizer", "offload_params"):
+        if strategy[setting] == "nvme" and on_cpu:
+            problems.append(f"strategy.{setting}=nvme needs a CUDA device (DeepSpeed's async_io "
+                            f"swaps to NVMe from GPU memory), but device={cfg.device} runs on the "
+                            "CPU: use cpu or none")
+    if cfg.precision == "fp16" and on_cpu:
+        problems.append("precision=fp16 with DeepSpeed on the CPU: DeepSpeed's CPU accelerator has "
+                        "no fp16 training; use precision=bf16 or fp32, or a CUDA device")
+    if strategy.config_file and not Path(strategy.config_file).is_file():
+        problems.append(f"strategy.config_file={strategy.config_file}: no such file; give the path "
+                        "of an existing DeepSpeed JSON config")
+        return problems
+    if strategy.config_file:
+        try:
+            read_config_file(strategy.config_file)
+        except (OSError, ValueError) as e:
+            problems.append(f"strategy.config_file={strategy.config_file} is not valid JSON ({e})")
+            return problems
+    return problems + conflicts(cfg, dims.dp)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,165 @@
+"""Model-state memory per rank: the ZeRO paper's formula, DeepSpeed's estimators, and a measurement.
+
+With Ψ parameters, N data-parallel ranks, b_p / b_g bytes per parameter / gradient element and
+K bytes of optimizer state per parameter (Rajbhandari et al. 2020, "ZeRO", section 5)::
+
+    ddp / zero0:  (b_p + b_g + K) Ψ
+    zero1:        (b_p + b_g) Ψ + K Ψ / N
+    zero2:        b_p Ψ + (b_g + K) Ψ / N
+    zero3:        (b_p + b_g + K) Ψ / N
+
+b_p = b_g = 2 for bf16/fp16 and 4 for fp32. For Adam K = 8 (momentum and variance in fp32) plus
+4 for an fp32 master copy of the parameters where DeepSpeed keeps one: always in bf16/fp16
+(K = 12, the paper's case), and in fp32 training only in ZeRO-1/2, whose optimizer steps a cloned
+flat fp32 partition (``single_partition_of_fp32_groups``). In fp32, stage 0 (torch AdamW on the
+parameters, as DDP) and ZeRO-3 (the optimizer steps the fp32 parameter partition itself) have
+K = 8. Offloaded states count as host memory, not device memory.
+
+``measure_model_states`` counts what a running engine holds: the bytes of the storages behind the
+parameters (ZeRO-3: this rank's partition), the gradients (``param.grad`` and ZeRO's reduced
+gradient partitions) and the optimizer (master copy and states), each storage once. The engine
+measures after the first micro-batch's backward of its second step: the moment parameters,
+accumulating gradients and optimizer states all exist (with ``train.grad_accum_steps >= 2`` this
+is mid-accumulation, where ZeRO-1 holds full gradients and ZeRO-2/3 only their partition).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes per rank, split as the ZeRO paper splits them."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def zero_formula(n_params: int, stage: int, dp: int, precision: str) -> ModelStates:
+    """The paper's per-rank bytes for ZeRO ``stage`` (0 = DDP) with DeepSpeed's optimizer K."""
+    b = BYTES[precision]
+    k = 8 if precision == "fp32" and stage in (0, 3) else 12
+    params = n_params * b / (dp if stage >= 3 else 1)
+    grads = n_params * b / (dp if stage >= 2 else 1)
+    optimizer = n_params * k / (dp if stage >= 1 else 1)
+    return ModelStates(int(params), int(grads), int(optimizer))
+
+
+def ddp_formula(n_params: int, precision: str) -> ModelStates:
+    """DDP with torch AdamW: fp32 states (K = 8), plus fp32 master weights only under autocast's
+    fp32 parameters (none: the parameters themselves are fp32, so b_p = b_g = 4 always)."""
+    return ModelStates(4 * n_params, 4 * n_params, 8 * n_params)
+
+
+def deepspeed_estimate(n_params: int, largest_layer_params: int, stage: int, dp: int,
+                       offload_optimizer: bool, offload_params: bool) -> int | None:
+    """Device bytes per rank from DeepSpeed's own estimator (stages 2 and 3 only; it assumes
+    16-bit training)."""
+    if stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        _, device = estimate_zero2_model_states_mem_needs(
+            n_params, num_gpus_per_node=dp, num_nodes=1, cpu_offload=offload_optimizer)
+        return device
+    if stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        _, device, _ = estimate_zero3_model_states_mem_needs(
+            n_params, largest_layer_params, num_gpus_per_node=dp, num_nodes=1,
+            cpu_offload=offload_optimizer, cpu_offload_params=offload_params)
+        return device
+    return None
+
+
+def gpt_activation_bytes(cfg, micro_batch_size: int) -> int | None:
+    """Activations held for backward by the built-in GPT on one rank, per micro-batch.
+
+    Per layer ``s·b·h·(34 + 5·a·s/h)`` bytes at 16 bits (Korthikanti et al. 2022, eq. 1; twice
+    that in fp32) plus the logits and their fp32 softmax for the loss (``2·s·b·V·4``). An
+    estimate: allocator caching and temporaries come on top.
+    """
+    m = cfg.model
+    keys = ("n_layer", "n_head", "n_embd", "vocab_size")
+    if any(k not in m for k in keys):
+        return None
+    s, b, h, a = cfg.train.seq_len, micro_batch_size, m.n_embd, m.n_head
+    scale = BYTES[cfg.precision] / 2
+    per_layer = s * b * h * (34 + 5 * a * s / h) * scale
+    logits = 2 * s * b * m.vocab_size * 4
+    return int(m.n_layer * per_layer / cfg.parallel.tp + logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# measurement in a running engine
+# ---------------------------------------------------------------------------------------------
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors`` not counted before (views of one flat buffer
+    count the buffer once, as ZeRO's flat partitions are allocated)."""
+    total = 0
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def _grad_buffers(zero_optimizer) -> list[torch.Tensor]:
+    """Where DeepSpeed's ZeRO optimizers keep reduced gradients besides ``param.grad``."""
+    tensors = []
+    contiguous = getattr(zero_optimizer, "grads_in_partition", None)  # stage 2, flat partition
+    if isinstance(contiguous, torch.Tensor):
+        tensors.append(contiguous)
+    for name in ("averaged_gradients", "all_grad_tensors"):  # stage 1/2, per param group
+        by_group = getattr(zero_optimizer, name, None)
+        if isinstance(by_group, dict):
+            for grads in by_group.values():
+                tensors += [g for g in grads or [] if isinstance(g, torch.Tensor)]
+    flat = getattr(zero_optimizer, "grad_partitions_flat_buffer", None)  # stage 3
+    if isinstance(flat, torch.Tensor):
+        tensors.append(flat)
+    return tensors
+
+
+def measure_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         zero_optimizer=None) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer states this rank holds right now.
+
+    ``optimizer`` is the torch optimizer that steps (inside DeepSpeed: the one its ZeRO optimizer
+    wraps, stepping the master partitions); ``zero_optimizer`` is DeepSpeed's wrapper, whose
+    reduced-gradient buffers count as gradients. Call it after a backward of a step that follows
+    at least one optimizer step, so that the optimizer states exist.
+    """
+    seen: set[int] = set()
+    local_params = [getattr(p, "ds_tensor", p) for p in module.parameters()]
+    params = _unique_bytes(local_params, seen)
+    steps = [p for g in optimizer.param_groups for p in g["params"]]
+    buffers = _grad_buffers(zero_optimizer) if zero_optimizer is not None else []
+    grads = _unique_bytes([p.grad for p in module.parameters()] + buffers
+                          + [p.grad for p in steps], seen)
+    states = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    optimizer_bytes = _unique_bytes(steps + states, seen)
+    return {"params": params, "grads": grads, "optimizer": optimizer_bytes}
+
+
+def measure_deepspeed_engine(ds_engine) -> dict[str, int]:
+    zero_optimizer = ds_engine.optimizer
+    inner = getattr(zero_optimizer, "optimizer", zero_optimizer)  # the torch optimizer
+    return measure_model_states(ds_engine.module, inner, zero_optimizer)

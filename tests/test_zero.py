@@ -1,0 +1,282 @@
+"""DeepSpeed ZeRO strategy: losses equal to DDP and to 1 process, resume, export, memory, refusals.
+
+The multi-process tests run real DeepSpeed (``DS_ACCELERATOR=cpu``, gloo) through ``plait train``:
+one 20-step run per strategy serves both the loss comparison and the model-state bytes that run
+measured (``model_state_bytes/*`` in its metrics). The refusal tests start no process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from plait import cli
+from plait.export import export
+from plait.plan import make_plan
+from plait.plugins.zero.command import estimate_model_states
+from plait.plugins.zero.estimate import measure_model_states, zero_formula
+from plait.testing import TEST_OVERRIDES, compose, read_metrics, run_training
+from plait.train import evaluate
+from plait.types import PlanError
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+STEPS = 20
+# Global batch 8 = 2 micro-batches x 2 ranks x 2 sequences: every run accumulates gradients.
+COMMON = [f"train.steps={STEPS}", "train.grad_accum_steps=2"]
+# fp32 on the CPU: DeepSpeed and DDP differ only in the order of float additions (DDP divides
+# gradients by dp before its all-reduce, DeepSpeed after; the 1-process run sums micro-batches
+# in another order), so after 20 Adam steps losses agree to ~1e-7 relative; 1e-6 leaves margin.
+LOSS_RTOL = 1e-6
+STAGES = ("zero1", "zero2", "zero3")
+
+
+def refusal(*overrides: str) -> str:
+    with pytest.raises(PlanError) as info:
+        compose([*TEST_OVERRIDES, *overrides])
+    return str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# the generated DeepSpeed config (no processes)
+# ---------------------------------------------------------------------------------------------
+
+
+def backend_config(*overrides: str) -> dict:
+    plan = make_plan([*TEST_OVERRIDES, *overrides]).check()
+    return plan.backend_configs["deepspeed"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_config_is_generated_from_plait_settings(stage):
+    ds = backend_config(f"strategy=zero{stage}", "train.batch_size=16", "train.grad_accum_steps=2",
+                        "train.grad_clip=0.5", "optimizer.lr=3e-4", "precision=bf16")
+    assert ds["zero_optimization"] == {"stage": stage}
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
+            ds["gradient_accumulation_steps"]) == (16, 4, 2)  # 16 = 4 x 2 steps x dp 2
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    assert ds["optimizer"]["type"] == "AdamW"
+    assert ds["optimizer"]["params"]["lr"] == 3e-4
+    assert ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
+
+
+def test_offload_maps_to_deepspeed_cpu_adam():
+    ds = backend_config("strategy=zero3", "strategy.offload_optimizer=cpu",
+                        "strategy.offload_params=cpu")
+    zero = ds["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu"}
+    assert zero["offload_param"] == {"device": "cpu"}
+    assert "torch_adam" not in ds["optimizer"]["params"]  # DeepSpeedCPUAdam runs the step
+
+
+def test_passthrough_and_config_file_are_merged(tmp_path):
+    ds_json = tmp_path / "ds_config.json"
+    ds_json.write_text(json.dumps({
+        "train_batch_size": "auto", "gradient_clipping": 1.0,  # "auto" / same value: accepted
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "overlap_comm": False},
+        "wall_clock_breakdown": True,
+    }))
+    ds = backend_config("strategy=zero2", f"strategy.config_file={ds_json}",
+                        "strategy.deepspeed.zero_optimization.reduce_bucket_size=2000",
+                        "strategy.deepspeed.communication_data_type=fp32")
+    assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 2000,
+                                       "overlap_comm": False}
+    assert ds["wall_clock_breakdown"] is True
+    assert ds["communication_data_type"] == "fp32"
+    assert ds["train_batch_size"] == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals before launch (no processes)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_zero2_and_zero3_refuse_pipeline_parallelism():
+    for stage in ("zero2", "zero3"):
+        text = refusal(f"strategy={stage}", "parallel.pp=2", "launcher.nproc_per_node=4")
+        assert f"strategy={stage} with parallel.pp=2" in text
+        assert "use strategy=zero1 or set parallel.pp=1" in text
+
+
+def test_offload_params_needs_stage3():
+    text = refusal("strategy=zero2", "strategy.offload_params=cpu")
+    assert "strategy.offload_params=cpu needs ZeRO-3" in text
+    assert "strategy=zero3" in text
+
+
+def test_conflicting_passthrough_names_both_settings():
+    text = refusal("strategy=zero1", "strategy.deepspeed.gradient_clipping=0.5",
+                   "strategy.deepspeed.zero_optimization.stage=3")
+    assert ("strategy.deepspeed.gradient_clipping=0.5 conflicts with train.grad_clip=1.0"
+            in text)
+    assert "strategy.deepspeed.zero_optimization.stage=3 conflicts with strategy=zero0..zero3" \
+        in text
+
+
+def test_conflicting_config_file_names_both_settings(tmp_path):
+    ds_json = tmp_path / "ds_config.json"
+    ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 16,
+                                   "scheduler": {"type": "WarmupLR"}}))
+    text = refusal("strategy=zero2", f"strategy.config_file={ds_json}")
+    assert f"strategy.config_file={ds_json} (train_micro_batch_size_per_gpu)=16 conflicts " \
+           "with train.batch_size / (train.grad_accum_steps * dp)" in text
+    assert "sets DeepSpeed's 'scheduler', which plait decides from optimizer.*" in text
+
+
+def test_missing_config_file_is_refused(tmp_path):
+    missing = tmp_path / "nope.json"
+    text = refusal("strategy=zero2", f"strategy.config_file={missing}")
+    assert f"strategy.config_file={missing}: no such file" in text
+
+
+def test_unsupported_offload_and_precision_on_cpu_are_refused():
+    text = refusal("strategy=zero3", "strategy.offload_optimizer=nvme", "precision=fp16",
+                   "device=cpu")
+    assert "strategy.offload_optimizer=nvme needs a CUDA device" in text
+    assert "precision=fp16 with DeepSpeed on the CPU" in text
+
+
+def test_cli_refuses_before_any_process_starts(tmp_path, capsys):
+    rc = cli.main(["train", *TEST_OVERRIDES, "strategy=zero1", "strategy.offload_params=cpu",
+                   f"run.root={tmp_path}", "run.name=refused"])
+    assert rc == 2
+    assert "strategy.offload_params=cpu needs ZeRO-3" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()  # nothing written, nothing launched
+
+
+# ---------------------------------------------------------------------------------------------
+# estimate (no processes)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_plait_estimate_prints_model_states_and_activations(capsys):
+    rc = cli.main(["estimate", *TEST_OVERRIDES, "strategy=zero3", "launcher.nproc_per_node=4"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    plan = make_plan([*TEST_OVERRIDES, "strategy=zero3", "launcher.nproc_per_node=4"])
+    n_params = sum(p.numel() for p in plan.pm.hook.plait_build_model(cfg=plan.cfg).parameters())
+    expected = zero_formula(n_params, 3, 4, "fp32")
+    assert f"model: {n_params:,} parameters" in out
+    assert f"({expected.total:,} B)" in out
+    assert "DeepSpeed's estimator" in out and "activations per micro-batch" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# real runs: 1 process, ddp, zero1..3 on 2 processes (one run each, reused below)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("zero-runs")
+    extra = {
+        "one": ["launcher.nproc_per_node=1"],
+        "ddp": [],
+        "zero1": ["strategy=zero1"],
+        "zero2": ["strategy=zero2"],
+        "zero3": ["strategy=zero3", "fault.checkpoint_every=10", f"train.eval_every={STEPS}"],
+    }
+    return {name: run_training(root / name, [*COMMON, *overrides])
+            for name, overrides in extra.items()}
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [m["loss"] for m in read_metrics(run_dir)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_losses_equal_ddp_and_one_process(runs, stage):
+    reference = losses(runs["one"])
+    assert len(reference) == STEPS
+    assert losses(runs["ddp"]) == pytest.approx(reference, rel=LOSS_RTOL)
+    assert losses(runs[stage]) == pytest.approx(reference, rel=LOSS_RTOL)
+    assert losses(runs[stage]) == pytest.approx(losses(runs["ddp"]), rel=LOSS_RTOL)
+
+
+@pytest.mark.slow
+def test_zero3_resume_continues_with_the_same_losses(runs, tmp_path):
+    k = 10
+    checkpoint = runs["zero3"] / "checkpoints" / f"step_{k:08d}"
+    assert (checkpoint / "deepspeed").is_dir()  # DeepSpeed's own sharded files
+    resumed = run_training(tmp_path / "resumed",
+                           [*COMMON, "strategy=zero3", f"resume={checkpoint}"])
+    steps = read_metrics(resumed)
+    assert [m["step"] for m in steps] == list(range(k + 1, STEPS + 1))
+    uninterrupted = losses(runs["zero3"])[k:]
+    assert [m["loss"] for m in steps] == pytest.approx(uninterrupted, rel=LOSS_RTOL)
+
+
+class PlainEngine:
+    """The exported weights in the plain model, evaluated as the run's engine evaluates."""
+
+    def __init__(self, model):
+        self.model = model.eval()
+
+    @torch.no_grad()
+    def eval_loss(self, batch) -> float:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten()).item()
+
+
+@pytest.mark.slow
+def test_export_of_zero3_checkpoint_loads_into_the_plain_model(runs, tmp_path):
+    from plait.plugins.data import plait_build_dataset
+    from plait.plugins.gpt import GPT
+
+    out = export(str(runs["zero3"]), str(tmp_path / "model.pt"))
+    cfg = OmegaConf.load(runs["zero3"] / "config.yaml")
+    model = GPT(**{k: v for k, v in cfg.model.items() if k != "_target_"})
+    model.load_state_dict(torch.load(out, weights_only=True))  # strict: every key, no extra
+
+    val = plait_build_dataset(cfg=cfg, topology=SimpleNamespace(local_rank=0), split="val")
+    engine, dp = PlainEngine(model), 2
+    per_rank = [evaluate(cfg, engine, val, SimpleNamespace(dims=SimpleNamespace(dp=dp),
+                                                           dp_rank=r)) for r in range(dp)]
+    logged = read_metrics(runs["zero3"])[-1]["eval/loss"]
+    assert sum(per_rank) / dp == pytest.approx(logged, rel=1e-6)
+
+
+def ddp_model_state_bytes(cfg) -> dict[str, int]:
+    """DDP keeps everything unsharded, so one process measures what each DDP rank holds: the
+    model and plait's AdamW after one step and a second backward."""
+    from plait.plugins.adamw import plait_build_optimizer
+    from plait.plugins.gpt import GPT
+
+    model = GPT(**{k: v for k, v in cfg.model.items() if k != "_target_"})
+    optimizer = plait_build_optimizer(cfg=cfg, model=model)
+    x = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len))
+    for _ in range(2):
+        model(x).float().mean().backward()
+        if not optimizer.state:
+            optimizer.step()
+    return measure_model_states(model, optimizer)
+
+
+@pytest.mark.slow
+def test_model_state_bytes_shrink_with_each_stage_as_the_zero_paper_says(runs):
+    cfg = OmegaConf.load(runs["ddp"] / "config.yaml")
+    measured = {"ddp": sum(ddp_model_state_bytes(cfg).values())}
+    for stage in STAGES:
+        last = read_metrics(runs[stage])[-1]
+        measured[stage] = sum(v for k, v in last.items() if k.startswith("model_state_bytes/"))
+    assert measured["zero1"] < measured["ddp"]
+    assert measured["zero2"] < measured["zero1"]
+    assert measured["zero3"] < measured["zero2"]
+
+    n_params = sum(p.numel() for p in torch.load(
+        export(str(runs["zero3"]), str(runs["zero3"] / "export.pt")), weights_only=True).values())
+    for name, stage in (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3)):
+        formula = zero_formula(n_params, stage, 2, "fp32").total
+        assert measured[name] == pytest.approx(formula, rel=0.10), name
+        # plait estimate's figure for the same plan, from the config alone
+        overrides = [*TEST_OVERRIDES, *COMMON, f"strategy={'ddp' if stage == 0 else name}"]
+        estimate = estimate_model_states(make_plan(overrides).check()).states.total
+        assert measured[name] == pytest.approx(estimate, rel=0.10), name
