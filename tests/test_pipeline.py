@@ -203,3 +203,13 @@ def test_pp_resume_continues_with_identical_losses_and_exports_the_full_model(tm
     state = torch.load(export(str(whole / "checkpoints" / "step_00000008")), weights_only=True)
     model = GPT(n_layer=4)
     model.load_state_dict(state)  # strict: every name of the unsplit model, nothing else
+
+
+@pytest.mark.slow
+def test_pp2_tp2_matches_one_process(tmp_path, reference):
+    """Megatron tensor parallelism inside each stage (4 processes); the global grad norm counts
+    each tensor-parallel shard once."""
+    run = tmp_path / "pp2tp2"
+    run_training(run, [*COMMON, *PP2, "launcher.nproc_per_node=4", "parallel.tp=2",
+                       "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2"])
+    assert_same(figures(run), reference)
