@@ -21,8 +21,8 @@ refused). Gradients are the mean over the micro-batches (the schedule scales by 
 averaged over data-parallel ranks: the same gradient as one process on the whole batch.
 
 The engine wraps the strategy's engine (``plait_build_engine`` wrapper): it keeps that engine's
-optimizer, loss scaler and checkpoint files (``model_pp{p}_tp{t}.pt``, original parameter names)
-and replaces only the forward/backward with the schedule; the data-parallel gradient average is
+optimizer and checkpoint files (``model_pp{p}_tp{t}.pt``, original parameter names) and replaces
+only the forward/backward with the schedule; the data-parallel gradient average is
 one bucketed all-reduce over the dp group after the schedule (see ``docs/architecture.md``).
 """
 
@@ -178,8 +178,9 @@ def plait_validate(cfg, dims) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def profile_sample(cfg, model) -> torch.Tensor:
-    micro = max(1, cfg.train.batch_size // max(1, cfg.parallel.microbatches))
+def profile_sample(cfg, dp: int) -> torch.Tensor:
+    """One micro-batch of random token ids, for the ``time`` balance's profiling pass."""
+    micro = max(1, cfg.train.batch_size // (dp * cfg.parallel.microbatches))
     vocab = OmegaConf.select(cfg, "model.vocab_size", default=256)
     generator = torch.Generator().manual_seed(cfg.seed)
     return torch.randint(0, vocab, (micro, cfg.train.seq_len), generator=generator)
@@ -196,7 +197,7 @@ def plait_split_pipeline(cfg, model, topology) -> PipelineStageModules | None:
     balance = balance if isinstance(balance, str) else list(balance)
     part_times = None
     if balance == "time":
-        times = torch.tensor(measure_part_times(model, profile_sample(cfg, model)),
+        times = torch.tensor(measure_part_times(model, profile_sample(cfg, topology.dims.dp)),
                              dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # every rank must cut the same way
         part_times = times.tolist()
@@ -205,9 +206,7 @@ def plait_split_pipeline(cfg, model, topology) -> PipelineStageModules | None:
     if topology.is_logging_rank:
         print(split.describe(placement), flush=True)
     mine = [s for s in range(n_stages) if placement[s] == topology.pp_rank]
-    stage = build_stage_modules(model, split, mine)
-    stage.n_stages = n_stages
-    return stage
+    return build_stage_modules(model, split, mine)
 
 
 def make_schedule(name: str, stages: list, n_microbatches: int, loss_fn):

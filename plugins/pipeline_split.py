@@ -8,7 +8,7 @@ stages each take a contiguous run of ``n_s >= 1`` blocks, ``sum(n_s) = L``; the 
 holds ``embed``, the last ``norm`` and ``head``. A balance gives each part a cost ``c`` and picks
 the counts that minimise the most expensive stage::
 
-    min over (n_0 .. n_{S-1}) of  max_s  [s = 0]·c(embed) + sum of c(block) in s + [s = S-1]·c(tail)
+    min over (n_0 .. n_{S-1}) of max_s [s = 0]·c(embed) + sum_{b in s} c(b) + [s = S-1]·c(tail)
 
 - ``layers``: equal block counts (``L mod S`` extra blocks go to the earliest stages); the
   embedding and the head are ignored, as Megatron's uniform split does.
@@ -102,7 +102,8 @@ def min_max_partition(first: float, blocks: Sequence[float], last: float, n_stag
         prefix.append(prefix[-1] + c)
 
     def cost(s: int, i: int, j: int) -> float:  # stage s holds blocks i..j-1
-        return prefix[j] - prefix[i] + (first if s == 0 else 0) + (last if s == n_stages - 1 else 0)
+        ends = (first if s == 0 else 0) + (last if s == n_stages - 1 else 0)
+        return prefix[j] - prefix[i] + ends
 
     inf = float("inf")
     best = [[inf] * (L + 1) for _ in range(n_stages)]
@@ -209,8 +210,9 @@ class PipelineStageModules(nn.Module):
     for the pipeline schedule; each chunk is a shell of the model sharing these parts.
     """
 
-    def __init__(self, chunks: list[tuple[int, nn.Module]]):
+    def __init__(self, chunks: list[tuple[int, nn.Module]], n_stages: int):
         super().__init__()
+        self.n_stages = n_stages
         self.blocks = nn.ModuleDict()
         for _, chunk in chunks:
             for name, child in chunk.named_children():
@@ -246,4 +248,4 @@ def build_stage_modules(model: nn.Module, split: StageSplit, stage_indices: Sequ
                 if part is not None:
                     setattr(chunk, name, part)
         chunks.append((s, chunk))
-    return PipelineStageModules(chunks)
+    return PipelineStageModules(chunks, len(split.counts))

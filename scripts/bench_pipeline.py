@@ -5,9 +5,9 @@
 
 For each pipeline size ``p`` (``p`` gloo processes, one thread each), each schedule of the
 pipeline plugin and each number of micro-batches ``m``, it builds a GPT (8 blocks, width 128
-or ``--width``, sequence 64, 4 sequences per micro-batch) split by the plugin (``balance=layers``), runs one
-warm-up step and ``--steps`` measured steps through the same ``torch.distributed.pipelining``
-schedule the plugin uses, and prints a markdown table:
+or ``--width``, sequence 64, 4 sequences per micro-batch) split by the plugin
+(``balance=layers``), runs one warm-up step and ``--steps`` measured steps through the same
+``torch.distributed.pipelining`` schedule the plugin uses, and prints a markdown table:
 
 - ``bubble``: the idle fraction of each stage over a step, ``1 - busy / step time``, where
   *busy* sums the wall time of this rank's forward / backward / weight-backward calls
