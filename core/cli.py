@@ -13,12 +13,11 @@ import sys
 from typing import Callable
 
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from plait import api
 from plait.export import cmd_export
-from plait.plan import format_plan, make_plan
+from plait.plan import compose_config, format_plan, make_plan
 from plait.plugin_manager import make_plugin_manager
 from plait.types import PlanError
 
@@ -44,12 +43,14 @@ def cmd_plan(overrides: list[str]) -> int:
 
 def cmd_plugins(overrides: list[str]) -> int:
     """List every registered plugin, where it came from, what selects it and its hooks."""
-    cfg = OmegaConf.from_dotlist(overrides) if overrides else None
+    cfg = compose_config(overrides, make_plugin_manager())  # config-listed plugins count too
     pm = make_plugin_manager(cfg)
     for record in pm.records.values():
         selected = ", ".join(f"{k}={v}" for k, v in record.info.selected_by.items()) or "always"
         print(f"{record.info.name}  [{record.source}]  selected by: {selected}")
-        print(f"    module: {getattr(record.plugin, '__name__', type(record.plugin).__name__)}")
+        plugin = record.plugin
+        where = getattr(plugin, "__name__", None) or f"{type(plugin).__module__}.{type(plugin).__qualname__}"
+        print(f"    object: {where}")
         print(f"    hooks:  {', '.join(record.hooks(pm))}")
     return 0
 

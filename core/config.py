@@ -31,6 +31,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: no evaluation
     eval_batches: int = 4
     peak_flops: float = 1e12  # dense peak FLOP/s of one device, for the MFU estimate
+    compile: bool = False  # torch.compile the model (engines that support it)
 
 
 @dataclass
@@ -51,6 +52,9 @@ class ParallelConfig:
     virtual_stages: int = 1
     balance: Any = "layers"
     tensor: str = "megatron"  # the plugin that splits layers when tp > 1
+    # None: the built-in plan for model._target_; a name ("gpt", "llama"); or
+    # {module-name pattern: colwise|colwise_qkv|rowwise|vocab|norm|sequence_scatter|replicate}
+    tp_plan: Any = None
     pipeline: str = "torch"  # the plugin that cuts stages when pp > 1
 
 
@@ -62,6 +66,7 @@ class LauncherConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: pick a free port (single node)
+    local_addr: Optional[str] = None  # this node's address as the others reach it (multi-node)
     max_restarts: int = 0
     timeout_s: int = 300
 

@@ -140,8 +140,9 @@ def unselected_choices(
         if made.get(hook):
             continue
         options = sorted(
-            {str(v) for r in available.records.values() for k, v in r.info.selected_by.items()
-             if k == setting}
+            {str(option) for r in available.records.values()
+             for k, v in r.info.selected_by.items() if k == setting
+             for option in (v if isinstance(v, (list, tuple, set, frozenset)) else (v,))}
         )
         value = OmegaConf.select(cfg, setting, default=None)
         hint = f"; installed plugins offer: {', '.join(options)}" if options else ""

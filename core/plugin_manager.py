@@ -3,7 +3,8 @@
 Plugins arrive three ways, all through one :class:`PlaitPluginManager`, registered in this order:
 
 1. objects handed over from Python (``plait.api.train(..., plugins=[obj])``),
-2. dotted module paths listed in the config (``plugins: [my_team.plugins.fancy_sync]``),
+2. dotted paths listed in the config (``plugins: [my_team.plugins.fancy_sync]``, or
+   ``module:object`` for an object),
 3. the ``plait`` entry-point group, which is how plait's own built-ins are found too.
 
 ``PLAIT_BLOCK_PLUGINS=name,name`` keeps the named plugins out. The manager is built by a factory,
@@ -59,6 +60,19 @@ class PlaitPluginManager(pluggy.PluginManager):
         del self.records[name]
 
 
+def import_plugin(path: str) -> Any:
+    """Import ``pkg.module`` (a module of hook functions) or ``pkg.module:attr`` (an object)."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+        return getattr(module, attr) if attr else module
+    except (ImportError, AttributeError) as e:
+        raise ValueError(
+            f"plugins: cannot load {path!r} ({e}); give an importable 'package.module' or "
+            "'package.module:object' and check that its package is installed"
+        ) from e
+
+
 def declaration_of(pm: pluggy.PluginManager, plugin: Any, fallback_name: str) -> PluginInfo:
     for impl in pm.hook.plait_declare.get_hookimpls():
         if impl.plugin is plugin:
@@ -82,14 +96,7 @@ def make_plugin_manager(
     for path in dotted:
         if path in blocked:
             continue
-        try:
-            module = importlib.import_module(path)
-        except ImportError as e:
-            raise ValueError(
-                f"plugins: cannot import {path!r} ({e}); check the dotted path and that its "
-                "package is installed"
-            ) from e
-        pm.register_plugin(module, path, "config (plugins list)")
+        pm.register_plugin(import_plugin(path), path, "config (plugins list)")
     if load_entrypoints:
         from importlib.metadata import entry_points
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
 from omegaconf import DictConfig
 
-from plait import api
+from plait import api, hookimpl
 from plait.plan import make_plan
 
 # Settings that keep a test run small and quiet: the tiny GPT, no W&B, a few steps.
@@ -81,3 +82,64 @@ def _spawned(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+
+
+def read_wandb_run(run_dir: str | Path) -> dict[str, Any]:
+    """Read back an offline W&B run written under ``run_dir/wandb``: its id, config and history.
+
+    The ``.wandb`` file is a LevelDB-style log (a 7-byte ``:W&B`` header, then 32 KiB blocks of
+    records, each a 7-byte header — crc32c, little-endian length, chunk type — and a chunk of a
+    protobuf ``Record``); wandb ships the protobuf classes but no reader.
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    [path] = sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))[-1:]
+    data, block, pos, pending = path.read_bytes(), 32768, 7, b""
+    run: dict[str, Any] = {"id": None, "config": {}, "history": [], "path": path}
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # too little room for a header: the block is padded
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            continue
+        pending += chunk
+        if kind in (1, 4):  # FULL or LAST chunk: a whole record
+            record = pb.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            _collect(record, run)
+    return run
+
+
+def _collect(record, run: dict[str, Any]) -> None:
+    kind = record.WhichOneof("record_type")
+    if kind == "run":
+        run["id"] = record.run.run_id
+        for item in record.run.config.update:
+            run["config"][item.key] = json.loads(item.value_json)
+    elif kind == "config":
+        for item in record.config.update:
+            run["config"][item.key] = json.loads(item.value_json)
+    elif kind == "history":
+        run["history"].append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                               for i in record.history.item})
+
+
+class StepClock:
+    """A plugin for benchmarks: rank 0's wall clock at the end of every step, one line each."""
+
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+
+    @hookimpl
+    def plait_on_step_end(self, step):
+        with open(self.path, "a") as f:
+            f.write(f"{time.perf_counter()}\n")
+
+
+def steps_per_s(stamps: list[float], warmup: int) -> float:
+    """Steps per second between the end of step ``warmup`` and the last step."""
+    timed = stamps[warmup:]
+    return (len(timed) - 1) / (timed[-1] - timed[0])

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from plait import hookimpl
+from plait.plugins.grad_norm import clip_grad_norm_
 from plait.plugins.mixed_precision import autocast, grad_scaler
 from plait.types import Batch, PluginInfo, StepOutput
 
@@ -30,6 +31,9 @@ class DDPEngine:
         self.scaler = grad_scaler(cfg.precision, self.device)
         self.dp_group = topology.get_data_parallel_group()
         self.dp_size = topology.dims.dp
+        # Tensor-parallel shards: the gradient norm is summed over the tp group.
+        self.tp_group = topology.get_tensor_model_parallel_group() if topology.dims.tp > 1 else None
+        self.tp_rank = topology.tp_rank
         self.checkpoint_name = f"model_pp{topology.pp_rank}_tp{topology.tp_rank}.pt"
         self.saves_checkpoint = topology.dp_rank == 0
         self.wrapped = model
@@ -39,6 +43,8 @@ class DDPEngine:
                                                    process_group=self.dp_group)
             if comm_hook is not None:
                 self.wrapped.register_comm_hook(*comm_hook)
+        if cfg.train.compile:  # compiled around DDP, so DDP's graph splitting applies
+            self.wrapped = torch.compile(self.wrapped)
 
     def _loss(self, batch: Batch) -> torch.Tensor:
         x, y = (t.to(self.device, non_blocking=True) for t in batch)
@@ -65,7 +71,7 @@ class DDPEngine:
             total += loss.detach()
         self.scaler.unscale_(self.optimizer)
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, self.tp_group, self.tp_rank)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

@@ -43,9 +43,12 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        # n_head is the number of heads on this rank: a tensor-parallel split lowers it.
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, -1).permute(2, 0, 3, 1, 4)
+        # n_head is the number of heads on this rank: a tensor-parallel split lowers it. The
+        # shape is read from qkv's output: under sequence parallelism x holds seq/tp positions
+        # and qkv gathers the whole sequence.
+        qkv = self.qkv(x)
+        B, T, _ = qkv.shape
+        q, k, v = qkv.view(B, T, 3, self.n_head, -1).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )

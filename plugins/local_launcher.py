@@ -3,8 +3,9 @@
 (``torchrun``, ``srun``), run the worker in place.
 
 Multi-node: run the same command on every node with ``launcher.nnodes=N
-launcher.master_addr=<node 0's address> launcher.master_port=<port>``; the nodes meet at that
-address through the c10d rendezvous.
+launcher.master_addr=<node 0's address> launcher.master_port=<port> launcher.node_rank=<i>``; the
+nodes meet at that address through the c10d rendezvous. Where a node's host name does not resolve
+to its address on the others, give ``launcher.local_addr=<its address>``.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def plait_launch(cfg, entrypoint, args) -> bool:
         max_restarts=launcher.max_restarts,
         start_method="spawn",
         monitor_interval=0.1,
+        local_addr=launcher.local_addr,
     )
     elastic_launch(config, entrypoint=entrypoint)(*args)
     return True

@@ -10,4 +10,4 @@ python -m pip install -q --upgrade pip
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   python -m pip install -q torch==2.13.0
 fi
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,hf]"

@@ -1,0 +1,81 @@
+"""A Llama-architecture model from Hugging Face ``transformers``, built from a config with random
+weights (no download): ``plait train model=llama_tiny``. Needs the ``hf`` extra
+(``pip install -e ".[hf]"``); ``transformers`` is imported only when the model is built.
+
+The model keeps Hugging Face's module names (``model.layers.<i>.self_attn.q_proj``, ``lm_head``),
+so the built-in tensor-parallel plan reads like ``transformers``' own ``base_model_tp_plan``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from plait import hookimpl
+from plait.config import ModelConfig
+from plait.types import PluginInfo
+
+
+@dataclass
+class LlamaModelConfig(ModelConfig):
+    _target_: str = "plait.plugins.llama.build_llama"
+    vocab_size: int = 256
+    block_size: int = 64  # max_position_embeddings
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+
+
+def build_llama(vocab_size: int = 256, block_size: int = 64, hidden_size: int = 64,
+                intermediate_size: int = 128, num_hidden_layers: int = 2,
+                num_attention_heads: int = 4, num_key_value_heads: int = 2,
+                rms_norm_eps: float = 1e-5, tie_word_embeddings: bool = False) -> torch.nn.Module:
+    """A randomly initialised ``LlamaForCausalLM`` whose ``forward(ids)`` returns the logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class LlamaLM(LlamaForCausalLM):
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # plait's model contract
+            return super().forward(input_ids=input_ids, use_cache=False).logits
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, max_position_embeddings=block_size, hidden_size=hidden_size,
+        intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+        rms_norm_eps=rms_norm_eps, tie_word_embeddings=tie_word_embeddings,
+        attention_dropout=0.0, use_cache=False,
+    )
+    config._attn_implementation = "sdpa"
+    return LlamaLM(config)
+
+
+@hookimpl
+def plait_declare() -> PluginInfo:
+    return PluginInfo(name="llama", description="transformers' Llama built from a config")
+
+
+@hookimpl
+def plait_register_configs(config_store) -> None:
+    config_store.store(group="model", name="base_llama", node=LlamaModelConfig)
+
+
+@hookimpl
+def plait_validate(cfg) -> list[str]:
+    if cfg.model._target_ != LlamaModelConfig._target_:
+        return []
+    if importlib.util.find_spec("transformers") is None:
+        return ["model=llama_tiny needs transformers: pip install -e \".[hf]\""]
+    m = cfg.model
+    problems = []
+    if m.hidden_size % m.num_attention_heads:
+        problems.append(f"model.hidden_size={m.hidden_size} is not divisible by "
+                        f"model.num_attention_heads={m.num_attention_heads}")
+    if m.num_attention_heads % m.num_key_value_heads:
+        problems.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                        f"model.num_key_value_heads={m.num_key_value_heads}")
+    return problems

@@ -1,0 +1,90 @@
+"""Composition of every option, and bad input refused before any worker starts."""
+
+from pathlib import Path
+
+import pytest
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException, MissingConfigException
+
+from plait.cli import main
+from plait.plan import make_plan
+from plait.testing import compose
+
+CONF = Path(__file__).parents[1] / "conf"
+OPTIONS = sorted(
+    (group.name, option.stem)
+    for group in CONF.iterdir() if group.is_dir() and not group.name.startswith("_")
+    for option in group.glob("*.yaml")
+)
+NEEDS = {("data", "text"): ["data.path=README.md"],
+         ("data", "tokens"): ["data.path=__TOKENS__"],
+         ("model", "custom"): ["model._target_=torch.nn.Identity"]}
+
+
+@pytest.mark.parametrize("group,option", OPTIONS)
+def test_every_option_of_every_group_composes_and_passes_the_checks(group, option, tmp_path):
+    extra = [o.replace("__TOKENS__", str(tmp_path / "t.bin")) for o in NEEDS.get((group, option), [])]
+    (tmp_path / "t.bin").write_bytes(b"\0" * 64)
+    extra = [o.replace("README.md", str(CONF.parent / "README.md")) for o in extra]
+    cfg = compose([f"{group}={option}", f"run.root={tmp_path}", *extra])
+    assert cfg[group] is not None
+
+
+def test_unknown_option_lists_valid_choices():
+    with pytest.raises(MissingConfigException) as err:
+        compose(["strategy=nosuch"])
+    assert "Available options in 'strategy'" in str(err.value) and "ddp" in str(err.value)
+
+
+def test_unknown_key_and_wrong_type_are_errors():
+    with pytest.raises(ConfigCompositionException, match="stepz"):
+        compose(["train.stepz=3"])
+    with pytest.raises(ConfigCompositionException, match="train.steps"):
+        compose(["train.steps=many"])
+
+
+def problems(*overrides):
+    return "\n".join(make_plan(overrides).problems)
+
+
+def test_nproc_below_one_is_refused():
+    assert "launcher.nproc_per_node=0: need at least 1 process per node" in problems(
+        "launcher.nproc_per_node=0")
+
+
+def test_batch_not_divisible_by_accum_times_dp():
+    text = problems("train.batch_size=10", "train.grad_accum_steps=2", "launcher.nproc_per_node=2")
+    assert ("train.batch_size=10 is not divisible by train.grad_accum_steps(2) * dp(2) = 4: set "
+            "train.batch_size to a multiple of 4") in text
+
+
+def test_context_longer_than_the_model():
+    assert ("train.seq_len=128 is longer than the model's context model.block_size=64"
+            in problems("train.seq_len=128"))
+
+
+def test_missing_data_path():
+    assert "data.path=/no/such/file does not exist" in problems("data=text", "data.path=/no/such/file")
+    assert "data=text needs data.path" in problems("data=text")
+
+
+def test_missing_checkpoint(tmp_path):
+    text = problems(f"run.root={tmp_path}", "run.name=x", "resume=latest")
+    assert f"resume=latest: no checkpoint found in {tmp_path}/x/checkpoints" in text
+    assert "resume=/nowhere: no checkpoint found in /nowhere" in problems("resume=/nowhere")
+
+
+def test_mesh_that_does_not_fill_the_world():
+    assert "dp(3) * tp(1) * pp(1) != world_size(2)" in problems("parallel.dp=3")
+
+
+def test_refused_train_exits_2_and_writes_nothing(tmp_path, capsys):
+    code = main(["train", f"run.root={tmp_path}", "run.name=r", "train.seq_len=999"])
+    assert code == 2
+    assert "plait: plait refused this plan:" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_no_hydra_state_leaks_between_compositions():
+    compose([])
+    assert not GlobalHydra.instance().is_initialized()

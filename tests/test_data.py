@@ -1,0 +1,82 @@
+"""Token data: the embedded default, caching, and disjoint deterministic shards."""
+
+import numpy as np
+import pytest
+
+from plait.plugins import data as data_plugin
+from plait.plugins.sharding import ShardedBatchSampler
+from plait.testing import compose
+
+
+def test_stdlib_default_is_tokenized_once_and_reused(tmp_path, monkeypatch):
+    sources = data_plugin.stdlib_sources()[:20]
+    calls = []
+    real = data_plugin.tokenize_to_cache
+    monkeypatch.setattr(data_plugin, "tokenize_to_cache",
+                        lambda s, f: (calls.append(f), real(s, f)))
+    first = data_plugin.cached_tokens(sources, tmp_path, local_rank=0)
+    second = data_plugin.cached_tokens(sources, tmp_path, local_rank=0)
+    assert first == second and len(calls) == 1
+    tokens = np.memmap(first, dtype=np.uint16, mode="r")
+    text = b"".join(p.read_bytes() + b"\n" for p in sources)
+    assert bytes(tokens.astype(np.uint8)) == text
+    assert any(p.name == "os.py" for p in data_plugin.stdlib_sources())
+
+
+def test_a_changed_source_is_tokenized_again(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello world\n")
+    first = data_plugin.cached_tokens([corpus], tmp_path / "cache", 0)
+    corpus.write_text("hello again, world\n")
+    second = data_plugin.cached_tokens([corpus], tmp_path / "cache", 0)
+    assert first != second
+
+
+def test_windows_are_inputs_and_next_token_targets():
+    windows = data_plugin.TokenWindows(np.arange(100, dtype=np.uint16), seq_len=8)
+    assert len(windows) == 12
+    x, y = windows.batch([0, 2])
+    assert x[1].tolist() == list(range(16, 24)) and y[1].tolist() == list(range(17, 25))
+
+
+def test_tokens_file_is_used_as_is(tmp_path):
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    cfg = compose(["data=tokens", f"data.path={tmp_path / 'train.bin'}"])
+    path, needs_split = data_plugin.token_file(cfg, 0, "train")
+    assert path == tmp_path / "train.bin" and needs_split
+
+
+def shards(dp, accum, steps, state=None, batch=8):
+    out = []
+    for rank in range(dp):
+        sampler = ShardedBatchSampler(100, batch, accum, rank, dp, shuffle=True, seed=1)
+        if state:
+            sampler.load_state_dict(state)
+        it = iter(sampler)
+        out.append([next(it) for _ in range(steps)])
+    return out
+
+
+def test_dp_ranks_get_disjoint_shares_that_make_up_the_global_batch():
+    two = shards(dp=2, accum=1, steps=30)  # 30 steps > 12 per epoch: crosses epochs
+    one = shards(dp=1, accum=2, steps=30)[0]
+    for step in range(30):
+        a, b = two[0][step][0], two[1][step][0]
+        assert not set(a) & set(b)
+        assert one[step] == [a, b]  # same global batch, same micro-batch order
+
+
+def test_sampler_state_resumes_exactly():
+    sampler = ShardedBatchSampler(100, 8, 1, 0, 1, shuffle=True, seed=1)
+    it = iter(sampler)
+    seen = [next(it) for _ in range(17)]
+    resumed = ShardedBatchSampler(100, 8, 1, 0, 1, shuffle=True, seed=1)
+    resumed.load_state_dict(sampler.state_dict())
+    rest = iter(resumed)
+    straight = shards(1, 1, 25)[0]
+    assert seen + [next(rest) for _ in range(8)] == straight
+
+
+def test_too_little_data_for_one_batch_names_the_setting():
+    with pytest.raises(ValueError, match="fewer than one global batch of train.batch_size=64"):
+        ShardedBatchSampler(10, 64, 1, 0, 1, shuffle=False, seed=0)
