@@ -54,6 +54,11 @@ def plait_launch(cfg, entrypoint, args) -> bool:
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # As torchrun does: without a limit each worker's intra-op pool takes every core, and
+    # workers sharing a machine slow each other down many times over.
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // launcher.nproc_per_node)))
+
     if launcher.nnodes == 1 and launcher.master_port == 0:
         endpoint = "localhost:0"  # torchrun --standalone: a free port on this machine
     else:

@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=256)
     args = parser.parse_args()
+    # The same intra-op threads for both loops (plait's launcher would pick this value too).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     results: dict[str, list[float]] = {"plait": [], "plain": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
