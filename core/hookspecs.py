@@ -212,7 +212,8 @@ def plait_comm_hook(cfg: DictConfig, topology: Topology) -> tuple[Any, Callable]
 
     Stops at the first non-None result.
 
-    :return: ``(state, hook)`` in the form of ``DistributedDataParallel.register_comm_hook``.
+    :return: ``(state, hook)`` in the form of ``DistributedDataParallel.register_comm_hook``,
+        or None for the strategy's built-in all-reduce.
     """
 
 

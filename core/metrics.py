@@ -59,20 +59,21 @@ class StepMeter:
         if step % self.cfg.train.log_every and step != self.cfg.train.steps:
             return {}
         memory = float(peak_memory_bytes(self.topology.device))
-        lows = torch.tensor([step_time, memory], dtype=torch.float64, device=self.topology.device)
-        highs = lows.clone()
-        dist.all_reduce(lows, op=dist.ReduceOp.MIN)
-        dist.all_reduce(highs, op=dist.ReduceOp.MAX)
-        slowest = highs[0].item()
+        # One MAX reduction gives both extremes: min(x) = -max(-x).
+        figures = torch.tensor([step_time, memory, -step_time, -memory], dtype=torch.float64,
+                               device=self.topology.device)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        highs, lows = figures[:2].tolist(), (-figures[2:]).tolist()
+        slowest = highs[0]
         return {
             "loss": out.loss,
             "lr": lr,
             "grad_norm": out.grad_norm,
             "tokens_per_s": self.tokens_per_step / slowest,
             "mfu": self.flops_per_step / slowest / self.peak_flops,
-            "step_time_s/min": lows[0].item(),
+            "step_time_s/min": lows[0],
             "step_time_s/max": slowest,
-            "peak_memory_bytes/min": lows[1].item(),
-            "peak_memory_bytes/max": highs[1].item(),
+            "peak_memory_bytes/min": lows[1],
+            "peak_memory_bytes/max": highs[1],
             **out.metrics,
         }

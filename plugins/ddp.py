@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,11 +52,20 @@ class DDPEngine:
         with autocast(self.precision, self.device):
             return self.loss_fn(self.wrapped(x), y)
 
-    def _mean_over_dp(self, value: torch.Tensor) -> float:
-        if self.dp_size > 1:
-            dist.all_reduce(value, group=self.dp_group)  # gloo has no AVG
-            value = value / self.dp_size
-        return value.item()
+    def _mean_over_dp(self, value: torch.Tensor) -> Callable[[], float]:
+        """Start averaging ``value`` over the dp ranks; call the result to wait for the float.
+
+        Asynchronous so the reduction of the step's loss overlaps the optimizer step.
+        """
+        if self.dp_size == 1:
+            return value.item
+        work = dist.all_reduce(value, group=self.dp_group, async_op=True)  # gloo has no AVG
+
+        def wait() -> float:
+            work.wait()
+            return value.item() / self.dp_size
+
+        return wait
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
         for group in self.optimizer.param_groups:
@@ -69,20 +79,21 @@ class DDPEngine:
                 loss = self._loss(batch)
                 self.scaler.scale(loss / n).backward()
             total += loss.detach()
+        mean_loss = self._mean_over_dp(total / n)
         self.scaler.unscale_(self.optimizer)
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, self.tp_group, self.tp_rank)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepOutput(loss=self._mean_over_dp(total / n), grad_norm=float(grad_norm))
+        return StepOutput(loss=mean_loss(), grad_norm=float(grad_norm))
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> float:
         self.model.eval()
         loss = self._loss(batch).detach().float()
         self.model.train()
-        return self._mean_over_dp(loss)
+        return self._mean_over_dp(loss)()
 
     def save_state(self, directory: Path) -> None:
         if self.saves_checkpoint:
