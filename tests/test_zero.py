@@ -110,7 +110,7 @@ def test_zero2_and_zero3_refuse_pipeline_parallelism():
     for stage in ("zero2", "zero3"):
         text = refusal(f"strategy={stage}", "parallel.pp=2", "launcher.nproc_per_node=4")
         assert f"strategy={stage} with parallel.pp=2" in text
-        assert "use strategy=zero1 or set parallel.pp=1" in text
+        assert "use strategy=ddp for pipelines" in text and "or set parallel.pp=1" in text
 
 
 def test_offload_params_needs_stage3():

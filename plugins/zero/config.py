@@ -198,8 +198,9 @@ def validate(cfg: DictConfig, dims) -> list[str]:
     if stage >= 2 and dims.pp > 1:
         problems.append(
             f"strategy={strategy.name} with parallel.pp={dims.pp}: DeepSpeed shards gradients "
-            "(ZeRO-2) and parameters (ZeRO-3) only without pipeline parallelism; use strategy=zero1 "
-            "or set parallel.pp=1")
+            "(ZeRO-2) and parameters (ZeRO-3) only without pipeline parallelism; use "
+            "strategy=ddp for pipelines (ZeRO-1 through DeepSpeed's pipeline engine is not wired "
+            "in) or set parallel.pp=1")
     if cfg.comm.name != "allreduce":
         problems.append(f"comm={cfg.comm.name} with strategy={strategy.name}: DeepSpeed reduces "
                         "ZeRO's gradients itself and takes no DDP comm hook; use comm=allreduce "
