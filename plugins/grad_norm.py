@@ -1,11 +1,14 @@
-"""The global gradient norm of a model whose parameters may be tensor-parallel shards.
+"""The global gradient norm of a model whose parameters may be tensor-parallel shards and
+pipeline stages.
 
 With plain-tensor shards (see :mod:`plait.plugins.tp_layers`) a rank's local
 ``clip_grad_norm_`` is wrong: a split parameter's norm is the sum over the tensor-parallel group
-of its shards' squared norms, while a replicated parameter (identical on every rank) counts once.
+of its shards' squared norms, while a replicated parameter (identical on every rank) counts once;
+pipeline stages hold disjoint parameters, so their squares add up over the pipeline group.
 Following Megatron (and DeepSpeed, which reads the same ``tensor_model_parallel`` attribute)::
 
-    ||g||^2 = all_reduce_tp( sum_{p split} ||g_p||^2 + [tp_rank == 0] * sum_{p replicated} ||g_p||^2 )
+    ||g||^2 = all_reduce_pp( all_reduce_tp( sum_{p split} ||g_p||^2
+                                            + [tp_rank == 0] * sum_{p replicated} ||g_p||^2 ) )
 """
 
 from __future__ import annotations
@@ -21,19 +24,21 @@ def is_tensor_parallel(p: torch.Tensor) -> bool:
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
-                    tp_group=None, tp_rank: int = 0) -> torch.Tensor:
+                    tp_group=None, tp_rank: int = 0, pp_group=None) -> torch.Tensor:
     """Clip gradients in place to a global L2 norm of ``max_norm``; return the norm before
-    clipping. Without ``tp_group`` this is ``torch.nn.utils.clip_grad_norm_``."""
+    clipping. Without model-parallel groups this is ``torch.nn.utils.clip_grad_norm_``. Every
+    rank of the groups must call it (it all-reduces)."""
     params = [p for p in parameters if p.grad is not None]
-    if tp_group is None:
+    if tp_group is None and pp_group is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if not params:
-        return torch.zeros(())
-    squares = torch.zeros((), device=params[0].grad.device, dtype=torch.float32)
+    device = params[0].grad.device if params else torch.device("cpu")
+    squares = torch.zeros((), device=device, dtype=torch.float32)
     for p in params:
         if is_tensor_parallel(p) or tp_rank == 0:
             squares += p.grad.detach().float().pow(2).sum()
-    dist.all_reduce(squares, group=tp_group)
+    for group in (tp_group, pp_group):
+        if group is not None:
+            dist.all_reduce(squares, group=group)
     total_norm = squares.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
     return total_norm

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from plait import hookimpl
+from plait.plugins.grad_norm import clip_grad_norm_
 from plait.plugins.mixed_precision import autocast
 from plait.plugins.pipeline_split import (
     BALANCES,
@@ -300,20 +301,6 @@ class PipelineEngine:
             for g, reduced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
                 g.copy_(reduced)
 
-    def _global_grad_norm(self) -> torch.Tensor:
-        """``sqrt`` of the squared gradient norms summed over the model-parallel ranks, each
-        parameter counted once: a tensor-parallel shard (Megatron's ``tensor_model_parallel``
-        attribute) on every tp rank, a replicated parameter on tp rank 0 only."""
-        squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in self.model.parameters():
-            if p.grad is not None and (getattr(p, "tensor_model_parallel", False)
-                                       or self.tp_rank == 0):
-                squares += p.grad.detach().float().pow(2).sum()
-        if self.tp_size > 1:
-            dist.all_reduce(squares, group=self.tp_group)
-        dist.all_reduce(squares, group=self.pp_group)
-        return squares.sqrt()
-
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -326,10 +313,10 @@ class PipelineEngine:
         loss = self._reduce_loss(torch.stack(losses).mean() if self.has_last
                                  else torch.zeros(()))
         self._average_grads_over_dp()
-        grad_norm = self._global_grad_norm()
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm,
+                                    self.tp_group if self.tp_size > 1 else None, self.tp_rank,
+                                    self.pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutput(loss=loss, grad_norm=grad_norm.item())
