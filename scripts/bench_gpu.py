@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from plait import api
+from plait.plugins.adamw import cosine_with_warmup
 from plait.testing import StepClock, steps_per_s
 
 N_LAYER, N_HEAD, N_EMBD, VOCAB = 12, 12, 768, 50304
@@ -68,9 +68,9 @@ def run_plain(args) -> float:
                         args.seq_len)
     order = np.random.default_rng(1337).permutation(len(data))
     stamps = []
+    lr_at = cosine_with_warmup(lr=1e-3, min_lr=1e-4, warmup=10, decay=args.steps)  # plait's
     for step in range(args.steps):
-        lr = 1e-3 * (step + 1) / 10 if step < 10 else 1e-4 + 0.5 * (1 + math.cos(
-            math.pi * (step - 10) / (args.steps - 10))) * (1e-3 - 1e-4)
+        lr = lr_at(step)
         for group in opt.param_groups:
             group["lr"] = lr
         idx = order[step * args.batch_size:(step + 1) * args.batch_size].tolist()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -26,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from plait import api
+from plait.plugins.adamw import cosine_with_warmup
 from plait.testing import StepClock, free_port, steps_per_s
 
 
@@ -67,9 +67,9 @@ def plain_worker(rank: int, args, port: int, clock: str, cfg: dict) -> None:
                         args.seq_len)
     order = np.random.default_rng(cfg["seed"]).permutation(len(data))
     local = args.batch_size // args.nproc
+    lr_at = cosine_with_warmup(lr=1e-3, min_lr=1e-4, warmup=10, decay=args.steps)  # plait's
     for step in range(args.steps):
-        lr = 1e-3 * (step + 1) / 10 if step < 10 else 1e-4 + 0.5 * (1 + math.cos(
-            math.pi * (step - 10) / (args.steps - 10))) * (1e-3 - 1e-4)
+        lr = lr_at(step)
         for group in opt.param_groups:
             group["lr"] = lr
         start = step * args.batch_size + rank * local
