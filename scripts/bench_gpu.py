@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from plait import api
-from plait.plugins.adamw import cosine_with_warmup
+from plait.plugins.optim import cosine_with_warmup
 from plait.testing import StepClock, steps_per_s
 
 N_LAYER, N_HEAD, N_EMBD, VOCAB = 12, 12, 768, 50304
@@ -52,7 +52,7 @@ def run_plain(args) -> float:
     import time
 
     from plait.plugins.data import TokenWindows, cached_tokens, load_split, stdlib_sources
-    from plait.plugins.gpt import GPT
+    from plait.plugins.models.gpt import GPT
 
     device = torch.device("cuda", 0)
     torch.manual_seed(1337)
@@ -98,7 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gpu.py needs a CUDA GPU; none is present here")
-    from plait.plugins.gpt import GPT
+    from plait.plugins.models.gpt import GPT
 
     with torch.device("meta"):
         n_params = sum(p.numel() for p in GPT(vocab_size=VOCAB, block_size=args.seq_len,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from plait import api
-from plait.plugins.adamw import cosine_with_warmup
+from plait.plugins.optim import cosine_with_warmup
 from plait.testing import StepClock, free_port, steps_per_s
 
 
@@ -46,7 +46,7 @@ def run_plait(args, root: Path, name: str) -> float:
 def plain_worker(rank: int, args, port: int, clock: str, cfg: dict) -> None:
     """The loop a user would write by hand: DDP, AdamW, cosine LR, clipping, loss print."""
     from plait.plugins.data import TokenWindows, cached_tokens, load_split, stdlib_sources
-    from plait.plugins.gpt import GPT
+    from plait.plugins.models.gpt import GPT
     import numpy as np
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plait.plugins.gpt import GPT
+from plait.plugins.models.gpt import GPT
 from plait.plugins.pipeline import SCHEDULES, make_schedule, stage_to_rank
-from plait.plugins.pipeline_split import build_stage_modules, split_stages
+from plait.plugins.pipeline.split import build_stage_modules, split_stages
 from plait.testing import spawn
 
 N_LAYER, SEQ, MICRO_BATCH = 8, 64, 4

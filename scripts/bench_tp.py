@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plait.plugins.gpt import GPT
-from plait.plugins.grad_norm import clip_grad_norm_
-from plait.plugins.tp_layers import VocabParallelCrossEntropy
-from plait.plugins.tp_plan import GPT_PLAN, apply_plan
+from plait.plugins.models.gpt import GPT
+from plait.plugins.optim.clip_grads import clip_grad_norm_
+from plait.plugins.tensor_parallel.layers import VocabParallelCrossEntropy
+from plait.plugins.tensor_parallel.plan import GPT_PLAN, apply_plan
 from plait.testing import spawn
 from plait.train import cross_entropy
 

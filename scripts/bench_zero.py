@@ -46,7 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from plait import hookimpl  # noqa: E402
-from plait.plugins.gpt import GPT  # noqa: E402
+from plait.plugins.models.gpt import GPT  # noqa: E402
 from plait.plugins.zero.estimate import zero_formula  # noqa: E402
 from plait.testing import read_metrics, run_training, spawn  # noqa: E402
 
@@ -96,7 +96,7 @@ def raw_rank(rank: int, world_size: int, ds_config: dict, model_cfg: dict, steps
     """The loop a DeepSpeed user writes by hand (DeepSpeed's getting-started shape)."""
     import deepspeed
 
-    from plait.plugins.adamw import param_groups
+    from plait.plugins.optim import param_groups
 
     torch.manual_seed(1337)
     model = GPT(**model_cfg)
@@ -139,7 +139,7 @@ def engine_ab_rank(rank: int, world_size: int, overrides: list[str], blocks: int
     import deepspeed
     import torch.distributed as dist
 
-    from plait.plugins.adamw import param_groups
+    from plait.plugins.optim import param_groups
     from plait.plugins.zero.config import deepspeed_config
     from plait.plugins.zero.engine import ZeroEngine
     from plait.testing import compose

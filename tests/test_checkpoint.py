@@ -83,7 +83,7 @@ def test_export_loads_into_the_plain_model_with_the_same_eval_loss(tmp_path):
                                             "train.eval_every=3", "train.eval_batches=2"])
     assert main(["export", str(run_dir), f"out={tmp_path / 'full.pt'}"]) == 0
     from plait.plugins.data import TokenWindows, load_split, token_file
-    from plait.plugins.gpt import GPT
+    from plait.plugins.models.gpt import GPT
     import numpy as np
 
     cfg = compose([f"run.root={tmp_path}", "run.name=other", "train.seq_len=32"])

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from plait.plugins import data as data_plugin
-from plait.plugins.sharding import ShardedBatchSampler
+from plait.plugins.data.sharding import ShardedBatchSampler
 from plait.testing import compose
 
 

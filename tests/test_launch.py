@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from plait.plugins.local_launcher import torch_env_from_slurm
+from plait.plugins.launch import torch_env_from_slurm
 from plait.testing import TEST_OVERRIDES, free_port, read_metrics, run_losses
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 
 from plait.plan import make_plan
-from plait.plugins.gpt import GPT
-from plait.plugins.pipeline_split import build_stage_modules, n_params, split_stages
+from plait.plugins.models.gpt import GPT
+from plait.plugins.pipeline.split import build_stage_modules, n_params, split_stages
 from plait.testing import read_metrics, run_training
 
 TOLERANCE = 2e-5  # relative, fp32

@@ -13,7 +13,7 @@ from plait.types import PlanError
 import inhouse
 
 BUILT_INS = {"adamw", "allreduce", "checkpoint", "console", "data", "ddp", "gpt",
-             "local_launcher", "metrics_file", "model", "sharding", "wandb"}
+             "local_launcher", "metrics_file", "models", "sharding", "wandb"}
 
 
 def test_built_ins_come_from_the_entry_point_group():

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plait.plugins.gpt import GPT, Block
-from plait.plugins.tp_layers import VocabParallelCrossEntropy, split_tensor
-from plait.plugins.tp_plan import (
+from plait.plugins.models.gpt import GPT, Block
+from plait.plugins.tensor_parallel.layers import VocabParallelCrossEntropy, split_tensor
+from plait.plugins.tensor_parallel.plan import (
     GPT_PLAN,
     LLAMA_PLAN,
     TensorParallelPlan,
@@ -217,7 +217,7 @@ def check_gpt(rank, tp, sequence_parallel, counter):
 
 
 def check_llama(rank, tp, counter):
-    from plait.plugins.llama import build_llama
+    from plait.plugins.models.llama import build_llama
 
     torch.manual_seed(0)
     full = build_llama()

@@ -252,7 +252,7 @@ class PlainEngine:
 @pytest.mark.slow
 def test_export_of_zero3_checkpoint_loads_into_the_plain_model(runs, tmp_path):
     from plait.plugins.data import plait_build_dataset
-    from plait.plugins.gpt import GPT
+    from plait.plugins.models.gpt import GPT
 
     out = export(str(runs["zero3"]), str(tmp_path / "model.pt"))
     cfg = OmegaConf.load(runs["zero3"] / "config.yaml")
@@ -270,8 +270,8 @@ def test_export_of_zero3_checkpoint_loads_into_the_plain_model(runs, tmp_path):
 def ddp_model_state_bytes(cfg) -> dict[str, int]:
     """DDP keeps everything unsharded, so one process measures what each DDP rank holds: the
     model and plait's AdamW after one step and a second backward."""
-    from plait.plugins.adamw import plait_build_optimizer
-    from plait.plugins.gpt import GPT
+    from plait.plugins.optim import plait_build_optimizer
+    from plait.plugins.models.gpt import GPT
 
     model = GPT(**{k: v for k, v in cfg.model.items() if k != "_target_"})
     optimizer = plait_build_optimizer(cfg=cfg, model=model)

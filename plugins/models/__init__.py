@@ -15,7 +15,7 @@ from plait.types import PluginInfo
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="model", description="instantiate model._target_")
+    return PluginInfo(name="models", description="instantiate model._target_")
 
 
 @hookimpl

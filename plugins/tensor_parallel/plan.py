@@ -32,8 +32,8 @@ import torch.nn as nn
 
 STYLES = ("colwise", "colwise_qkv", "rowwise", "vocab", "norm", "sequence_scatter", "replicate")
 
-GPT_TARGET = "plait.plugins.gpt.GPT"
-LLAMA_TARGET = "plait.plugins.llama.build_llama"
+GPT_TARGET = "plait.plugins.models.gpt.GPT"
+LLAMA_TARGET = "plait.plugins.models.llama.build_llama"
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,8 @@ def plan_problems(cfg, tp: int) -> list[str]:
 def apply_plan(model: nn.Module, plan: TensorParallelPlan, group, rank: int, size: int,
                sequence_parallel: bool) -> None:
     """Replace the planned modules of ``model`` by their tensor-parallel forms, in place."""
-    from plait.plugins import tp_layers as L
-    from plait.plugins.tp_mappings import scatter_to_sequence_parallel_region
+    from plait.plugins.tensor_parallel import layers as L
+    from plait.plugins.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 
     unused = set(plan.styles)
     memo: dict[int, nn.Parameter] = {}  # tied parameters are split once
@@ -211,7 +211,7 @@ def shard_spec(plan: TensorParallelPlan, key: str) -> tuple[int, int] | None:
 
 def merge_shards(plan: TensorParallelPlan, shards: list[dict]) -> dict[str, torch.Tensor]:
     """Join ``shards[tp_rank]`` (state dicts of one pipeline stage) into the unsplit state dict."""
-    from plait.plugins.tp_layers import merge_tensors
+    from plait.plugins.tensor_parallel.layers import merge_tensors
 
     merged = {}
     for key, first in shards[0].items():

@@ -14,13 +14,13 @@ With ``parallel.tp=1`` nothing happens. See ``docs/tensor_parallel.md``.
 from __future__ import annotations
 
 from plait import hookimpl
-from plait.plugins.tp_plan import apply_plan, merge_shards, plan_for, plan_problems
+from plait.plugins.tensor_parallel.plan import apply_plan, merge_shards, plan_for, plan_problems
 from plait.types import PluginInfo
 
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="megatron_tp", selected_by={"parallel.tensor": "megatron"},
+    return PluginInfo(name="tensor_parallel", selected_by={"parallel.tensor": "megatron"},
                       description="Megatron-style tensor and sequence parallelism")
 
 
@@ -64,7 +64,7 @@ def plait_build_loss(cfg, model, topology):
         return None
     if not any(getattr(m, "is_vocab_parallel_output", False) for m in model.modules()):
         return None
-    from plait.plugins.tp_layers import VocabParallelCrossEntropy
+    from plait.plugins.tensor_parallel.layers import VocabParallelCrossEntropy
 
     return VocabParallelCrossEntropy(topology.get_tensor_model_parallel_group(), topology.tp_rank)
 

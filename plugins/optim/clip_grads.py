@@ -1,7 +1,7 @@
 """The global gradient norm of a model whose parameters may be tensor-parallel shards and
 pipeline stages.
 
-With plain-tensor shards (see :mod:`plait.plugins.tp_layers`) a rank's local
+With plain-tensor shards (see :mod:`plait.plugins.tensor_parallel.layers`) a rank's local
 ``clip_grad_norm_`` is wrong: a split parameter's norm is the sum over the tensor-parallel group
 of its shards' squared norms, while a replicated parameter (identical on every rank) counts once;
 pipeline stages hold disjoint parameters, so their squares add up over the pipeline group.

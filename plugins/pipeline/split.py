@@ -3,7 +3,7 @@ stage modules themselves. Pure functions of the model; no process group needed e
 ``time`` balance, whose measurement every rank must agree on.
 
 The model is seen as the sequence ``[embed, blocks.0, ..., blocks.{L-1}, norm + head]`` (the
-layout of :mod:`plait.plugins.gpt`: blocks in a ``ModuleDict``, every part may be None). ``S``
+layout of :mod:`plait.plugins.models.gpt`: blocks in a ``ModuleDict``, every part may be None). ``S``
 stages each take a contiguous run of ``n_s >= 1`` blocks, ``sum(n_s) = L``; the first stage also
 holds ``embed``, the last ``norm`` and ``head``. A balance gives each part a cost ``c`` and picks
 the counts that minimise the most expensive stage::

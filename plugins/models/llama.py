@@ -20,7 +20,7 @@ from plait.types import PluginInfo
 
 @dataclass
 class LlamaModelConfig(ModelConfig):
-    _target_: str = "plait.plugins.llama.build_llama"
+    _target_: str = "plait.plugins.models.llama.build_llama"
     vocab_size: int = 256
     block_size: int = 64  # max_position_embeddings
     hidden_size: int = 64

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from plait import hookimpl
-from plait.plugins.grad_norm import clip_grad_norm_
-from plait.plugins.mixed_precision import autocast, grad_scaler
+from plait.plugins.optim.clip_grads import clip_grad_norm_
+from plait.plugins.optim.mixed_precision import autocast, grad_scaler
 from plait.types import Batch, PluginInfo, StepOutput
 
 

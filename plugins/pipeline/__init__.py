@@ -3,7 +3,7 @@
 
 The model's blocks are cut into ``pp`` stages (``pp × virtual_stages`` for the interleaved and
 zero-bubble schedules), one rank of the pipeline group per stage (see
-:mod:`plait.plugins.pipeline_split` for the balance), and every optimizer step runs the chosen
+:mod:`plait.plugins.pipeline.split` for the balance), and every optimizer step runs the chosen
 schedule over ``parallel.microbatches`` micro-batches::
 
     parallel.schedule   torch schedule                  stages per rank  placement of stage s
@@ -36,9 +36,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from plait import hookimpl
-from plait.plugins.grad_norm import clip_grad_norm_
-from plait.plugins.mixed_precision import autocast
-from plait.plugins.pipeline_split import (
+from plait.plugins.optim.clip_grads import clip_grad_norm_
+from plait.plugins.optim.mixed_precision import autocast
+from plait.plugins.pipeline.split import (
     BALANCES,
     PipelineStageModules,
     build_stage_modules,

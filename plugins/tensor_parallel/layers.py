@@ -5,7 +5,7 @@ Each layer is built *from the full layer* of the seeded, unsplit model by slicin
 split model starts from exactly the weights of the single-device model. Parameters stay ordinary
 ``torch.nn.Parameter`` (DeepSpeed ZeRO and DDP need plain tensors) and carry Megatron's attributes
 ``tensor_model_parallel``, ``partition_dim`` and ``partition_stride``, which DeepSpeed and
-:func:`plait.plugins.grad_norm.clip_grad_norm_` read to count each shard once in the global
+:func:`plait.plugins.optim.clip_grads.clip_grad_norm_` read to count each shard once in the global
 gradient norm.
 
 A weight with ``parts`` fused blocks along ``dim`` (the GPT's ``[3E, E]`` QKV weight) is split
@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plait.plugins.tp_mappings import (
+from plait.plugins.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,

@@ -23,7 +23,7 @@ from plait.types import PluginInfo
 
 @dataclass
 class GPTConfig(ModelConfig):
-    _target_: str = "plait.plugins.gpt.GPT"
+    _target_: str = "plait.plugins.models.gpt.GPT"
     vocab_size: int = 256
     block_size: int = 64
     n_layer: int = 2
