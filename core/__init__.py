@@ -5,7 +5,7 @@ Plugin authors import the two markers from here::
     from plait import hookimpl
 
     @hookimpl
-    def plait_on_step_end(step, metrics):
+    def plait_log_metrics(step, metrics):
         ...
 """
 

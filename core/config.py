@@ -1,7 +1,8 @@
 """The config schema: dataclasses in Hydra's ConfigStore, so a typo or a wrong type is an error.
 
-The core owns the sections it reads itself (``train``, ``run``, ``parallel``, ``launcher`` and the
-top-level scalars) and one base class per config group with the ``name`` that selects a plugin.
+The core owns the sections it reads itself (``train``, ``run``, the ``parallel`` layout, the
+launcher's process counts and the top-level scalars) and one base class per config group with the
+``name`` that selects a plugin; it reads no plugin's settings (``tests/test_layout.py`` checks).
 A plugin with settings of its own subclasses the base and stores the subclass from its
 ``plait_register_configs`` hook as ``<group>/base_<name>``; its YAML option lists that schema
 first in its defaults list (Hydra's structured-config pattern).
@@ -10,13 +11,13 @@ first in its defaults list (Hydra's structured-config pattern).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-GROUPS = ("strategy", "parallel", "comm", "data", "model", "optimizer", "fault", "tracker",
-          "launcher")
+GROUPS = ("strategy", "parallel", "tensor_parallel", "pipeline", "comm", "data", "model",
+          "optimizer", "fault", "tracker", "launcher")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -30,8 +31,9 @@ class TrainConfig:
     log_every: int = 1
     eval_every: int = 0  # 0: no evaluation
     eval_batches: int = 4
-    peak_flops: float = 1e12  # dense peak FLOP/s of one device, for the MFU estimate
-    compile: bool = False  # torch.compile the model (engines that support it)
+    # Dense peak FLOP/s of one device, for MFU. None: the device's own figure where it is a
+    # known GPU; no MFU is reported on other devices unless this is set.
+    peak_flops: Optional[float] = None
 
 
 @dataclass
@@ -43,36 +45,37 @@ class RunConfig:
 
 @dataclass
 class ParallelConfig:
+    """The process layout, which the core owns; how layers are split is each plugin's schema."""
+
     dp: int = -1  # -1: world_size // (tp * pp)
     tp: int = 1
     pp: int = 1
-    sequence_parallel: bool = False
-    microbatches: int = 1  # pipeline micro-batches per optimizer step
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    balance: Any = "layers"
-    tensor: str = "megatron"  # the plugin that splits layers when tp > 1
-    # None: the built-in plan for model._target_; a name ("gpt", "llama"); or
-    # {module-name pattern: colwise|colwise_qkv|rowwise|vocab|norm|sequence_scatter|replicate}
-    tp_plan: Any = None
-    pipeline: str = "torch"  # the plugin that cuts stages when pp > 1
 
 
 @dataclass
 class LauncherConfig:
-    name: str = "local"
+    name: str = MISSING
     nproc_per_node: int = 2
     nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0  # 0: pick a free port (single node)
-    local_addr: Optional[str] = None  # this node's address as the others reach it (multi-node)
-    max_restarts: int = 0
-    timeout_s: int = 300
+    timeout_s: int = 300  # process-group timeout: a collective waiting longer fails the job
+
+
+# One base per config group: the ``name`` that selects a plugin. A plugin subclasses its base
+# with the settings it reads.
 
 
 @dataclass
 class StrategyConfig:
+    name: str = MISSING
+
+
+@dataclass
+class TensorParallelConfig:
+    name: str = MISSING
+
+
+@dataclass
+class PipelineConfig:
     name: str = MISSING
 
 
@@ -84,11 +87,7 @@ class CommConfig:
 @dataclass
 class DataConfig:
     name: str = MISSING
-    path: Optional[str] = None
-    cache_dir: str = "${oc.env:PLAIT_CACHE_DIR,'~/.cache/plait'}"
-    val_fraction: float = 0.01
-    sharding: str = "contiguous"
-    shuffle: bool = True
+    sharding: str = "contiguous"  # selects the plugin that gives each dp rank its samples
 
 
 @dataclass
@@ -99,7 +98,6 @@ class ModelConfig:
 @dataclass
 class OptimizerConfig:
     name: str = MISSING
-    lr: float = 1e-3
 
 
 @dataclass
@@ -116,6 +114,8 @@ class TrackerConfig:
 class PlaitConfig:
     strategy: StrategyConfig = MISSING
     parallel: ParallelConfig = MISSING
+    tensor_parallel: TensorParallelConfig = MISSING
+    pipeline: PipelineConfig = MISSING
     comm: CommConfig = MISSING
     data: DataConfig = MISSING
     model: ModelConfig = MISSING
@@ -135,6 +135,7 @@ class PlaitConfig:
 def store_core_schemas(cs: ConfigStore) -> None:
     cs.store(name="base_config", node=PlaitConfig)
     for group, node in [("strategy", StrategyConfig), ("parallel", ParallelConfig),
+                        ("tensor_parallel", TensorParallelConfig), ("pipeline", PipelineConfig),
                         ("comm", CommConfig), ("data", DataConfig), ("model", ModelConfig),
                         ("optimizer", OptimizerConfig), ("fault", FaultConfig),
                         ("tracker", TrackerConfig), ("launcher", LauncherConfig)]:

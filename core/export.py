@@ -31,10 +31,12 @@ def export(checkpoint_path: str, out: str | None = None) -> Path:
     if checkpoint is None:
         raise ValueError(f"{checkpoint_path}: no checkpoint found; train with fault=checkpoint")
     shards = pm.hook.plait_read_model_shards(cfg=cfg, checkpoint=checkpoint)
+    with torch.device("meta"):
+        model = pm.hook.plait_build_model(cfg=cfg)
     state: dict[str, torch.Tensor] = {}
     for pp_rank in sorted({pp for pp, _ in shards}):
         stage = [shards[(pp_rank, tp)] for tp in sorted(tp for pp, tp in shards if pp == pp_rank)]
-        merged = pm.hook.plait_merge_tensor_parallel_shards(cfg=cfg, shards=stage)
+        merged = pm.hook.plait_merge_tensor_parallel_shards(cfg=cfg, shards=stage, model=model)
         if merged is None:
             if len(stage) > 1:
                 raise ValueError(f"{checkpoint}: {len(stage)} tensor-parallel shards but no "

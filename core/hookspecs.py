@@ -14,7 +14,7 @@ Order of a run (``plait.train.train`` reads as this list)::
     plait_build_model, plait_apply_tensor_parallel, plait_split_pipeline, plait_build_loss
     plait_build_optimizer, plait_build_lr_schedule, plait_comm_hook, plait_build_engine
     plait_load_checkpoint, plait_on_run_start
-    per step:  plait_on_step_end, plait_save_checkpoint
+    per step:  plait_on_step_end, plait_log_metrics (logged steps), plait_save_checkpoint
     plait_on_failure (on an exception), plait_on_run_end
     plait export: plait_find_checkpoint, plait_read_model_shards, plait_merge_tensor_parallel_shards
 """
@@ -32,8 +32,10 @@ if TYPE_CHECKING:
     from hydra.core.config_store import ConfigStore
     from omegaconf import DictConfig
 
+    from pluggy import HookRelay
+
     from plait.topology import ParallelDims, Topology
-    from plait.types import BatchSampler, Engine, PluginInfo, TokenDataset, TrainState
+    from plait.types import BatchSampler, Engine, PluginInfo, StepOutput, TokenDataset, TrainState
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,13 +84,18 @@ def plait_configure(cfg: DictConfig) -> None:
 
 
 @hookspec
-def plait_validate(cfg: DictConfig, dims: ParallelDims) -> list[str] | None:
+def plait_validate(cfg: DictConfig, dims: ParallelDims, hook: HookRelay) -> list[str] | None:
     """Check the plan for settings this plugin cannot run with.
 
     Called on every active plugin; all problems from all plugins are reported together.
+    Capabilities declared in ``PluginInfo`` are checked by the core before; this is for what
+    depends on settings.
 
     :param cfg: the configured (read-only) config.
     :param dims: the process layout the run will use.
+    :param hook: the active plugins' hooks, to ask another plugin instead of reading its
+        settings, e.g. the model built on the meta device:
+        ``with torch.device("meta"): model = hook.plait_build_model(cfg=cfg)``.
     :return: problems, each naming the setting and the fix, e.g.
         ``"parallel.tp=3 does not divide model.n_head=4: choose tp in {1, 2, 4}"``.
     """
@@ -154,7 +161,10 @@ def plait_shard_data(
 def plait_build_model(cfg: DictConfig) -> torch.nn.Module | None:
     """Build the full (unsplit) model on the CPU, seeded, so every rank builds the same weights.
 
-    Stops at the first non-None result.
+    Stops at the first non-None result. Also called under ``torch.device("meta")`` before launch
+    (to check a plan against the model's layers) and by ``plait estimate``. The model may carry
+    ``tensor_parallel_plan`` (a model plugin then declares ``model:tensor_parallel_plan``) and
+    ``flops_per_token(seq_len)`` (for MFU; without it plait counts 6·N).
     """
 
 
@@ -283,13 +293,18 @@ def plait_read_model_shards(cfg: DictConfig, checkpoint: Path) -> dict[tuple[int
 
 
 @hookspec(firstresult=True)
-def plait_merge_tensor_parallel_shards(cfg: DictConfig, shards: list[dict]) -> dict | None:
+def plait_merge_tensor_parallel_shards(
+    cfg: DictConfig, shards: list[dict], model: torch.nn.Module
+) -> dict | None:
     """Join the tensor-parallel shards of one pipeline stage (``shards[tp_rank]``) into the
-    unsplit state dict. Stops at the first non-None result; None is right only when tp == 1."""
+    unsplit state dict. Stops at the first non-None result; None is right only when tp == 1.
+
+    :param model: the unsplit model on the meta device (its plan says how each tensor was split).
+    """
 
 
 # ---------------------------------------------------------------------------------------------
-# step: tracking, called on global rank 0 only
+# step: tracking, called on the logging rank only (global rank 0)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -303,14 +318,23 @@ def plait_on_run_start(cfg: DictConfig, state: TrainState, topology: Topology) -
 
 
 @hookspec
-def plait_on_step_end(step: int, metrics: dict[str, float], state: TrainState) -> None:
-    """One optimizer step finished; ``metrics`` holds loss, lr, grad_norm, tokens_per_s, mfu,
-    step time and peak memory (min and max over ranks), and ``eval/loss`` when evaluated."""
+def plait_on_step_end(step: int, output: StepOutput, state: TrainState) -> None:
+    """Every optimizer step has finished: ``output`` is what the engine reported (the global
+    mean loss, the global gradient norm, engine figures). No collective happened for it, so this
+    is the cheap per-step point, e.g. for early stopping or a profiler's step marker."""
+
+
+@hookspec
+def plait_log_metrics(step: int, metrics: dict[str, float], state: TrainState) -> None:
+    """A logged step (every ``train.log_every`` steps and the last): ``metrics`` holds loss, lr,
+    grad_norm, tokens_per_s, step time and peak memory (min and max over ranks), mfu where the
+    device's peak is known, the engine's own figures, and ``eval/loss`` when evaluated."""
 
 
 @hookspec
 def plait_on_run_end(state: TrainState, status: str) -> None:
-    """The run ended with ``status`` "finished" or "failed"; trackers close their run."""
+    """The run ended with ``status`` "finished" or "failed"; trackers close their run. Called
+    whenever ``plait_on_run_start`` was, even if that failed part-way."""
 
 
 # ---------------------------------------------------------------------------------------------

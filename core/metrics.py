@@ -1,4 +1,4 @@
-"""Per-step figures: throughput, an MFU estimate, and per-rank time and memory as min/max.
+"""Per-step figures: throughput, MFU, and per-rank time and memory as min/max.
 
 Per-rank figures are reduced across all ranks so a straggler shows in the logged max while only
 rank 0 logs.
@@ -11,26 +11,44 @@ import time
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from plait.topology import Topology
 from plait.types import StepOutput
 
 
-def flops_per_token(cfg: DictConfig, n_params: int) -> float:
-    """6·N for the weight matmuls (forward + backward) plus 12·L·H·Q·T for attention.
+# Dense bf16 peak FLOP/s of one device, by the name CUDA reports (vendor data sheets).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 SXM": 989e12,  # "NVIDIA H100 80GB HBM3"
+    "H100 80GB HBM3": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 756e12,  # an H100 of another form factor: the lowest figure
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+}
 
-    The attention term uses the model's layers L, heads H, head size Q and the sequence length
-    T when the model config has them (PaLM appendix B); a custom model gets 6·N alone.
-    """
-    m = cfg.model
-    n_layer = OmegaConf.select(m, "n_layer", default=None)
-    n_head = OmegaConf.select(m, "n_head", default=None)
-    n_embd = OmegaConf.select(m, "n_embd", default=None)
-    attention = 0
-    if n_layer and n_head and n_embd:
-        attention = 12 * n_layer * n_head * (n_embd // n_head) * cfg.train.seq_len
-    return 6 * n_params + attention
+
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """The model's own count (``model.flops_per_token(seq_len)``), else 6·N: two FLOPs per
+    parameter per token forward, four backward."""
+    count = getattr(model, "flops_per_token", None)
+    if callable(count):
+        return float(count(seq_len))
+    return 6.0 * sum(p.numel() for p in model.parameters())
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak of a known GPU; None elsewhere (a CPU's peak is not knowable here)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in PEAK_BF16_FLOPS.items():  # most specific names first
+        if key in name:
+            return peak
+    return None
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -42,12 +60,13 @@ def peak_memory_bytes(device: torch.device) -> int:
 class StepMeter:
     """Times each step and turns an engine's output into the logged metrics."""
 
-    def __init__(self, cfg: DictConfig, n_params: int, topology: Topology):
+    def __init__(self, cfg: DictConfig, model: torch.nn.Module, topology: Topology):
         self.cfg = cfg
         self.topology = topology
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
-        self.flops_per_step = flops_per_token(cfg, n_params) * self.tokens_per_step
-        self.peak_flops = cfg.train.peak_flops * topology.dims.world_size
+        self.flops_per_step = flops_per_token(model, cfg.train.seq_len) * self.tokens_per_step
+        peak = cfg.train.peak_flops or device_peak_flops(topology.device)
+        self.peak_flops = peak * topology.dims.world_size if peak else None
         self._started = 0.0
 
     def start(self) -> None:
@@ -65,15 +84,17 @@ class StepMeter:
         dist.all_reduce(figures, op=dist.ReduceOp.MAX)
         highs, lows = figures[:2].tolist(), (-figures[2:]).tolist()
         slowest = highs[0]
-        return {
+        metrics = {
             "loss": out.loss,
             "lr": lr,
             "grad_norm": out.grad_norm,
             "tokens_per_s": self.tokens_per_step / slowest,
-            "mfu": self.flops_per_step / slowest / self.peak_flops,
             "step_time_s/min": lows[0],
             "step_time_s/max": slowest,
             "peak_memory_bytes/min": lows[1],
             "peak_memory_bytes/max": highs[1],
             **out.metrics,
         }
+        if self.peak_flops:
+            metrics["mfu"] = self.flops_per_step / slowest / self.peak_flops
+        return metrics

@@ -25,7 +25,7 @@ from plait.plugin_manager import (
     make_plugin_manager,
 )
 from plait.topology import ParallelDims
-from plait.types import PlanError
+from plait.types import ALWAYS, PlanError
 
 # The decisions every run needs, and the config setting that picks who makes each.
 REQUIRED_DECISIONS = {
@@ -39,13 +39,19 @@ REQUIRED_DECISIONS = {
 }
 
 
-def default_run_name() -> str:
-    """A run name every rank agrees on: the external launcher's job id, else the time."""
+def job_id() -> str | None:
+    """The external launcher's job id (torchrun, SLURM), which every rank of a job shares."""
     for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
         value = os.environ.get(var)
         if value and value != "none":
-            return f"job-{value}"
-    return time.strftime("%Y%m%d-%H%M%S")
+            return value
+    return None
+
+
+def default_run_name() -> str:
+    """A run name every rank agrees on: the external launcher's job id, else the time."""
+    value = job_id()
+    return f"job-{value}" if value else time.strftime("%Y%m%d-%H%M%S")
 
 
 OmegaConf.register_new_resolver("plait_run_name", default_run_name, replace=True)
@@ -82,6 +88,7 @@ def make_plan(overrides: Iterable[str] = (), objects: Iterable[Any] = ()) -> Pla
     pm = keep_selected(make_plugin_manager(cfg, objects), cfg)
     with open_dict(cfg):
         pm.hook.plait_configure(cfg=cfg)
+    run_name_given = not OmegaConf.is_interpolation(cfg.run, "name")
     OmegaConf.resolve(cfg)
     OmegaConf.set_readonly(cfg, True)
 
@@ -90,20 +97,26 @@ def make_plan(overrides: Iterable[str] = (), objects: Iterable[Any] = ()) -> Pla
         plan.dims = ParallelDims.from_config(cfg)
     except ValueError as e:
         plan.problems.append(str(e))
-    plan.problems += core_problems(cfg, plan.dims)
+    plan.problems += core_problems(cfg, plan.dims, run_name_given)
     plan.problems += unselected_choices(pm, available, cfg)
     plan.problems += check_conflicts(pm)
     if plan.dims is not None:
         plan.problems += capability_problems(pm, cfg, plan.dims)
-        for found in pm.hook.plait_validate(cfg=cfg, dims=plan.dims):
+        plan.problems += unmet_requirements(pm, available, cfg, plan.dims)
+        for found in pm.hook.plait_validate(cfg=cfg, dims=plan.dims, hook=pm.hook):
             plan.problems += found or []
         for generated in pm.hook.plait_backend_config(cfg=cfg, dims=plan.dims):
             plan.backend_configs.update(generated or {})
     return plan
 
 
-def core_problems(cfg: DictConfig, dims: ParallelDims | None) -> list[str]:
+def core_problems(cfg: DictConfig, dims: ParallelDims | None, run_name_given: bool) -> list[str]:
     problems = []
+    if cfg.launcher.nnodes > 1 and not run_name_given and not job_id():
+        problems.append(
+            f"launcher.nnodes={cfg.launcher.nnodes} needs run.name=<name>, the same on every "
+            "node: without it each node names the run after its own clock, so the nodes would "
+            "write different run directories")
     if cfg.launcher.nproc_per_node < 1:
         problems.append(
             f"launcher.nproc_per_node={cfg.launcher.nproc_per_node}: need at least 1 process "
@@ -120,12 +133,6 @@ def core_problems(cfg: DictConfig, dims: ParallelDims | None) -> list[str]:
             f"train.batch_size={train.batch_size} is not divisible by train.grad_accum_steps"
             f"({train.grad_accum_steps}) * dp({dims.dp}) = {per_step}: set train.batch_size to "
             f"a multiple of {per_step}"
-        )
-    block_size = OmegaConf.select(cfg, "model.block_size", default=None)
-    if block_size is not None and train.seq_len > block_size:
-        problems.append(
-            f"train.seq_len={train.seq_len} is longer than the model's context "
-            f"model.block_size={block_size}: lower train.seq_len or raise model.block_size"
         )
     return problems
 
@@ -174,6 +181,36 @@ def capability_problems(pm: PlaitPluginManager, cfg: DictConfig, dims: ParallelD
     return problems
 
 
+def unmet_requirements(pm: PlaitPluginManager, available: PlaitPluginManager, cfg: DictConfig,
+                       dims: ParallelDims) -> list[str]:
+    """A capability an active plugin requires that no active plugin provides: name the setting
+    that needs it and the installed plugins that would provide it."""
+    provided = {c for r in pm.records.values() for c in r.info.provides}
+    problems = []
+    for record in pm.records.values():
+        for when, needs in record.info.requires.items():
+            if when != ALWAYS and getattr(dims, when) == 1:
+                continue
+            for capability in sorted(set(needs) - provided):
+                cause = "" if when == ALWAYS else f" for parallel.{when}={getattr(dims, when)}"
+                offers = [_selection(r) for r in available.records.values()
+                          if capability in r.info.provides]
+                fix = (f"installed plugins that provide it: {', '.join(offers)}" if offers
+                       else "no installed plugin provides it")
+                if when != ALWAYS:
+                    fix += f"; or set parallel.{when}=1"
+                problems.append(f"plugin {record.info.name!r} needs {capability!r}{cause}, which "
+                                f"no active plugin provides ({fix})")
+    return problems
+
+
+def _selection(record) -> str:
+    """``ddp (strategy.name=ddp)``: a plugin and the setting that turns it on."""
+    chosen = ", ".join(f"{k}={v if isinstance(v, str) else '|'.join(map(str, v))}"
+                       for k, v in record.info.selected_by.items())
+    return f"{record.info.name} ({chosen})" if chosen else record.info.name
+
+
 def format_plan(plan: Plan) -> str:
     """The text ``plait plan`` prints."""
     cfg, lines = plan.cfg, []
@@ -188,6 +225,8 @@ def format_plan(plan: Plan) -> str:
     lines.append("active plugins:")
     for record in plan.pm.records.values():
         lines.append(f"  {record.info.name:16s} {record.source}")
+    provided = sorted({c for r in plan.pm.records.values() for c in r.info.provides})
+    lines.append(f"capabilities provided: {', '.join(provided) or '(none)'}")
     for backend, generated in plan.backend_configs.items():
         lines.append(f"{backend} config:")
         lines += ["  " + line for line in OmegaConf.to_yaml(generated).splitlines()]

@@ -43,7 +43,7 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
     # Parallelize in a fixed order: tensor parallel, then pipeline stages, then the
     # data-parallel engine (torchtitan's order).
     model = hook.plait_build_model(cfg=cfg)
-    n_params = sum(p.numel() for p in model.parameters())
+    meter = StepMeter(cfg, model, topology)  # counts FLOPs on the whole model, before the split
     hook.plait_apply_tensor_parallel(cfg=cfg, model=model, topology=topology)
     model = hook.plait_split_pipeline(cfg=cfg, model=model, topology=topology) or model
     loss_fn = hook.plait_build_loss(cfg=cfg, model=model, topology=topology) or cross_entropy
@@ -57,13 +57,11 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
     if state.data:
         sampler.load_state_dict(state.data)
     logging = topology.is_logging_rank
-    if logging:
-        hook.plait_on_run_start(cfg=cfg, state=state, topology=topology)
-
-    meter = StepMeter(cfg, n_params, topology)
     batches = iter(sampler)
     status = "failed"
     try:
+        if logging:
+            hook.plait_on_run_start(cfg=cfg, state=state, topology=topology)
         while state.step < cfg.train.steps:
             micro_batches = [train_data.batch(indices) for indices in next(batches)]
             lr = lr_at(state.step)
@@ -72,11 +70,13 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
             state.step += 1
             state.tokens_seen += meter.tokens_per_step
             state.data = sampler.state_dict()
-            metrics = meter.stop(state.step, out, lr)
+            metrics = meter.stop(state.step, out, lr)  # a collective on logged steps
             if val_data is not None and state.step % cfg.train.eval_every == 0:
                 metrics["eval/loss"] = evaluate(cfg, engine, val_data, topology)
-            if logging and metrics:
-                hook.plait_on_step_end(step=state.step, metrics=metrics, state=state)
+            if logging:
+                hook.plait_on_step_end(step=state.step, output=out, state=state)
+                if metrics:
+                    hook.plait_log_metrics(step=state.step, metrics=metrics, state=state)
             hook.plait_save_checkpoint(cfg=cfg, engine=engine, state=state, topology=topology,
                                        final=state.step == cfg.train.steps)
         status = "finished"

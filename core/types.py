@@ -18,6 +18,10 @@ ALL_PRECISIONS = frozenset({"fp32", "bf16", "fp16"})
 ALL_AXES = frozenset({"dp", "tp", "pp"})
 
 
+ALWAYS = "always"
+"""The ``PluginInfo.requires`` key for needs that hold whatever the parallel layout."""
+
+
 @dataclass(frozen=True)
 class PluginInfo:
     """A plugin's self-description, returned by ``plait_declare``.
@@ -27,6 +31,13 @@ class PluginInfo:
     loaded into. The capability fields list what the plugin works with; the core refuses a plan in
     which an active plugin meets a device, precision or parallel axis (with size > 1) it does not
     list, or another active plugin it ``excludes``.
+
+    Plugins meet each other through capabilities, never through each other's names:
+    ``provides`` lists what this plugin offers the others (``"engine:pipeline"``: a strategy
+    whose engine a pipeline can drive), and ``requires`` maps a parallel axis (``"dp"``,
+    ``"tp"``, ``"pp"``: needed while that axis is larger than 1) or :data:`ALWAYS` to the
+    capabilities some active plugin must provide. ``docs/architecture.md`` lists the built-in
+    capability names; a third-party plugin may use them or coin its own.
     """
 
     name: str
@@ -35,6 +46,8 @@ class PluginInfo:
     precisions: frozenset[str] = ALL_PRECISIONS
     parallel_axes: frozenset[str] = ALL_AXES
     excludes: frozenset[str] = frozenset()
+    provides: frozenset[str] = frozenset()
+    requires: Mapping[str, frozenset[str]] = field(default_factory=dict)
     description: str = ""
 
 

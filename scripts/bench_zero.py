@@ -52,8 +52,8 @@ from plait.testing import read_metrics, run_training, spawn  # noqa: E402
 
 
 class StepClock:
-    """A plugin that records when each logged step ends on rank 0 (where
-    ``plait_on_step_end`` runs)."""
+    """A plugin that records when each step ends on rank 0 (where ``plait_on_step_end``
+    runs)."""
 
     def __init__(self) -> None:
         self.times: dict[int, float] = {}
@@ -121,10 +121,14 @@ def raw_rank(rank: int, world_size: int, ds_config: dict, model_cfg: dict, steps
 
 
 def run_raw(plait_run: Path, steps: int, args) -> dict[int, float]:
-    from plait.plugins.zero.config import deepspeed_config
+    from plait.plugins.zero.config import engine_config
 
     cfg = OmegaConf.load(plait_run / "config.yaml")
-    ds_config = deepspeed_config(cfg, args.world_size)
+    opt = cfg.optimizer  # the same hyperparameters plait's run used, as DeepSpeed's AdamW
+    optimizer = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=opt.lr,
+                                  betas=tuple(opt.betas), eps=opt.eps,
+                                  weight_decay=opt.weight_decay)
+    ds_config = engine_config(cfg, args.world_size, optimizer)
     model_cfg = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "_target_"}
     out = plait_run.parent / f"raw-{plait_run.name}.json"
     spawn(raw_rank, args.world_size, ds_config, model_cfg, steps, args.seq_len, str(out))
@@ -140,7 +144,7 @@ def engine_ab_rank(rank: int, world_size: int, overrides: list[str], blocks: int
     import torch.distributed as dist
 
     from plait.plugins.optim import param_groups
-    from plait.plugins.zero.config import deepspeed_config
+    from plait.plugins.zero.config import engine_config
     from plait.plugins.zero.engine import ZeroEngine
     from plait.testing import compose
     from plait.topology import Topology
@@ -148,13 +152,15 @@ def engine_ab_rank(rank: int, world_size: int, overrides: list[str], blocks: int
 
     cfg = compose(overrides)
     topology = Topology.initialize(cfg)
-    ds_config = deepspeed_config(cfg, topology.dims.dp)
     model_cfg = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "_target_"}
     weight_decay = cfg.optimizer.weight_decay
     torch.manual_seed(cfg.seed)
     model = GPT(**model_cfg)
-    plait_engine = ZeroEngine(model, torch.optim.AdamW(param_groups(model, weight_decay)),
-                              cross_entropy, topology, ds_config)
+    optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=cfg.optimizer.lr,
+                                  betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,
+                                  weight_decay=weight_decay)
+    ds_config = engine_config(cfg, topology.dims.dp, optimizer)
+    plait_engine = ZeroEngine(model, optimizer, cross_entropy, topology, ds_config)
     model = GPT(**model_cfg)
     raw, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
                                    config=ds_config, dist_init_required=False)

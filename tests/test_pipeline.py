@@ -22,7 +22,7 @@ TOLERANCE = 2e-5  # relative, fp32
 STEPS = 20
 COMMON = ["model.n_layer=4", f"train.steps={STEPS}", "train.batch_size=8", "train.eval_every=10",
           "train.eval_batches=1"]
-PP2 = ["parallel.pp=2", "parallel.microbatches=4"]
+PP2 = ["parallel.pp=2", "pipeline.microbatches=4"]
 
 
 def tiny_gpt(n_layer: int = 6, **kwargs) -> GPT:
@@ -54,7 +54,7 @@ def test_layers_balance_and_explicit_counts():
     model = tiny_gpt(n_layer=7)
     assert split_stages(model, 3, "layers").counts == (3, 2, 2)
     assert split_stages(model, 2, [2, 5]).counts == (2, 5)
-    with pytest.raises(ValueError, match="parallel.balance=\\[3, 3\\] must list 2 block counts"):
+    with pytest.raises(ValueError, match="pipeline.balance=\\[3, 3\\] must list 2 block counts"):
         split_stages(model, 2, [3, 3])
     with pytest.raises(ValueError, match="lower parallel.pp"):
         split_stages(model, 8, "layers")
@@ -102,35 +102,39 @@ def problems(*overrides: str) -> str:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel.pp=2", "parallel.microbatches=2", "model.n_layer=1"],
-     "parallel.pp=2 x 1 stage(s) per rank = 2 pipeline stages, but model.n_layer=1"),
-    (["parallel.pp=2", "parallel.microbatches=3"],
-     "parallel.microbatches=3 does not divide the batch of each data-parallel rank"),
-    (["parallel.pp=2", "parallel.schedule=pipedream"],
-     "parallel.schedule=pipedream: choose one of gpipe, 1f1b, interleaved_1f1b"),
-    (["parallel.pp=2", "parallel.schedule=interleaved_1f1b"],
-     "parallel.schedule=interleaved_1f1b needs parallel.virtual_stages>=2"),
-    (["parallel.pp=2", "parallel.schedule=zbv"], "set parallel.virtual_stages=2"),
-    (["parallel.pp=2", "parallel.virtual_stages=2", "model.n_layer=4"],
-     "parallel.virtual_stages=2 needs an interleaved schedule"),
-    (["parallel.pp=2", "parallel.microbatches=1"],
-     "parallel.schedule=1f1b needs parallel.microbatches >= pp (1 < 2)"),
-    (["parallel.pp=2", "parallel.microbatches=4", "train.grad_accum_steps=2"],
+    (["parallel.pp=2", "pipeline.microbatches=2", "model.n_layer=1"],
+     "parallel.pp=2 x 1 stage(s) per rank = 2 pipeline stages, but the model has 1 blocks"),
+    (["parallel.pp=2", "pipeline.microbatches=3"],
+     "pipeline.microbatches=3 does not divide the batch of each data-parallel rank"),
+    (["parallel.pp=2", "pipeline.schedule=pipedream"],
+     "pipeline.schedule=pipedream: choose one of gpipe, 1f1b, interleaved_1f1b"),
+    (["parallel.pp=2", "pipeline.schedule=interleaved_1f1b"],
+     "pipeline.schedule=interleaved_1f1b needs pipeline.virtual_stages>=2"),
+    (["parallel.pp=2", "pipeline.schedule=zbv"], "set pipeline.virtual_stages=2"),
+    (["parallel.pp=2", "pipeline.virtual_stages=2", "model.n_layer=4"],
+     "pipeline.virtual_stages=2 needs an interleaved schedule"),
+    (["parallel.pp=2", "pipeline.microbatches=1"],
+     "pipeline.schedule=1f1b needs pipeline.microbatches >= pp (1 < 2)"),
+    (["parallel.pp=2", "pipeline.microbatches=4", "train.grad_accum_steps=2"],
      "train.grad_accum_steps=2 with parallel.pp=2"),
-    (["parallel.pp=2", "parallel.microbatches=2", "parallel.balance=[1,2]"],
-     "parallel.balance=[1, 2] must list 2 block counts"),
-    (["parallel.pp=2", "parallel.microbatches=2", "parallel.balance=speed"],
-     "parallel.balance=speed: choose one of layers, params, time"),
-    (["parallel.pp=2", "parallel.microbatches=2", "precision=fp16"], "precision=fp16 with"),
-    (["parallel.pp=2", "parallel.microbatches=2", "model.tie_embeddings=true"],
-     "model.tie_embeddings=true with parallel.pp=2"),
+    (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.balance=[1,2]"],
+     "pipeline.balance=[1, 2] must list 2 block counts"),
+    (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.balance=speed"],
+     "pipeline.balance=speed: choose one of layers, params, time"),
+    (["parallel.pp=2", "pipeline.microbatches=2", "precision=fp16"], "precision=fp16 with"),
+    (["parallel.pp=2", "pipeline.microbatches=2", "model.tie_embeddings=true"],
+     "parallel.pp=2 with a parameter shared by the embedding and the head"),
+    (["parallel.pp=2", "pipeline.microbatches=2", "model=llama_tiny"],
+     "plugin 'pipeline' needs 'model:pipeline_stages' for parallel.pp=2, which no active plugin "
+     "provides (installed plugins that provide it: gpt (model._target_=plait.plugins.models.gpt"
+     ".GPT); or set parallel.pp=1)"),
 ])
 def test_impossible_pipeline_plans_are_refused_before_launch(overrides, message):
     assert message in problems(*overrides)
 
 
 def test_a_valid_pipeline_plan_sets_accumulation_to_the_microbatches():
-    plan = make_plan(["model=gpt_tiny", "tracker=none", "parallel.pp=2", "parallel.microbatches=4",
+    plan = make_plan(["model=gpt_tiny", "tracker=none", "parallel.pp=2", "pipeline.microbatches=4",
                       "model.n_layer=4"])
     assert plan.problems == []
     assert plan.cfg.train.grad_accum_steps == 4
@@ -165,11 +169,11 @@ def assert_same(run_figures, reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", [
-    ["parallel.schedule=gpipe", "parallel.balance=time"],  # any split gives the same losses
-    ["parallel.schedule=1f1b"],
-    ["parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2"],
-    ["parallel.schedule=zero_bubble"],
-    ["parallel.schedule=zbv", "parallel.virtual_stages=2"],
+    ["pipeline.schedule=gpipe", "pipeline.balance=time"],  # any split gives the same losses
+    ["pipeline.schedule=1f1b"],
+    ["pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"],
+    ["pipeline.schedule=zero_bubble"],
+    ["pipeline.schedule=zbv", "pipeline.virtual_stages=2"],
 ], ids=lambda s: s[0].split("=")[1])
 def test_pp2_schedule_matches_one_process(tmp_path, reference, schedule):
     run = tmp_path / "pp2"
@@ -181,14 +185,14 @@ def test_pp2_schedule_matches_one_process(tmp_path, reference, schedule):
 def test_pp2_dp2_matches_one_process(tmp_path, reference):
     run = tmp_path / "pp2dp2"
     run_training(run, [*COMMON, "launcher.nproc_per_node=4", "parallel.pp=2",
-                       "parallel.microbatches=2", "parallel.balance=params"])
+                       "pipeline.microbatches=2", "pipeline.balance=params"])
     assert_same(figures(run), reference)
 
 
 @pytest.mark.slow
 def test_pp_resume_continues_with_identical_losses_and_exports_the_full_model(tmp_path):
     settings = [*PP2, "model.n_layer=4", "train.steps=8", "fault.checkpoint_every=4",
-                "parallel.schedule=1f1b"]
+                "pipeline.schedule=1f1b"]
     whole = tmp_path / "whole"
     run_training(whole, settings)
     checkpoint = whole / "checkpoints" / "step_00000004"
@@ -213,5 +217,5 @@ def test_pp2_tp2_matches_one_process(tmp_path, reference):
     each tensor-parallel shard once."""
     run = tmp_path / "pp2tp2"
     run_training(run, [*COMMON, *PP2, "launcher.nproc_per_node=4", "parallel.tp=2",
-                       "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2"])
+                       "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"])
     assert_same(figures(run), reference)

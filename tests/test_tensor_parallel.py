@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism (``parallel.tp``, ``parallel.sequence_parallel``).
+"""Tensor and sequence parallelism (``parallel.tp``, ``tensor_parallel.sequence_parallel``).
 
 Tolerances (fp32 on CPU, gloo): layer outputs and gradients of the split model equal the unsplit
 model's within ``rtol=1e-4, atol=1e-6`` (only the summation order of the split matmuls differs);
@@ -21,15 +21,17 @@ import torch.nn.functional as F
 
 from plait.plugins.models.gpt import GPT, Block
 from plait.plugins.tensor_parallel.layers import VocabParallelCrossEntropy, split_tensor
+from plait.plugins.models.llama import TENSOR_PARALLEL_PLAN as LLAMA_STYLES
 from plait.plugins.tensor_parallel.plan import (
-    GPT_PLAN,
-    LLAMA_PLAN,
     TensorParallelPlan,
     apply_plan,
     merge_shards,
     shard_spec,
 )
 from plait.testing import compose, read_metrics, run_losses, spawn
+
+GPT_PLAN = TensorParallelPlan(GPT.tensor_parallel_plan)
+LLAMA_PLAN = TensorParallelPlan(LLAMA_STYLES)
 from plait.types import PlanError
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed (strategy=zero1) on CPU
@@ -52,19 +54,21 @@ GRAD_CLIP = "train.grad_clip=0.05"
      "parallel.tp=2 does not divide model.num_key_value_heads=1 (KV heads)"),
     (["model=llama_tiny", "parallel.tp=2", "model.intermediate_size=129"],
      "parallel.tp=2 does not divide model.intermediate_size=129 (MLP size)"),
-    (["parallel.sequence_parallel=true"],
-     "parallel.sequence_parallel=true needs tensor parallelism: set parallel.tp to 2 or more"),
-    (["model=llama_tiny", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    (["tensor_parallel.sequence_parallel=true"],
+     "tensor_parallel.sequence_parallel=true needs tensor parallelism: set parallel.tp to 2 or more"),
+    (["model=llama_tiny", "parallel.tp=2", "tensor_parallel.sequence_parallel=true"],
      "has no 'sequence_scatter' entry"),
-    (["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=33"],
+    (["parallel.tp=2", "tensor_parallel.sequence_parallel=true", "train.seq_len=33"],
      "parallel.tp=2 does not divide train.seq_len=33"),
     (["parallel.tp=2", "parallel.dp=2"], "dp(2) * tp(2) * pp(1) != world_size(2)"),
     (["parallel.tp=2", "precision=fp16"], "precision=fp16 with parallel.tp=2 and strategy=ddp"),
-    (["parallel.tp=2", "+parallel.tp_plan={blocks.*.mlp.fc: diagonal}"],
-     "parallel.tp_plan: 'blocks.*.mlp.fc' has style 'diagonal'; choose one of colwise"),
+    (["parallel.tp=2", "tensor_parallel.plan={blocks.*.mlp.fc: diagonal}"],
+     "tensor_parallel.plan: 'blocks.*.mlp.fc' has style 'diagonal'; choose one of colwise"),
     (["parallel.tp=2", "model=custom", "model._target_=torch.nn.Identity"],
-     "model._target_=torch.nn.Identity has no built-in tensor-parallel plan: give one as "
-     "parallel.tp_plan="),
+     "plugin 'tensor_parallel' needs 'model:tensor_parallel_plan' for parallel.tp=2, which no "
+     "active plugin provides (installed plugins that provide it: gpt (model._target_="
+     "plait.plugins.models.gpt.GPT), llama (model._target_=plait.plugins.models.llama.build_llama)"
+     "; or set parallel.tp=1)"),
 ])
 def test_refused_before_launch(overrides, expected):
     with pytest.raises(PlanError) as refused:
@@ -73,11 +77,11 @@ def test_refused_before_launch(overrides, expected):
 
 
 def test_tp_1_is_untouched_and_plain_plans_compose():
-    assert compose(["tracker=none", "parallel.tp=2", "parallel.sequence_parallel=true",
-                    "launcher.nproc_per_node=2"]).parallel.sequence_parallel
+    assert compose(["tracker=none", "parallel.tp=2", "tensor_parallel.sequence_parallel=true",
+                    "launcher.nproc_per_node=2"]).tensor_parallel.sequence_parallel
     cfg = compose(["tracker=none", "parallel.tp=2", "launcher.nproc_per_node=2",
-                   "parallel.tp_plan={blocks.*.mlp.fc: colwise, blocks.*.mlp.proj: rowwise}"])
-    assert dict(cfg.parallel.tp_plan) == {"blocks.*.mlp.fc": "colwise",
+                   "tensor_parallel.plan={blocks.*.mlp.fc: colwise, blocks.*.mlp.proj: rowwise}"])
+    assert dict(cfg.tensor_parallel.plan) == {"blocks.*.mlp.fc": "colwise",
                                           "blocks.*.mlp.proj": "rowwise"}
 
 
@@ -108,10 +112,10 @@ def test_tied_embeddings_stay_tied_after_the_split():
     assert len(list(model.parameters())) == len({id(p) for p in model.parameters()})
 
 
-def test_a_plan_pattern_that_matches_nothing_is_an_error():
-    plan = TensorParallelPlan(styles={"blocks.*.mlp.fc1": "colwise"})
-    with pytest.raises(ValueError, match=r"match no module of the model: \['blocks.\*.mlp.fc1'\]"):
-        apply_plan(GPT(n_layer=1), plan, group=None, rank=0, size=2, sequence_parallel=False)
+def test_a_plan_pattern_that_matches_nothing_is_refused_before_launch():
+    with pytest.raises(PlanError, match=r"match no module of the model: \['blocks.\*.mlp.fc1'\]"):
+        compose(["tracker=none", "launcher.nproc_per_node=2", "parallel.tp=2",
+                 "tensor_parallel.plan={blocks.*.mlp.fc1: colwise}"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +126,6 @@ def test_a_plan_pattern_that_matches_nothing_is_an_error():
 BLOCK_PLAN = TensorParallelPlan(
     styles={k.removeprefix("blocks.*."): v for k, v in GPT_PLAN.styles.items()
             if k.startswith("blocks.*.")},
-    finish=lambda block, tp: setattr(block.attn, "n_head", block.attn.n_head // tp),
 )
 
 
@@ -344,7 +347,7 @@ def test_sequence_parallel_trains_like_plain_tp(tp2, tmp_path):
     run, losses = tp2
     sp = run_losses(tmp_path / "sp", [f"train.steps={STEPS}", GRAD_CLIP,
                                       "launcher.nproc_per_node=2", "parallel.tp=2",
-                                      "parallel.sequence_parallel=true"])
+                                      "tensor_parallel.sequence_parallel=true"])
     assert sp == pytest.approx(losses, rel=1e-5)
     assert grad_norms(tmp_path / "sp") == pytest.approx(grad_norms(run), rel=1e-4)
 
@@ -372,7 +375,7 @@ def test_tp2_x_dp2_trains_like_one_process(reference, tmp_path, strategy):
 @pytest.mark.slow
 def test_a_plan_given_in_the_config_trains_like_one_process(reference, tmp_path):
     """A user's own plan, no code: only the MLPs split, the rest replicated."""
-    plan = "parallel.tp_plan={blocks.*.mlp.fc: colwise, blocks.*.mlp.proj: rowwise}"
+    plan = "tensor_parallel.plan={blocks.*.mlp.fc: colwise, blocks.*.mlp.proj: rowwise}"
     split = run_losses(tmp_path / "two", [f"train.steps={STEPS}", GRAD_CLIP,
                                           "launcher.nproc_per_node=2", "parallel.tp=2", plan])
     assert split == pytest.approx(reference[1], rel=1e-5)

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.slow
 def test_one_offline_run_with_config_metrics_and_rank_min_max(tmp_path):
     run_dir = run_training(tmp_path / "r", ["tracker=wandb", "tracker.project=plait-test",
                                             "train.steps=4", "launcher.nproc_per_node=2",
-                                            "fault.checkpoint_every=2"])
+                                            "fault.checkpoint_every=2",
+                                            "train.peak_flops=1e12"])  # a CPU has no known peak
     assert len(list(run_dir.glob("wandb/offline-run-*"))) == 1  # one run per job, not per rank
     run = read_wandb_run(run_dir)
     cfg = run["config"]
@@ -28,6 +29,7 @@ def test_one_offline_run_with_config_metrics_and_rank_min_max(tmp_path):
                     "step_time_s/max", "peak_memory_bytes/min", "peak_memory_bytes/max"):
             assert key in logged
         assert logged["step_time_s/min"] <= logged["step_time_s/max"]
+        assert logged["mfu"] == pytest.approx(local["mfu"])
 
     state = json.loads((run_dir / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
     assert state["tracker_run_id"] == run["id"]

@@ -19,7 +19,9 @@ from omegaconf import OmegaConf
 from plait import cli, hookimpl
 from plait.export import export
 from plait.plan import make_plan
+from plait.plugin_manager import keep_selected, make_plugin_manager
 from plait.plugins.zero.command import estimate_model_states
+from plait.plugins.zero.config import engine_config
 from plait.plugins.zero.estimate import measure_model_states, zero_formula
 from plait.testing import TEST_OVERRIDES, compose, read_metrics, run_training
 from plait.train import evaluate
@@ -57,31 +59,45 @@ def backend_config(*overrides: str) -> dict:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_deepspeed_config_is_generated_from_plait_settings(stage):
     ds = backend_config(f"strategy=zero{stage}", "train.batch_size=16", "train.grad_accum_steps=2",
-                        "train.grad_clip=0.5", "optimizer.lr=3e-4", "precision=bf16")
+                        "train.grad_clip=0.5", "precision=bf16")
     assert ds["zero_optimization"] == {"stage": stage}
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
             ds["gradient_accumulation_steps"]) == (16, 4, 2)  # 16 = 4 x 2 steps x dp 2
     assert ds["gradient_clipping"] == 0.5
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
-    assert ds["optimizer"]["type"] == "AdamW"
-    assert ds["optimizer"]["params"]["lr"] == 3e-4
-    assert ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
 
 
-def test_adamw_settings_map_to_torch_adamw():
-    ds = backend_config("strategy=zero1", "optimizer.fused=true", "optimizer.eps=1e-6",
-                        "optimizer.weight_decay=0.05")
-    assert ds["optimizer"]["params"] == {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-6,
-                                         "weight_decay": 0.05, "torch_adam": True, "fused": True}
+def built_optimizer(*overrides: str):
+    cfg = compose([*TEST_OVERRIDES, *overrides])
+    pm = keep_selected(make_plugin_manager(cfg), cfg)
+    model = pm.hook.plait_build_model(cfg=cfg)
+    return cfg, pm.hook.plait_build_optimizer(cfg=cfg, model=model)
+
+
+def test_the_built_adamw_maps_to_deepspeed_torch_adamw():
+    cfg, optimizer = built_optimizer("strategy=zero1", "optimizer.lr=3e-4", "optimizer.eps=1e-6",
+                                     "optimizer.fused=false")
+    ds = engine_config(cfg, 2, optimizer)
+    assert ds["optimizer"] == {"type": "AdamW", "params": {
+        "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.01,
+        "torch_adam": True}}  # weight decay per parameter group, as plait's adamw built them
 
 
 def test_offload_maps_to_deepspeed_cpu_adam():
-    ds = backend_config("strategy=zero3", "strategy.offload_optimizer=cpu",
-                        "strategy.offload_params=cpu")
+    cfg, optimizer = built_optimizer("strategy=zero3", "strategy.offload_optimizer=cpu",
+                                     "strategy.offload_params=cpu")
+    ds = engine_config(cfg, 2, optimizer)
     zero = ds["zero_optimization"]
     assert zero["offload_optimizer"] == {"device": "cpu"}
     assert zero["offload_param"] == {"device": "cpu"}
     assert "torch_adam" not in ds["optimizer"]["params"]  # DeepSpeedCPUAdam runs the step
+
+
+def test_another_optimizer_goes_to_deepspeed_as_a_client_optimizer():
+    cfg = compose([*TEST_OVERRIDES, "strategy=zero1"])
+    sgd = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    ds = engine_config(cfg, 2, sgd)
+    assert "optimizer" not in ds and ds["zero_allow_untested_optimizer"] is True
 
 
 def test_passthrough_and_config_file_are_merged(tmp_path):
@@ -106,11 +122,13 @@ def test_passthrough_and_config_file_are_merged(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_zero2_and_zero3_refuse_pipeline_parallelism():
-    for stage in ("zero2", "zero3"):
-        text = refusal(f"strategy={stage}", "parallel.pp=2", "launcher.nproc_per_node=4")
-        assert f"strategy={stage} with parallel.pp=2" in text
-        assert "use strategy=ddp for pipelines" in text and "or set parallel.pp=1" in text
+def test_zero_refuses_pipeline_parallelism_by_capability():
+    for stage in ("zero1", "zero2", "zero3"):
+        text = refusal(f"strategy={stage}", "parallel.pp=2", "launcher.nproc_per_node=4",
+                       "pipeline.microbatches=2")
+        assert ("plugin 'pipeline' needs 'engine:pipeline' for parallel.pp=2, which no active "
+                "plugin provides (installed plugins that provide it: ddp (strategy.name=ddp); or "
+                "set parallel.pp=1)") in text
 
 
 def test_offload_params_needs_stage3():

@@ -18,16 +18,29 @@ import hashlib
 import json
 import os
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from plait import hookimpl
+from plait.config import DataConfig
 from plait.types import Batch, PluginInfo
 
 TOKENIZER = "bytes-v1"  # byte-level: token id = byte value
+
+
+@dataclass
+class DataFilesConfig(DataConfig):
+    """Settings of ``data=stdlib|text|tokens``."""
+
+    path: Optional[str] = None
+    cache_dir: str = "${oc.env:PLAIT_CACHE_DIR,'~/.cache/plait'}"
+    val_fraction: float = 0.01
+    shuffle: bool = True  # a new permutation of the samples every epoch (read by sharding)
 
 
 class TokenWindows:
@@ -115,6 +128,11 @@ def load_split(tokens: np.ndarray, val_fraction: float, split: str) -> np.ndarra
 def plait_declare() -> PluginInfo:
     return PluginInfo(name="data", selected_by={"data.name": ("stdlib", "text", "tokens")},
                       description="byte-level text and token-file datasets with a disk cache")
+
+
+@hookimpl
+def plait_register_configs(config_store) -> None:
+    config_store.store(group="data", name="base_files", node=DataFilesConfig)
 
 
 @hookimpl

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Mapping
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from plait import hookimpl
 from plait.types import PluginInfo
@@ -77,6 +78,6 @@ def plait_shard_data(cfg, dataset, topology) -> ShardedBatchSampler:
         grad_accum_steps=cfg.train.grad_accum_steps,
         dp_rank=topology.dp_rank,
         dp_size=topology.dims.dp,
-        shuffle=cfg.data.shuffle,
+        shuffle=OmegaConf.select(cfg, "data.shuffle", default=True),
         seed=cfg.seed,
     )

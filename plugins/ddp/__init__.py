@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -16,9 +17,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from plait import hookimpl
+from plait.config import StrategyConfig
 from plait.plugins.optim.clip_grads import clip_grad_norm_
 from plait.plugins.optim.mixed_precision import autocast, grad_scaler
 from plait.types import Batch, PluginInfo, StepOutput
+
+
+@dataclass
+class DDPConfig(StrategyConfig):
+    name: str = "ddp"
+    compile: bool = False  # torch.compile the model, around DDP (DDP splits the graph per bucket)
 
 
 class DDPEngine:
@@ -44,7 +52,7 @@ class DDPEngine:
                                                    process_group=self.dp_group)
             if comm_hook is not None:
                 self.wrapped.register_comm_hook(*comm_hook)
-        if cfg.train.compile:  # compiled around DDP, so DDP's graph splitting applies
+        if cfg.strategy.compile:  # compiled around DDP, so DDP's graph splitting applies
             self.wrapped = torch.compile(self.wrapped)
 
     def _loss(self, batch: Batch) -> torch.Tensor:
@@ -111,8 +119,25 @@ class DDPEngine:
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="ddp", selected_by={"strategy.name": "ddp"},
-                      description="torch DistributedDataParallel")
+    return PluginInfo(
+        name="ddp", selected_by={"strategy.name": "ddp"},
+        provides=frozenset({"engine:tensor_parallel", "engine:pipeline", "engine:grad_reducer"}),
+        description="torch DistributedDataParallel")
+
+
+@hookimpl
+def plait_register_configs(config_store) -> None:
+    config_store.store(group="strategy", name="base_ddp", node=DDPConfig)
+
+
+@hookimpl
+def plait_validate(cfg, dims) -> list[str]:
+    if cfg.precision == "fp16" and dims.tp > 1:
+        return [f"precision=fp16 with parallel.tp={dims.tp} and strategy=ddp: DDP's loss scaler "
+                "checks overflow per rank, so tensor-parallel ranks could skip different steps; "
+                "use precision=bf16 or fp32, or strategy=zero1 (DeepSpeed's scaler agrees "
+                "across ranks)"]
+    return []
 
 
 @hookimpl

@@ -3,18 +3,32 @@
 (``torchrun``, ``srun``), run the worker in place.
 
 Multi-node: run the same command on every node with ``launcher.nnodes=N
-launcher.master_addr=<node 0's address> launcher.master_port=<port> launcher.node_rank=<i>``; the
-nodes meet at that address through the c10d rendezvous. Where a node's host name does not resolve
-to its address on the others, give ``launcher.local_addr=<its address>``.
+launcher.master_addr=<node 0's address> launcher.master_port=<port> launcher.node_rank=<i>
+run.name=<the same name on every node>``; the nodes meet at that address through the c10d
+rendezvous. Where a node's host name does not resolve to its address on the others, give
+``launcher.local_addr=<its address>``.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
+from dataclasses import dataclass
+from typing import Optional
 
 from plait import hookimpl
+from plait.config import LauncherConfig
 from plait.types import PluginInfo
+
+
+@dataclass
+class LocalLauncherConfig(LauncherConfig):
+    name: str = "local"
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: pick a free port (single node)
+    local_addr: Optional[str] = None  # this node's address as the others reach it (multi-node)
+    max_restarts: int = 0
 
 
 def started_externally() -> bool:
@@ -42,6 +56,11 @@ def plait_declare() -> PluginInfo:
     return PluginInfo(name="local_launcher", selected_by={"launcher.name": "local"},
                       description="torch elastic launch on this node, or run in place under "
                                   "torchrun / srun")
+
+
+@hookimpl
+def plait_register_configs(config_store) -> None:
+    config_store.store(group="launcher", name="base_local", node=LocalLauncherConfig)
 
 
 @hookimpl

@@ -2,6 +2,11 @@
 
 Any ``nn.Module`` whose forward maps token ids ``[batch, seq]`` to logits ``[batch, seq, vocab]``
 trains through plait: ``plait train model=custom model._target_=my_pkg.MyLM +model.width=512``.
+A model that can be split declares it through a plugin selected by its ``_target_`` (see
+:mod:`plait.plugins.models.gpt`): ``model:tensor_parallel_plan`` (it carries a
+``tensor_parallel_plan``), ``model:pipeline_stages`` (its blocks sit in a ``ModuleDict``
+``blocks`` between optional ``embed`` and ``norm``/``head`` parts). A model may also define
+``flops_per_token(seq_len)`` for the MFU figure; without it plait counts 6·N.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from plait import hookimpl
 from plait.config import ModelConfig
+from plait.plugins.models.checks import context_problems, tensor_parallel_problems
 from plait.types import PluginInfo
 
 
@@ -37,18 +38,18 @@ class GPTConfig(ModelConfig):
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
         super().__init__()
-        self.n_head = n_head
+        self.head_dim = n_embd // n_head
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # n_head is the number of heads on this rank: a tensor-parallel split lowers it. The
-        # shape is read from qkv's output: under sequence parallelism x holds seq/tp positions
-        # and qkv gathers the whole sequence.
+        # The heads on this rank follow from qkv's output width (a tensor-parallel split keeps
+        # whole heads, fewer of them), and the sequence length from its shape: under sequence
+        # parallelism x holds seq/tp positions and qkv gathers the whole sequence.
         qkv = self.qkv(x)
         B, T, _ = qkv.shape
-        q, k, v = qkv.view(B, T, 3, self.n_head, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
@@ -97,6 +98,22 @@ class Embedding(nn.Module):
 class GPT(nn.Module):
     """``GPT(...)(idx) -> logits``, idx ``[batch, seq]`` token ids, logits ``[batch, seq, vocab]``."""
 
+    # Megatron's split (see plait.plugins.tensor_parallel.plan): attention and MLP as
+    # column- then row-parallel pairs, the fused QKV weight split per q/k/v so every rank holds
+    # whole heads, embedding and head over the vocabulary.
+    tensor_parallel_plan = {
+        "embed": "sequence_scatter",
+        "embed.tok": "vocab",
+        "blocks.*.ln_1": "norm",
+        "blocks.*.attn.qkv": "colwise_qkv",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.ln_2": "norm",
+        "blocks.*.mlp.fc": "colwise",
+        "blocks.*.mlp.proj": "rowwise",
+        "norm": "norm",
+        "head": "vocab",
+    }
+
     def __init__(self, vocab_size: int = 256, block_size: int = 64, n_layer: int = 2,
                  n_head: int = 4, n_embd: int = 64, dropout: float = 0.0, bias: bool = True,
                  tie_embeddings: bool = False):
@@ -104,6 +121,7 @@ class GPT(nn.Module):
         if n_embd % n_head:
             raise ValueError(f"model.n_embd={n_embd} is not divisible by model.n_head={n_head}")
         self.block_size = block_size
+        self.n_layer, self.n_embd = n_layer, n_embd
         self.embed = Embedding(vocab_size, block_size, n_embd, dropout)
         self.blocks = nn.ModuleDict(
             {str(i): Block(n_embd, n_head, dropout, bias) for i in range(n_layer)}
@@ -126,6 +144,13 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: ``6·N`` for the weight matmuls (forward and backward) plus
+        ``12·L·E·T`` for attention's score and value matmuls over ``T`` positions (PaLM, appendix
+        B; ``E`` = heads × head size). Position embeddings are a lookup, not a matmul."""
+        n = sum(p.numel() for p in self.parameters()) - self.embed.pos.weight.numel()
+        return 6 * n + 12 * self.n_layer * self.n_embd * seq_len
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
@@ -140,7 +165,10 @@ class GPT(nn.Module):
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="gpt", description="the GPT model's config schema and checks")
+    return PluginInfo(
+        name="gpt", selected_by={"model._target_": GPTConfig._target_},
+        provides=frozenset({"model:tensor_parallel_plan", "model:pipeline_stages"}),
+        description="plait's GPT: schema, checks, and what it lets split")
 
 
 @hookimpl
@@ -149,9 +177,11 @@ def plait_register_configs(config_store) -> None:
 
 
 @hookimpl
-def plait_validate(cfg) -> list[str]:
+def plait_validate(cfg, dims) -> list[str]:
     m = cfg.model
-    if m._target_ != GPTConfig._target_ or m.n_embd % m.n_head == 0:
-        return []
-    return [f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}: choose "
-            "n_embd as a multiple of n_head"]
+    problems = context_problems(cfg, m.block_size)
+    if m.n_embd % m.n_head:
+        problems.append(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}: "
+                        "choose n_embd as a multiple of n_head")
+    return problems + tensor_parallel_problems(
+        cfg, dims.tp, {"n_head": "attention heads", "vocab_size": "vocabulary"})

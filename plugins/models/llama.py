@@ -15,6 +15,7 @@ import torch
 
 from plait import hookimpl
 from plait.config import ModelConfig
+from plait.plugins.models.checks import context_problems, tensor_parallel_problems
 from plait.types import PluginInfo
 
 
@@ -32,6 +33,21 @@ class LlamaModelConfig(ModelConfig):
     tie_word_embeddings: bool = False
 
 
+# Hugging Face names of LlamaForCausalLM (the same split as transformers' own base_model_tp_plan).
+# q/k/v and gate/up are separate linears there, so each enters the region on its own.
+TENSOR_PARALLEL_PLAN = {
+    "model.embed_tokens": "vocab",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "vocab",
+}
+
+
 def build_llama(vocab_size: int = 256, block_size: int = 64, hidden_size: int = 64,
                 intermediate_size: int = 128, num_hidden_layers: int = 2,
                 num_attention_heads: int = 4, num_key_value_heads: int = 2,
@@ -40,8 +56,19 @@ def build_llama(vocab_size: int = 256, block_size: int = 64, hidden_size: int = 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     class LlamaLM(LlamaForCausalLM):
+        tensor_parallel_plan = TENSOR_PARALLEL_PLAN
+
         def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # plait's model contract
             return super().forward(input_ids=input_ids, use_cache=False).logits
+
+        def flops_per_token(self, seq_len: int) -> int:
+            """``6·N`` for the weight matmuls plus ``12·L·E·T`` for attention (PaLM, appendix
+            B), ``N`` without the embedding lookup table (kept when tied: it is the head)."""
+            c = self.config
+            n = sum(p.numel() for p in self.parameters())
+            if not c.tie_word_embeddings:
+                n -= self.model.embed_tokens.weight.numel()
+            return 6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq_len
 
     config = LlamaConfig(
         vocab_size=vocab_size, max_position_embeddings=block_size, hidden_size=hidden_size,
@@ -56,7 +83,9 @@ def build_llama(vocab_size: int = 256, block_size: int = 64, hidden_size: int = 
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="llama", description="transformers' Llama built from a config")
+    return PluginInfo(name="llama", selected_by={"model._target_": LlamaModelConfig._target_},
+                      provides=frozenset({"model:tensor_parallel_plan"}),
+                      description="transformers' Llama built from a config")
 
 
 @hookimpl
@@ -65,17 +94,18 @@ def plait_register_configs(config_store) -> None:
 
 
 @hookimpl
-def plait_validate(cfg) -> list[str]:
-    if cfg.model._target_ != LlamaModelConfig._target_:
-        return []
+def plait_validate(cfg, dims) -> list[str]:
     if importlib.util.find_spec("transformers") is None:
         return ["model=llama_tiny needs transformers: pip install -e \".[hf]\""]
     m = cfg.model
-    problems = []
+    problems = context_problems(cfg, m.block_size)
     if m.hidden_size % m.num_attention_heads:
         problems.append(f"model.hidden_size={m.hidden_size} is not divisible by "
                         f"model.num_attention_heads={m.num_attention_heads}")
     if m.num_attention_heads % m.num_key_value_heads:
         problems.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
                         f"model.num_key_value_heads={m.num_key_value_heads}")
-    return problems
+    return problems + tensor_parallel_problems(cfg, dims.tp, {
+        "num_attention_heads": "attention heads", "num_key_value_heads": "KV heads",
+        "hidden_size": "hidden size", "intermediate_size": "MLP size",
+        "vocab_size": "vocabulary"})

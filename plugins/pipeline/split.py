@@ -138,7 +138,7 @@ def stage_costs(first: float, blocks: Sequence[float], last: float, counts: Sequ
 def check_counts(counts: Sequence[int], n_layers: int, n_stages: int) -> None:
     if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 1:
         raise ValueError(
-            f"parallel.balance={list(counts)} must list {n_stages} block counts (one per pipeline "
+            f"pipeline.balance={list(counts)} must list {n_stages} block counts (one per pipeline "
             f"stage), each at least 1, adding up to the model's {n_layers} blocks")
 
 
@@ -152,7 +152,7 @@ def split_stages(model: nn.Module, n_stages: int, balance, part_times=None) -> S
     L = len(blocks)
     if n_stages > L:
         raise ValueError(f"{n_stages} pipeline stages need at least {n_stages} blocks, the model "
-                         f"has {L}: lower parallel.pp (x parallel.virtual_stages)")
+                         f"has {L}: lower parallel.pp (x pipeline.virtual_stages)")
     if not isinstance(balance, str):
         counts = tuple(int(n) for n in balance)
         check_counts(counts, L, n_stages)
@@ -170,7 +170,7 @@ def split_stages(model: nn.Module, n_stages: int, balance, part_times=None) -> S
             raise ValueError("balance=time needs the measured time of every part")
         first, *costs, last = part_times
     else:
-        raise ValueError(f"parallel.balance={balance!r}: choose one of {', '.join(BALANCES)} or a "
+        raise ValueError(f"pipeline.balance={balance!r}: choose one of {', '.join(BALANCES)} or a "
                          "list of block counts per stage")
     counts = min_max_partition(first, costs, last, n_stages)
     return StageSplit(balance, counts, stage_costs(first, costs, last, counts))

@@ -1,52 +1,75 @@
-"""``parallel.tp=N`` (``parallel.tensor=megatron``, the default): Megatron-style tensor
-parallelism, and with ``parallel.sequence_parallel=true`` Megatron's sequence parallelism.
+"""``parallel.tp=N`` (``tensor_parallel=megatron``, the default): Megatron-style tensor
+parallelism, and with ``tensor_parallel.sequence_parallel=true`` Megatron's sequence parallelism.
 
 Every rank builds the full seeded model; :func:`plait_apply_tensor_parallel` then replaces the
 modules the plan names by column-/row-/vocab-parallel layers holding slices of the full weights,
-so the split model starts exactly where the single-device model does. The plan is the built-in
-one for ``model._target_`` (plait's GPT, the ``transformers`` Llama) or ``parallel.tp_plan``.
-With ``parallel.tp=1`` nothing happens. See ``docs/tensor_parallel.md``.
+so the split model starts exactly where the single-device model does. The plan is the model's own
+``tensor_parallel_plan`` (a model plugin declares ``model:tensor_parallel_plan``) or
+``tensor_parallel.plan``. With ``parallel.tp=1`` nothing happens. See
+``docs/tensor_parallel.md``.
 
     plait train parallel.tp=2 launcher.nproc_per_node=2
-    plait train parallel.tp=2 parallel.sequence_parallel=true launcher.nproc_per_node=4  # dp=2
+    plait train parallel.tp=2 tensor_parallel.sequence_parallel=true launcher.nproc_per_node=4
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
 from plait import hookimpl
+from plait.config import TensorParallelConfig
 from plait.plugins.tensor_parallel.plan import apply_plan, merge_shards, plan_for, plan_problems
 from plait.types import PluginInfo
 
 
+@dataclass
+class MegatronConfig(TensorParallelConfig):
+    name: str = "megatron"
+    sequence_parallel: bool = False
+    # None: the model's own tensor_parallel_plan; or {module-name pattern:
+    # colwise|colwise_qkv|rowwise|vocab|norm|sequence_scatter|replicate}
+    plan: Any = None
+
+
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="tensor_parallel", selected_by={"parallel.tensor": "megatron"},
-                      description="Megatron-style tensor and sequence parallelism")
+    return PluginInfo(
+        name="tensor_parallel", selected_by={"tensor_parallel.name": "megatron"},
+        requires={"tp": frozenset({"engine:tensor_parallel", "model:tensor_parallel_plan"})},
+        description="Megatron-style tensor and sequence parallelism")
 
 
 @hookimpl
-def plait_validate(cfg, dims) -> list[str]:
-    parallel = cfg.parallel
+def plait_register_configs(config_store) -> None:
+    config_store.store(group="tensor_parallel", name="base_megatron", node=MegatronConfig)
+
+
+@hookimpl
+def plait_validate(cfg, dims, hook) -> list[str]:
+    settings = cfg.tensor_parallel
     if dims.tp == 1:
-        if parallel.sequence_parallel:
-            return ["parallel.sequence_parallel=true needs tensor parallelism: set parallel.tp "
-                    "to 2 or more, or parallel.sequence_parallel=false"]
+        if settings.sequence_parallel:
+            return ["tensor_parallel.sequence_parallel=true needs tensor parallelism: set "
+                    "parallel.tp to 2 or more, or tensor_parallel.sequence_parallel=false"]
         return []
-    problems = plan_problems(cfg, dims.tp)
-    if cfg.precision == "fp16" and cfg.strategy.name == "ddp":
-        problems.append(f"precision=fp16 with parallel.tp={dims.tp} and strategy=ddp: the loss "
-                        "scaler checks overflow per rank, so tensor-parallel ranks could skip "
-                        "different steps; use precision=bf16 or fp32")
-    if problems or not parallel.sequence_parallel:
+    with torch.device("meta"):
+        model = hook.plait_build_model(cfg=cfg)
+    problems = plan_problems(cfg, model)
+    if problems or not settings.sequence_parallel:
         return problems
-    if not plan_for(cfg).supports_sequence_parallel:
-        problems.append(f"parallel.sequence_parallel=true: the tensor-parallel plan for "
+    plan = plan_for(cfg, model)
+    if plan is not None and not plan.supports_sequence_parallel:
+        problems.append(f"tensor_parallel.sequence_parallel=true: the tensor-parallel plan of "
                         f"model._target_={cfg.model._target_} has no 'sequence_scatter' entry "
-                        "(sequence parallelism is built in for plait's GPT only): set "
-                        "parallel.sequence_parallel=false")
+                        "(the module whose output enters the sequence-parallel region): add one "
+                        "in tensor_parallel.plan or set tensor_parallel.sequence_parallel=false")
     if cfg.train.seq_len % dims.tp:
-        problems.append(f"parallel.sequence_parallel=true: parallel.tp={dims.tp} does not divide "
-                        f"train.seq_len={cfg.train.seq_len}: choose seq_len as a multiple of tp")
+        problems.append(f"tensor_parallel.sequence_parallel=true: parallel.tp={dims.tp} does not "
+                        f"divide train.seq_len={cfg.train.seq_len}: choose seq_len as a multiple "
+                        "of tp")
     return problems
 
 
@@ -54,8 +77,8 @@ def plait_validate(cfg, dims) -> list[str]:
 def plait_apply_tensor_parallel(cfg, model, topology) -> None:
     if topology.dims.tp == 1:
         return
-    apply_plan(model, plan_for(cfg), topology.get_tensor_model_parallel_group(),
-               topology.tp_rank, topology.dims.tp, cfg.parallel.sequence_parallel)
+    apply_plan(model, plan_for(cfg, model), topology.get_tensor_model_parallel_group(),
+               topology.tp_rank, topology.dims.tp, cfg.tensor_parallel.sequence_parallel)
 
 
 @hookimpl
@@ -70,7 +93,7 @@ def plait_build_loss(cfg, model, topology):
 
 
 @hookimpl
-def plait_merge_tensor_parallel_shards(cfg, shards) -> dict | None:
+def plait_merge_tensor_parallel_shards(cfg, shards, model) -> dict | None:
     if len(shards) == 1:
         return None
-    return merge_shards(plan_for(cfg), shards)
+    return merge_shards(plan_for(cfg, model), shards)

@@ -11,38 +11,34 @@ matching pattern wins, unmatched modules are replicated. Styles:
                      ``nn.Linear``: column-parallel over the vocabulary, logits stay split and
                      the loss is the vocab-parallel cross-entropy
 ``norm``             ``nn.LayerNorm`` inside the sequence-parallel region (only matters with
-                     ``parallel.sequence_parallel``)
+                     ``tensor_parallel.sequence_parallel``)
 ``sequence_scatter`` the module whose output enters the sequence-parallel region (its output is
-                     split along the sequence under ``parallel.sequence_parallel``)
+                     split along the sequence under ``tensor_parallel.sequence_parallel``)
 ``replicate``        kept whole on every rank (overrides a later, broader pattern)
 ===================  ==========================================================================
 
-The same table decides how a checkpoint's shards merge back (:func:`merge_shards`), so the split
-and the merge cannot disagree.
+The model declares its own plan, as ``transformers`` models carry ``base_model_tp_plan`` and
+torchtitan's models their ``parallelize`` function: the attribute ``tensor_parallel_plan`` of the
+model (plait's GPT and Llama have one; their plugins declare ``model:tensor_parallel_plan``).
+``tensor_parallel.plan`` in the config replaces it. The same table decides how a checkpoint's
+shards merge back (:func:`merge_shards`), so the split and the merge cannot disagree.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
 
 STYLES = ("colwise", "colwise_qkv", "rowwise", "vocab", "norm", "sequence_scatter", "replicate")
 
-GPT_TARGET = "plait.plugins.models.gpt.GPT"
-LLAMA_TARGET = "plait.plugins.models.llama.build_llama"
-
 
 @dataclass(frozen=True)
 class TensorParallelPlan:
     styles: Mapping[str, str]
-    # Per-rank fix-ups after the split (the GPT's attention reads its per-rank head count).
-    finish: Callable[[nn.Module, int], None] | None = None
-    # Model-config checks: (field, what) pairs that tp must divide.
-    divides: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
     @property
     def supports_sequence_parallel(self) -> bool:
@@ -54,87 +50,33 @@ class TensorParallelPlan:
                 return style
         return "replicate"
 
-
-def _gpt_heads_per_rank(model: nn.Module, tp: int) -> None:
-    for block in model.blocks.values():
-        block.attn.n_head //= tp
-
-
-GPT_PLAN = TensorParallelPlan(
-    styles={
-        "embed": "sequence_scatter",
-        "embed.tok": "vocab",
-        "blocks.*.ln_1": "norm",
-        "blocks.*.attn.qkv": "colwise_qkv",
-        "blocks.*.attn.proj": "rowwise",
-        "blocks.*.ln_2": "norm",
-        "blocks.*.mlp.fc": "colwise",
-        "blocks.*.mlp.proj": "rowwise",
-        "norm": "norm",
-        "head": "vocab",
-    },
-    finish=_gpt_heads_per_rank,
-    divides=(("n_head", "attention heads"), ("vocab_size", "vocabulary")),
-)
-
-# Hugging Face names of LlamaForCausalLM (the same split as transformers' own base_model_tp_plan).
-# q/k/v and gate/up are separate linears there, so each enters the region on its own.
-LLAMA_PLAN = TensorParallelPlan(
-    styles={
-        "model.embed_tokens": "vocab",
-        "model.layers.*.self_attn.q_proj": "colwise",
-        "model.layers.*.self_attn.k_proj": "colwise",
-        "model.layers.*.self_attn.v_proj": "colwise",
-        "model.layers.*.self_attn.o_proj": "rowwise",
-        "model.layers.*.mlp.gate_proj": "colwise",
-        "model.layers.*.mlp.up_proj": "colwise",
-        "model.layers.*.mlp.down_proj": "rowwise",
-        "lm_head": "vocab",
-    },
-    divides=(("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
-             ("hidden_size", "hidden size"), ("intermediate_size", "MLP size"),
-             ("vocab_size", "vocabulary")),
-)
-
-BUILT_IN = {"gpt": GPT_PLAN, "llama": LLAMA_PLAN}
-BY_TARGET = {GPT_TARGET: "gpt", LLAMA_TARGET: "llama"}
+    def unmatched_patterns(self, model: nn.Module) -> list[str]:
+        names = [name for name, _ in model.named_modules()]
+        return sorted(p for p in self.styles if not any(fnmatchcase(n, p) for n in names))
 
 
-def plan_for(cfg) -> TensorParallelPlan | None:
-    """The plan ``parallel.tp_plan`` names or gives, else the built-in one for ``model._target_``;
-    None when there is none."""
-    given: Any = cfg.parallel.get("tp_plan")
-    if given is None:
-        name = BY_TARGET.get(cfg.model._target_)
-        return BUILT_IN[name] if name else None
-    if isinstance(given, str):
-        return BUILT_IN.get(given)
-    return TensorParallelPlan(styles=dict(given))
+def plan_for(cfg, model: nn.Module) -> TensorParallelPlan | None:
+    """``tensor_parallel.plan`` when given, else the model's own ``tensor_parallel_plan``; None
+    when there is neither."""
+    given: Any = cfg.tensor_parallel.plan
+    styles = given if given is not None else getattr(model, "tensor_parallel_plan", None)
+    return TensorParallelPlan(styles=dict(styles)) if styles is not None else None
 
 
-def plan_problems(cfg, tp: int) -> list[str]:
-    """Everything about the plan that can be checked before launch."""
-    given = cfg.parallel.get("tp_plan")
-    if isinstance(given, str) and given not in BUILT_IN:
-        return [f"parallel.tp_plan={given}: choose one of {', '.join(BUILT_IN)} or give "
-                "{module-pattern: style}"]
-    plan = plan_for(cfg)
+def plan_problems(cfg, model: nn.Module) -> list[str]:
+    """Everything about the plan that can be checked before launch, on the model built on the
+    meta device."""
+    plan = plan_for(cfg, model)
     if plan is None:
-        return [f"parallel.tp={tp} but model._target_={cfg.model._target_} has no built-in "
-                "tensor-parallel plan: give one as parallel.tp_plan={'<module pattern>': "
-                f"<{'|'.join(STYLES)}>, ...}} or set parallel.tp=1"]
-    problems = [f"parallel.tp_plan: {pattern!r} has style {style!r}; choose one of "
+        return []  # the capability check names the missing model:tensor_parallel_plan
+    problems = [f"tensor_parallel.plan: {pattern!r} has style {style!r}; choose one of "
                 f"{', '.join(STYLES)}" for pattern, style in plan.styles.items()
                 if style not in STYLES]
-    for key, what in plan.divides:
-        value = cfg.model.get(key)
-        if value is None or value % tp == 0:
-            continue
-        if key == "vocab_size":  # padded rows are never a target (GPT-2 pads 50257 to 50304)
-            fix = f"pad it: model.{key}={-(-value // tp) * tp}"
-        else:
-            fix = f"choose tp in {[d for d in range(1, value + 1) if value % d == 0]}"
-        problems.append(f"parallel.tp={tp} does not divide model.{key}={value} ({what}): {fix}")
+    unmatched = plan.unmatched_patterns(model)
+    if unmatched:
+        problems.append(f"tensor_parallel.plan patterns match no module of the model: "
+                        f"{unmatched}; module names look like "
+                        f"{[n for n, _ in model.named_modules() if n][:6]}")
     return problems
 
 
@@ -144,12 +86,10 @@ def apply_plan(model: nn.Module, plan: TensorParallelPlan, group, rank: int, siz
     from plait.plugins.tensor_parallel import layers as L
     from plait.plugins.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 
-    unused = set(plan.styles)
     memo: dict[int, nn.Parameter] = {}  # tied parameters are split once
     regions: dict[str, L.RegionEntry] = {}  # column-parallel siblings share one region entry
     for name, module in list(model.named_modules()):
         style = plan.style_of(name)
-        unused -= {p for p in plan.styles if fnmatchcase(name, p)}
         if style == "replicate":
             continue
         if style == "sequence_scatter":
@@ -177,17 +117,11 @@ def apply_plan(model: nn.Module, plan: TensorParallelPlan, group, rank: int, siz
             _expect(name, style, module, nn.Linear)
             new = L.RowParallelLinear(module, group, rank, size, sequence_parallel, memo)
         _replace(model, name, new)
-    if unused:
-        raise ValueError(f"parallel.tp_plan patterns match no module of the model: "
-                         f"{sorted(unused)}; module names look like "
-                         f"{[n for n, _ in model.named_modules() if n][:6]}")
-    if plan.finish is not None:
-        plan.finish(model, size)
 
 
 def _expect(name: str, style: str, module: nn.Module, kind: type) -> None:
     if not isinstance(module, kind):
-        raise ValueError(f"parallel.tp_plan: {name} is a {type(module).__name__}, but style "
+        raise ValueError(f"tensor_parallel.plan: {name} is a {type(module).__name__}, but style "
                          f"{style!r} needs an nn.{kind.__name__}")
 
 

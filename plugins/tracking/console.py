@@ -11,8 +11,9 @@ from plait.types import PluginInfo
 
 def format_metrics(step: int, total: int, metrics: dict[str, float]) -> str:
     line = (f"step {step}/{total} loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} "
-            f"grad_norm {metrics['grad_norm']:.3f} tok/s {metrics['tokens_per_s']:,.0f} "
-            f"mfu {100 * metrics['mfu']:.2f}%")
+            f"grad_norm {metrics['grad_norm']:.3f} tok/s {metrics['tokens_per_s']:,.0f}")
+    if "mfu" in metrics:
+        line += f" mfu {100 * metrics['mfu']:.2f}%"
     if "eval/loss" in metrics:
         line += f" eval_loss {metrics['eval/loss']:.4f}"
     return line
@@ -40,7 +41,7 @@ class Console:
             self.bar = tqdm(total=self.total, initial=state.step, unit="step", dynamic_ncols=True)
 
     @hookimpl
-    def plait_on_step_end(self, step, metrics) -> None:
+    def plait_log_metrics(self, step, metrics) -> None:
         if self.bar is None:
             print(format_metrics(step, self.total, metrics), flush=True)
             return

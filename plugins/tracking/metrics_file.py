@@ -25,7 +25,7 @@ class MetricsFile:
         self.path = Path(cfg.run.dir) / "metrics.jsonl"
 
     @hookimpl
-    def plait_on_step_end(self, step, metrics) -> None:
+    def plait_log_metrics(self, step, metrics) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
 

@@ -59,7 +59,7 @@ class WandbTracker:
         state.tracker_run_id = self.run.id
 
     @hookimpl
-    def plait_on_step_end(self, step, metrics) -> None:
+    def plait_log_metrics(self, step, metrics) -> None:
         self.run.log(metrics, step=step)
 
     @hookimpl

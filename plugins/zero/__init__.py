@@ -23,6 +23,7 @@ from plait.types import PluginInfo
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(name="zero", selected_by={"strategy.name": tuple(zero_config.STAGES)},
+                      provides=frozenset({"engine:tensor_parallel"}),
                       description="DeepSpeed ZeRO stages 0-3, offload, bf16/fp16")
 
 
@@ -62,7 +63,7 @@ def plait_backend_config(cfg, dims) -> dict:
 def plait_build_engine(cfg, model, optimizer, loss_fn, topology):
     from plait.plugins.zero.engine import ZeroEngine
 
-    ds_config = zero_config.deepspeed_config(cfg, topology.dims.dp)
+    ds_config = zero_config.engine_config(cfg, topology.dims.dp, optimizer)
     return ZeroEngine(model, optimizer, loss_fn, topology, ds_config)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from plait.config import StrategyConfig
@@ -45,21 +46,16 @@ def micro_batch_size(cfg: DictConfig, dp: int) -> int:
     return cfg.train.batch_size // (cfg.train.grad_accum_steps * dp)
 
 
-def uses_deepspeed_adamw(cfg: DictConfig) -> bool:
-    """plait's ``optimizer=adamw`` maps onto DeepSpeed's AdamW; any other optimizer plugin's torch
-    optimizer is handed to DeepSpeed as a client optimizer."""
-    return cfg.optimizer.name == "adamw"
-
-
 def generated_config(cfg: DictConfig, dp: int) -> dict[str, Any]:
-    """The DeepSpeed config that follows from plait's settings alone."""
+    """The DeepSpeed config that follows from plait's settings alone (the optimizer section is
+    added from the built optimizer: :func:`optimizer_section`)."""
     strategy, train = cfg.strategy, cfg.train
     zero: dict[str, Any] = {"stage": stage_of(cfg)}
     if strategy.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": strategy.offload_optimizer}
     if strategy.offload_params != "none":
         zero["offload_param"] = {"device": strategy.offload_params}
-    ds: dict[str, Any] = {
+    return {
         "train_batch_size": train.batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size(cfg, dp),
         "gradient_accumulation_steps": train.grad_accum_steps,
@@ -70,18 +66,35 @@ def generated_config(cfg: DictConfig, dp: int) -> dict[str, Any]:
         "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0},
         "steps_per_print": QUIET,
     }
-    if uses_deepspeed_adamw(cfg):
-        opt = cfg.optimizer
-        params = {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps,
-                  "weight_decay": opt.weight_decay}
-        if strategy.offload_optimizer == "none":
-            params["torch_adam"] = True  # torch.optim.AdamW: the same math as plait's ddp
-            if opt.fused or (opt.fused is None and cfg.device != "cpu" and _cuda_available()):
-                params["fused"] = True  # as plait's adamw: torch's fused kernel on CUDA
-        ds["optimizer"] = {"type": "AdamW", "params": params}
-    else:
-        ds["zero_allow_untested_optimizer"] = True
-    return ds
+
+
+def optimizer_section(optimizer: torch.optim.Optimizer, offload: bool) -> dict[str, Any] | None:
+    """DeepSpeed's ``optimizer`` section for the torch optimizer the optimizer plugin built.
+
+    A ``torch.optim.AdamW`` (whichever plugin built it) maps onto DeepSpeed's AdamW with the
+    hyperparameters it was built with: ``torch_adam`` (the same math as under DDP, with torch's
+    fused kernel where the plugin chose it), or DeepSpeed's CPU Adam when offloading, which must
+    be DeepSpeed's own. Any other optimizer goes to DeepSpeed as a client optimizer: None.
+    """
+    if type(optimizer) is not torch.optim.AdamW:
+        return None
+    d = optimizer.defaults
+    params = {"lr": d["lr"], "betas": list(d["betas"]), "eps": d["eps"],
+              "weight_decay": d["weight_decay"]}
+    if not offload:
+        params["torch_adam"] = True
+        if d.get("fused"):
+            params["fused"] = True
+    return {"type": "AdamW", "params": params}
+
+
+def engine_config(cfg: DictConfig, dp: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What ``deepspeed.initialize`` gets: :func:`deepspeed_config` plus the optimizer section."""
+    ds = deepspeed_config(cfg, dp)
+    section = optimizer_section(optimizer, cfg.strategy.offload_optimizer != "none")
+    if section is None:
+        return {**ds, "zero_allow_untested_optimizer": True}
+    return {**ds, "optimizer": section}
 
 
 # Keys plait owns -> the plait setting that decides each (for the error message).
@@ -95,14 +108,11 @@ OWNED = {
     "zero_optimization.offload_param.device": "strategy.offload_params",
     "bf16.enabled": "precision",
     "fp16.enabled": "precision",
-    "optimizer.type": "optimizer.name",
-    "optimizer.params.lr": "optimizer.lr",
-    "optimizer.params.betas": "optimizer.betas",
-    "optimizer.params.eps": "optimizer.eps",
-    "optimizer.params.weight_decay": "optimizer.weight_decay",
 }
 # Whole sections plait decides itself, refused from the user whatever their content.
 OWNED_SECTIONS = {
+    "optimizer": "optimizer=... (plait's optimizer plugin builds it; `plait import-deepspeed` "
+                 "prints the overrides for a DeepSpeed JSON's optimizer)",
     "scheduler": "optimizer.* (plait's LR schedule, e.g. optimizer.warmup_steps, "
                  "optimizer.min_lr)",
 }
@@ -195,16 +205,6 @@ def validate(cfg: DictConfig, dims) -> list[str]:
     """Refusals before launch (the capability checks of ``PluginInfo`` cover devices/axes)."""
     strategy, stage = cfg.strategy, stage_of(cfg)
     problems = []
-    if stage >= 2 and dims.pp > 1:
-        problems.append(
-            f"strategy={strategy.name} with parallel.pp={dims.pp}: DeepSpeed shards gradients "
-            "(ZeRO-2) and parameters (ZeRO-3) only without pipeline parallelism; use "
-            "strategy=ddp for pipelines (ZeRO-1 through DeepSpeed's pipeline engine is not wired "
-            "in) or set parallel.pp=1")
-    if cfg.comm.name != "allreduce":
-        problems.append(f"comm={cfg.comm.name} with strategy={strategy.name}: DeepSpeed reduces "
-                        "ZeRO's gradients itself and takes no DDP comm hook; use comm=allreduce "
-                        "or strategy=ddp")
     for setting in ("offload_optimizer", "offload_params"):
         value = strategy[setting]
         if value not in OFFLOAD_DEVICES:

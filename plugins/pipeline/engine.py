@@ -1,0 +1,151 @@
+"""The pipeline engine: one optimizer step as a schedule over the step's micro-batches, around
+the strategy's engine (which keeps the optimizer and the checkpoint files)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from plait.plugins.optim.clip_grads import clip_grad_norm_
+from plait.plugins.optim.mixed_precision import autocast
+from plait.plugins.pipeline.schedules import SCHEDULES, make_schedule, stage_to_rank
+from plait.plugins.pipeline.split import PipelineStageModules
+from plait.types import Batch, StepOutput
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+MAX_DIMS = 6
+
+
+def send_tensor(tensor: torch.Tensor, dst: int) -> None:
+    """Send a tensor of any shape and dtype: a fixed-size header, then the data."""
+    dtype_code = DTYPES.index(tensor.dtype)
+    header = torch.tensor([tensor.dim(), dtype_code, *tensor.shape]
+                          + [0] * (MAX_DIMS - tensor.dim()), dtype=torch.int64)
+    dist.send(header.to(tensor.device), dst)
+    dist.send(tensor.contiguous(), dst)
+
+
+def recv_tensor(src: int, device: torch.device) -> torch.Tensor:
+    header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    ndim, dtype_code, *shape = header.tolist()
+    tensor = torch.empty(shape[:ndim], dtype=DTYPES[dtype_code], device=device)
+    dist.recv(tensor, src)
+    return tensor
+
+
+class PipelineEngine:
+    """Runs one optimizer step as a pipeline schedule over the step's micro-batches.
+
+    Reuses the strategy engine's optimizer and checkpoint files; the loss is computed on the
+    last stage and summed over the pipeline group (zero elsewhere), so every rank, rank 0
+    included, returns the global mean. The gradient norm is the global one,
+    ``sqrt(sum over stages (and tp shards) of |g|^2)``, and clipping scales every stage by the
+    same factor.
+    """
+
+    def __init__(self, cfg, inner, loss_fn, topology):
+        from torch.distributed import pipelining
+
+        self.inner = inner
+        self.model: PipelineStageModules = inner.model
+        self.optimizer = inner.optimizer
+        self.device = topology.device
+        self.precision = cfg.precision
+        self.grad_clip = cfg.train.grad_clip
+        self.pp_group = topology.get_pipeline_model_parallel_group()
+        self.dp_group = topology.get_data_parallel_group()
+        self.dp_size = topology.dims.dp
+        self.tp_group = topology.get_tensor_model_parallel_group()
+        self.tp_size, self.tp_rank = topology.dims.tp, topology.tp_rank
+        n_stages = self.model.n_stages
+        self.stages = [
+            pipelining.PipelineStage(chunk, index, n_stages, self.device, group=self.pp_group)
+            for index, chunk in self.model.chunks
+        ]
+        self.chunks = dict(self.model.chunks)
+        self.n_stages, self.loss_fn = n_stages, loss_fn
+        self.placement = stage_to_rank(topology.dims.pp, n_stages,
+                                       SCHEDULES[cfg.pipeline.schedule][2])
+        self.pp_rank = topology.pp_rank
+        self.has_first, self.has_last = 0 in self.chunks, n_stages - 1 in self.chunks
+        self.schedule = make_schedule(cfg.pipeline.schedule, self.stages,
+                                      cfg.pipeline.microbatches, loss_fn)
+
+    def _reduce_loss(self, loss: torch.Tensor) -> float:
+        """The last stage's loss (zero on the others) to every rank, averaged over dp."""
+        loss = loss.detach().to(self.device, torch.float32)
+        dist.all_reduce(loss, group=self.pp_group)
+        if self.dp_size > 1:
+            dist.all_reduce(loss, group=self.dp_group)
+            loss = loss / self.dp_size
+        return loss.item()
+
+    def _average_grads_over_dp(self) -> None:
+        """The data-parallel part: one flat all-reduce per dtype of this stage's gradients."""
+        if self.dp_size == 1:
+            return
+        grads: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.setdefault(p.grad.dtype, []).append(p.grad)
+        for tensors in grads.values():
+            flat = torch._utils._flatten_dense_tensors(tensors)
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.dp_size
+            for g, reduced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+                g.copy_(reduced)
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        x = torch.cat([b[0] for b in micro_batches]).to(self.device)
+        y = torch.cat([b[1] for b in micro_batches]).to(self.device)
+        losses: list[torch.Tensor] = []
+        with autocast(self.precision, self.device):
+            self.schedule.step(*((x,) if self.has_first else ()), target=y, losses=losses,
+                               return_outputs=False)
+        loss = self._reduce_loss(torch.stack(losses).mean() if self.has_last
+                                 else torch.zeros(()))
+        self._average_grads_over_dp()
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm,
+                                    self.tp_group if self.tp_size > 1 else None, self.tp_rank,
+                                    self.pp_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepOutput(loss=loss, grad_norm=grad_norm.item())
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch) -> float:
+        """Forward only, the whole batch at once, stage after stage over point-to-point sends
+        (the same for every schedule; torch's ``schedule.eval`` fails for ZBV in torch 2.13)."""
+        self.model.eval()
+        x, y = (t.to(self.device) for t in batch)
+        hidden, loss = x, torch.zeros((), device=self.device)
+        with autocast(self.precision, self.device):
+            for index in range(self.n_stages):
+                if self.placement[index] != self.pp_rank:
+                    continue
+                if index > 0 and self.placement[index - 1] != self.pp_rank:
+                    hidden = recv_tensor(self._peer(self.placement[index - 1]), self.device)
+                hidden = self.chunks[index](hidden)
+                if index == self.n_stages - 1:
+                    loss = self.loss_fn(hidden, y).detach().float()
+                elif self.placement[index + 1] != self.pp_rank:
+                    send_tensor(hidden, self._peer(self.placement[index + 1]))
+        self.model.train()
+        return self._reduce_loss(loss)
+
+    def _peer(self, pp_rank: int) -> int:
+        return dist.get_global_rank(self.pp_group, pp_rank)
+
+    def save_state(self, directory: Path) -> None:
+        self.inner.save_state(directory)
+
+    def load_state(self, directory: Path) -> None:
+        self.inner.load_state(directory)
