@@ -11,10 +11,10 @@ first in its defaults list (Hydra's structured-config pattern).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, ListConfig
 
 GROUPS = ("strategy", "parallel", "tensor_parallel", "pipeline", "comm", "data", "model",
           "optimizer", "fault", "tracker", "launcher")
@@ -130,6 +130,59 @@ class PlaitConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     resume: Optional[str] = None  # "latest" or a checkpoint / run directory
     plugins: list[str] = field(default_factory=list)  # dotted paths of in-house plugins
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting accepts: ``low <= value <= high``, strict where ``*_open``;
+    a None bound is no bound. ``meaning`` explains a boundary value, e.g. ``"0 turns it off"``.
+
+    The type (int, float) is the schema's job; a range is what the type cannot say. Tables of
+    ranges sit beside each schema and are checked by :func:`range_problems` before launch.
+    """
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    meaning: str = ""
+
+    def admits(self, value: float) -> bool:
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            text = (f"in {'(' if self.low_open else '['}{self.low}, {self.high}"
+                    f"{')' if self.high_open else ']'}")
+        elif self.low is not None:
+            text = f"{'>' if self.low_open else '>='} {self.low}"
+        else:
+            text = f"{'<' if self.high_open else '<='} {self.high}"
+        return f"{text} ({self.meaning})" if self.meaning else text
+
+
+AT_LEAST_0 = Range(0)
+AT_LEAST_1 = Range(1)
+POSITIVE = Range(0, low_open=True)
+
+
+def range_problems(section: str, settings: Any, ranges: Mapping[str, Range]) -> list[str]:
+    """One problem per setting of ``settings`` (the config section called ``section``, "" for the
+    top level) outside its range, naming the setting and the values it takes; None (an optional
+    setting left unset) passes, and a list is checked element by element.
+    """
+    prefix = f"{section}." if section else ""
+    problems = []
+    for key, allowed in ranges.items():
+        value = settings[key]
+        is_list = isinstance(value, (list, tuple, ListConfig))
+        if all(v is None or allowed.admits(v) for v in (value if is_list else [value])):
+            continue
+        problems.append(f"{prefix}{key}={value} is out of range: set "
+                        f"{'each of ' if is_list else ''}{prefix}{key} {allowed}")
+    return problems
 
 
 def store_core_schemas(cs: ConfigStore) -> None:

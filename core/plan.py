@@ -12,11 +12,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import torch
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from plait.config import PRECISIONS, store_core_schemas
+from plait.config import (
+    AT_LEAST_1,
+    POSITIVE,
+    PRECISIONS,
+    Range,
+    range_problems,
+    store_core_schemas,
+)
 from plait.plugin_manager import (
     PlaitPluginManager,
     check_conflicts,
@@ -25,7 +33,7 @@ from plait.plugin_manager import (
     make_plugin_manager,
 )
 from plait.topology import ParallelDims
-from plait.types import ALWAYS, PlanError
+from plait.types import ALL_DEVICES, ALWAYS, PlanError
 
 # The decisions every run needs, and the config setting that picks who makes each.
 REQUIRED_DECISIONS = {
@@ -36,6 +44,19 @@ REQUIRED_DECISIONS = {
     "plait_build_lr_schedule": "optimizer.name",
     "plait_build_engine": "strategy.name",
     "plait_launch": "launcher.name",
+}
+
+
+# The core's numeric settings, by section ("" is the top level), and the values each takes.
+# parallel.dp (-1 or >= 1) is checked by ParallelDims.from_config.
+CORE_RANGES = {
+    "train": {"steps": AT_LEAST_1, "batch_size": AT_LEAST_1, "grad_accum_steps": AT_LEAST_1,
+              "seq_len": AT_LEAST_1, "grad_clip": Range(0, meaning="0 turns clipping off"),
+              "log_every": AT_LEAST_1, "eval_every": Range(0, meaning="0: no evaluation"),
+              "eval_batches": AT_LEAST_1, "peak_flops": POSITIVE},
+    "parallel": {"tp": AT_LEAST_1, "pp": AT_LEAST_1},
+    "launcher": {"nproc_per_node": AT_LEAST_1, "nnodes": AT_LEAST_1, "timeout_s": AT_LEAST_1},
+    "": {"seed": Range(0, 2**32 - 1)},  # numpy's seeds
 }
 
 
@@ -93,10 +114,13 @@ def make_plan(overrides: Iterable[str] = (), objects: Iterable[Any] = ()) -> Pla
     OmegaConf.set_readonly(cfg, True)
 
     plan = Plan(cfg=cfg, pm=pm, dims=None)
-    try:
-        plan.dims = ParallelDims.from_config(cfg)
-    except ValueError as e:
-        plan.problems.append(str(e))
+    # Out-of-range numbers first: the layout and the plugins' checks compute with them.
+    plan.problems += core_range_problems(cfg)
+    if not plan.problems:
+        try:
+            plan.dims = ParallelDims.from_config(cfg)
+        except ValueError as e:
+            plan.problems.append(str(e))
     plan.problems += core_problems(cfg, plan.dims, run_name_given)
     plan.problems += unselected_choices(pm, available, cfg)
     plan.problems += check_conflicts(pm)
@@ -110,24 +134,53 @@ def make_plan(overrides: Iterable[str] = (), objects: Iterable[Any] = ()) -> Pla
     return plan
 
 
+def meta_model(hook, cfg: DictConfig) -> torch.nn.Module | None:
+    """The model the model plugin builds, on the meta device (no memory, no initialisation), for
+    checks in ``plait_validate``; None when these settings cannot build it (the ``models``
+    plugin's own check says why)."""
+    try:
+        with torch.device("meta"):
+            return hook.plait_build_model(cfg=cfg)
+    except Exception:
+        return None
+
+
+def core_range_problems(cfg: DictConfig) -> list[str]:
+    return [problem for section, ranges in CORE_RANGES.items()
+            for problem in range_problems(section, cfg[section] if section else cfg, ranges)]
+
+
+def device_problems(cfg: DictConfig) -> list[str]:
+    """Each process takes the GPU of its local rank (``cuda:LOCAL_RANK``): refuse a node with
+    fewer GPUs than processes before rank 1 asks for a ``cuda:1`` that is not there."""
+    if cfg.device not in ("auto", *sorted(ALL_DEVICES)):
+        return [f"device={cfg.device}: choose auto, {' or '.join(sorted(ALL_DEVICES))} (each "
+                "process takes the GPU of its local rank)"]
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return []
+    gpus = torch.cuda.device_count()
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launcher.nproc_per_node))
+    if gpus >= processes:
+        return []
+    if gpus == 0:
+        return [f"device={cfg.device}: torch sees no CUDA device on this node (torch "
+                f"{torch.__version__}, CUDA build {torch.version.cuda}): use device=cpu"]
+    return [f"device={cfg.device} gives each process the GPU of its local rank, but this node has "
+            f"{gpus} GPU(s) for {processes} processes (launcher.nproc_per_node={processes}): "
+            f"set launcher.nproc_per_node={gpus}, or device=cpu"]
+
+
 def core_problems(cfg: DictConfig, dims: ParallelDims | None, run_name_given: bool) -> list[str]:
-    problems = []
+    problems = device_problems(cfg)
     if cfg.launcher.nnodes > 1 and not run_name_given and not job_id():
         problems.append(
             f"launcher.nnodes={cfg.launcher.nnodes} needs run.name=<name>, the same on every "
             "node: without it each node names the run after its own clock, so the nodes would "
             "write different run directories")
-    if cfg.launcher.nproc_per_node < 1:
-        problems.append(
-            f"launcher.nproc_per_node={cfg.launcher.nproc_per_node}: need at least 1 process "
-            "per node"
-        )
     if cfg.precision not in PRECISIONS:
         problems.append(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
     train = cfg.train
-    if train.grad_accum_steps < 1:
-        problems.append(f"train.grad_accum_steps={train.grad_accum_steps} must be at least 1")
-    elif dims is not None and train.batch_size % (train.grad_accum_steps * dims.dp):
+    if dims is not None and train.batch_size % (train.grad_accum_steps * dims.dp):
         per_step = train.grad_accum_steps * dims.dp
         problems.append(
             f"train.batch_size={train.batch_size} is not divisible by train.grad_accum_steps"

@@ -22,9 +22,10 @@ from omegaconf import DictConfig
 from plait import api, hookimpl
 from plait.plan import make_plan
 
-# Settings that keep a test run small and quiet: the tiny GPT, no W&B, a few steps.
+# Settings that keep a test run small and quiet: the tiny GPT, no W&B, a few steps, on the CPU
+# (on a GPU host `device=auto` would give rank 1 `cuda:1`); a CUDA test passes `device=cuda`.
 TEST_OVERRIDES = ("model=gpt_tiny", "tracker=none", "train.steps=4", "train.batch_size=8",
-                  "train.seq_len=32", "optimizer.warmup_steps=2")
+                  "train.seq_len=32", "optimizer.warmup_steps=2", "device=cpu")
 
 
 def compose(overrides: Iterable[str] = (), plugins: Iterable[Any] = ()) -> DictConfig:

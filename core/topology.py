@@ -48,6 +48,9 @@ class ParallelDims:
             world_size = int(os.environ.get("WORLD_SIZE", launcher.nnodes * launcher.nproc_per_node))
         tp, pp = cfg.parallel.tp, cfg.parallel.pp
         dp = cfg.parallel.dp
+        if dp < -1 or dp == 0:
+            raise ValueError(f"parallel.dp={dp} is out of range: set parallel.dp >= 1, or -1 for "
+                             "what parallel.tp and parallel.pp leave of the world")
         if dp == -1:
             if world_size % (tp * pp):
                 raise ValueError(

@@ -40,10 +40,31 @@ def test_windows_are_inputs_and_next_token_targets():
 
 
 def test_tokens_file_is_used_as_is(tmp_path):
-    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    (np.arange(5000) % 256).astype(np.uint16).tofile(tmp_path / "train.bin")
     cfg = compose(["data=tokens", f"data.path={tmp_path / 'train.bin'}"])
     path, needs_split = data_plugin.token_file(cfg, 0, "train")
     assert path == tmp_path / "train.bin" and needs_split
+
+
+@pytest.mark.parametrize("magic,version,dtype", [(20240520, 1, np.uint16),
+                                                 (20240801, 7, np.uint32)])
+def test_llmc_token_files_are_read_after_their_header(tmp_path, magic, version, dtype):
+    # llm.c's dev/data/data_common.py write_datafile: 256 int32 (magic, version, count), then ids
+    tokens = (np.arange(5000) * 7 % 256).astype(dtype)
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = [magic, version, len(tokens)]
+    (tmp_path / "train.bin").write_bytes(header.tobytes() + tokens.tobytes())
+    cfg = compose(["data=tokens", f"data.path={tmp_path / 'train.bin'}", "device=cpu"])
+    assert np.array_equal(data_plugin.read_tokens(tmp_path / "train.bin"), tokens)
+    windows = data_plugin.plait_build_dataset(cfg=cfg, topology=Local(), split="train")
+    x, y = windows.batch([1])
+    assert x[0].tolist() == tokens[64:128].tolist() and y[0].tolist() == tokens[65:129].tolist()
+
+
+class Local:
+    """The topology a dataset needs outside a process group: the local rank."""
+
+    local_rank = 0
 
 
 def shards(dp, accum, steps, state=None, batch=8):

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from plait import hookimpl
-from plait.config import FaultConfig
+from plait.config import FaultConfig, Range, range_problems
 from plait.types import PluginInfo, TrainState
 
 LATEST = "latest"
@@ -38,6 +38,10 @@ class CheckpointConfig(FaultConfig):
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
     keep_last: int = 2  # complete checkpoints kept; 0 keeps all
     save_final: bool = True
+
+
+RANGES = {"checkpoint_every": Range(0, meaning="0: only at the end"),
+          "keep_last": Range(0, meaning="0 keeps all")}
 
 
 def checkpoint_root(cfg) -> Path:
@@ -108,6 +112,11 @@ def plait_register_configs(config_store) -> None:
 
 @hookimpl
 def plait_validate(cfg) -> list[str]:
+    problems = range_problems("fault", cfg.fault, RANGES)
+    return problems + resume_problems(cfg)
+
+
+def resume_problems(cfg) -> list[str]:
     root = checkpoint_root(cfg)
     if cfg.resume is not None:
         if resolve_resume(cfg, cfg.resume) is None:

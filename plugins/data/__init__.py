@@ -4,8 +4,13 @@ directory, or pre-tokenized ``.bin`` files; tokenized once into an on-disk cache
 - ``data=stdlib``: every ``.py`` file of the running Python's standard library, byte-level tokens
   (vocab 256). Needs no download, so a fresh machine trains at once.
 - ``data=text data.path=corpus.txt`` (or a directory of text files): byte-level tokens.
-- ``data=tokens data.path=train.bin``: nanoGPT-style uint16 token memmaps, used as they are; a
-  directory holding ``train.bin`` and ``val.bin`` gives both splits.
+- ``data=tokens data.path=train.bin``: token files as nanoGPT or llm.c write them (see
+  :mod:`plait.plugins.data.token_files`), memory-mapped as they are; a directory holding
+  ``train.bin`` and ``val.bin`` gives both splits.
+
+Before launch the plan check reads only sizes and headers: a file that is not a token file, data
+too short for one batch, or token ids beyond the model's vocabulary (the first 16M tokens are
+scanned) are refused.
 
 The cache key is the tokenizer and the list of sources with their sizes and modification times,
 so an edited corpus is re-tokenized and an unchanged one never is. On each node, local rank 0
@@ -27,10 +32,14 @@ import torch
 import torch.distributed as dist
 
 from plait import hookimpl
-from plait.config import DataConfig
+from plait.config import DataConfig, Range, range_problems
+from plait.plan import meta_model
+from plait.plugins.data.token_files import looks_like_text, read_tokens, token_layout
 from plait.types import Batch, PluginInfo
 
 TOKENIZER = "bytes-v1"  # byte-level: token id = byte value
+BYTE_VOCAB = 256
+SCAN_TOKENS = 1 << 24  # token ids checked against the model's vocabulary before launch
 
 
 @dataclass
@@ -41,6 +50,9 @@ class DataFilesConfig(DataConfig):
     cache_dir: str = "${oc.env:PLAIT_CACHE_DIR,'~/.cache/plait'}"
     val_fraction: float = 0.01
     shuffle: bool = True  # a new permutation of the samples every epoch (read by sharding)
+
+
+RANGES = {"val_fraction": Range(0, 1, high_open=True)}
 
 
 class TokenWindows:
@@ -136,27 +148,111 @@ def plait_register_configs(config_store) -> None:
 
 
 @hookimpl
-def plait_validate(cfg) -> list[str]:
+def plait_validate(cfg, dims, hook) -> list[str]:
     data = cfg.data
+    problems = range_problems("data", data, RANGES)
     if data.name == "stdlib":
-        return []
+        if data.path is not None:
+            problems.append(f"data.path={data.path} is ignored by data=stdlib (the standard "
+                            "library's source): add data=text to train on a text file or "
+                            "directory, or data=tokens for token files")
+        if cfg.train.eval_every and data.val_fraction == 0:
+            problems.append(f"train.eval_every={cfg.train.eval_every} with data.val_fraction=0 "
+                            "leaves no validation split: raise data.val_fraction, or set "
+                            "train.eval_every=0")
+        return problems + vocabulary_problems(cfg, hook, BYTE_VOCAB - 1, "data=stdlib")
+    problems += path_problems(data, cfg.train.eval_every)
+    if problems:
+        return problems
+    try:
+        (train_tokens, val_tokens), max_id = split_tokens(data)
+    except ValueError as e:
+        return [f"data.path={data.path}: {e}"]
+    return (split_problems(cfg, dims, train_tokens, val_tokens)
+            + vocabulary_problems(cfg, hook, max_id, f"data.path={data.path}"))
+
+
+def split_tokens(data) -> tuple[tuple[int, int], int]:
+    """Tokens in the train and validation splits, and the largest token id (in the first
+    ``SCAN_TOKENS`` of each file), from sizes and headers: nothing is tokenized here."""
+    path = Path(data.path).expanduser()
+    if data.name == "text":
+        n_tokens = sum(p.stat().st_size + 1 for p in text_sources(path))  # + a newline each
+        return split_sizes(n_tokens, data.val_fraction), BYTE_VOCAB - 1
+    files = [path / "train.bin", path / "val.bin"] if path.is_dir() else [path]
+    counts, max_id = [], 0
+    for file in (f for f in files if f.exists()):  # val.bin: only needed for evaluation
+        if looks_like_text(file):
+            raise ValueError(f"{file} looks like text, not tokens: to train on it as text use "
+                             f"data=text data.path={data.path}")
+        counts.append(token_layout(file).n_tokens)
+        max_id = max(max_id, int(read_tokens(file)[:SCAN_TOKENS].max()))
+    if path.is_dir():
+        return (*counts, 0)[:2], max_id
+    return split_sizes(counts[0], data.val_fraction), max_id
+
+
+def path_problems(data, eval_every: int) -> list[str]:
+    what = "text file or directory" if data.name == "text" else ".bin token file or directory"
     if data.path is None:
-        return [f"data={data.name} needs data.path: give a "
-                f"{'text file or directory' if data.name == 'text' else '.bin token file'}"]
+        return [f"data={data.name} needs data.path: give a {what}"]
     path = Path(data.path).expanduser()
     if not path.exists():
-        return [f"data.path={data.path} does not exist: give an existing "
-                f"{'text file or directory' if data.name == 'text' else '.bin file or directory'}"]
-    if data.name == "tokens" and path.is_dir() and not (path / "train.bin").exists():
-        return [f"data.path={data.path} is a directory without train.bin: give a .bin file or a "
-                "directory with train.bin and val.bin"]
+        return [f"data.path={data.path} does not exist: give an existing {what}"]
+    if data.name == "tokens" and path.is_dir():
+        needed = ("train.bin", "val.bin") if eval_every else ("train.bin",)
+        missing = [name for name in needed if not (path / name).is_file()]
+        if missing:
+            return [f"data.path={data.path} is a directory without {' and '.join(missing)}: give "
+                    "a .bin file or a directory with train.bin (and val.bin for train.eval_every)"]
+    if data.name == "text" and not text_sources(path):
+        return [f"data.path={data.path} holds no text file: give a text file or a directory "
+                "of them"]
     return []
+
+
+def split_sizes(n_tokens: int, val_fraction: float) -> tuple[int, int]:
+    cut = int(n_tokens * (1 - val_fraction))
+    return cut, n_tokens - cut
+
+
+def split_problems(cfg, dims, train_tokens: int, val_tokens: int) -> list[str]:
+    """Data too short for one global batch, or (with evaluation on) a validation split too short
+    for one per-rank batch: what the workers would otherwise fail on."""
+    train, seq_len = cfg.train, cfg.train.seq_len
+    problems = []
+    samples = max(train_tokens - 1, 0) // seq_len
+    if samples < train.batch_size:
+        problems.append(f"data.path={cfg.data.path}: the train split holds {train_tokens} tokens "
+                        f"= {samples} samples of train.seq_len={seq_len}, fewer than one global "
+                        f"batch of train.batch_size={train.batch_size}: lower train.batch_size "
+                        "or train.seq_len, or give more data")
+    per_rank = train.batch_size // dims.dp
+    val_samples = max(val_tokens - 1, 0) // seq_len
+    if train.eval_every and val_samples < per_rank:
+        problems.append(f"train.eval_every={train.eval_every}: the validation split holds "
+                        f"{val_tokens} tokens = {val_samples} samples of train.seq_len={seq_len}, "
+                        f"fewer than one per-rank batch of {per_rank}: raise data.val_fraction "
+                        "(or give a longer val.bin), or set train.eval_every=0")
+    return problems
+
+
+def vocabulary_problems(cfg, hook, max_id: int, source: str) -> list[str]:
+    """Token ids the model's input embedding has no row for (an index error in every worker)."""
+    model = meta_model(hook, cfg)
+    embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None) \
+        if model is not None else None
+    if embedding is None or max_id < embedding.num_embeddings:
+        return []
+    return [f"{source} holds token ids up to {max_id}, but the model's embedding has "
+            f"{embedding.num_embeddings} rows: raise the model's vocabulary to at least "
+            f"{max_id + 1} (model.vocab_size for plait's GPT and Llama)"]
 
 
 @hookimpl
 def plait_build_dataset(cfg, topology, split: str) -> TokenWindows:
     path, needs_split = token_file(cfg, topology.local_rank, split)
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    tokens = read_tokens(path)
     if needs_split:
         tokens = load_split(tokens, cfg.data.val_fraction, split)
     return TokenWindows(tokens, cfg.train.seq_len)

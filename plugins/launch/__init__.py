@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from plait import hookimpl
-from plait.config import LauncherConfig
+from plait.config import AT_LEAST_0, LauncherConfig, Range, range_problems
 from plait.types import PluginInfo
 
 
@@ -29,6 +29,10 @@ class LocalLauncherConfig(LauncherConfig):
     master_port: int = 0  # 0: pick a free port (single node)
     local_addr: Optional[str] = None  # this node's address as the others reach it (multi-node)
     max_restarts: int = 0
+
+
+RANGES = {"node_rank": AT_LEAST_0, "max_restarts": AT_LEAST_0,
+          "master_port": Range(0, 65535, meaning="0: a free port, single node only")}
 
 
 def started_externally() -> bool:
@@ -61,6 +65,20 @@ def plait_declare() -> PluginInfo:
 @hookimpl
 def plait_register_configs(config_store) -> None:
     config_store.store(group="launcher", name="base_local", node=LocalLauncherConfig)
+
+
+@hookimpl
+def plait_validate(cfg) -> list[str]:
+    launcher = cfg.launcher
+    problems = range_problems("launcher", launcher, RANGES)
+    if launcher.node_rank >= launcher.nnodes:
+        problems.append(f"launcher.node_rank={launcher.node_rank} with launcher.nnodes="
+                        f"{launcher.nnodes}: give each node its rank, 0 to {launcher.nnodes - 1}")
+    if launcher.nnodes > 1 and launcher.master_port == 0 and not started_externally():
+        problems.append(f"launcher.nnodes={launcher.nnodes} needs launcher.master_port=<port>: "
+                        "the port node 0 listens on for the rendezvous, the same on every node "
+                        "(e.g. 29500)")
+    return problems
 
 
 @hookimpl

@@ -24,6 +24,20 @@ def plait_declare() -> PluginInfo:
 
 
 @hookimpl
+def plait_validate(cfg, hook) -> list[str]:
+    """Build the model on the meta device, so that a ``_target_`` or arguments it cannot be built
+    with are refused here rather than in every worker."""
+    try:
+        with torch.device("meta"):
+            hook.plait_build_model(cfg=cfg)
+    except Exception as e:
+        cause = e.__cause__ or e  # the model's own error, not Hydra's wrapper
+        return [f"model._target_={cfg.model._target_} cannot be built with these settings "
+                f"({type(cause).__name__}: {cause}): fix model._target_ or the model.* settings"]
+    return []
+
+
+@hookimpl
 def plait_build_model(cfg) -> torch.nn.Module:
     torch.manual_seed(cfg.seed)  # every rank builds identical full weights
     return instantiate(cfg.model)

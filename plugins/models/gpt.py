@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from plait import hookimpl
-from plait.config import ModelConfig
+from plait.config import AT_LEAST_1, ModelConfig, Range, range_problems
 from plait.plugins.models.checks import context_problems, tensor_parallel_problems
 from plait.types import PluginInfo
 
@@ -33,6 +33,10 @@ class GPTConfig(ModelConfig):
     dropout: float = 0.0
     bias: bool = True
     tie_embeddings: bool = False
+
+
+RANGES = {"vocab_size": AT_LEAST_1, "block_size": AT_LEAST_1, "n_layer": AT_LEAST_1,
+          "n_head": AT_LEAST_1, "n_embd": AT_LEAST_1, "dropout": Range(0, 1, high_open=True)}
 
 
 class CausalSelfAttention(nn.Module):
@@ -179,6 +183,9 @@ def plait_register_configs(config_store) -> None:
 @hookimpl
 def plait_validate(cfg, dims) -> list[str]:
     m = cfg.model
+    problems = range_problems("model", m, RANGES)
+    if problems:
+        return problems
     problems = context_problems(cfg, m.block_size)
     if m.n_embd % m.n_head:
         problems.append(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}: "

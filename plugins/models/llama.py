@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from plait import hookimpl
-from plait.config import ModelConfig
+from plait.config import AT_LEAST_1, POSITIVE, ModelConfig, range_problems
 from plait.plugins.models.checks import context_problems, tensor_parallel_problems
 from plait.types import PluginInfo
 
@@ -32,6 +32,10 @@ class LlamaModelConfig(ModelConfig):
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
 
+
+RANGES = {**{size: AT_LEAST_1 for size in (
+    "vocab_size", "block_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads")}, "rms_norm_eps": POSITIVE}
 
 # Hugging Face names of LlamaForCausalLM (the same split as transformers' own base_model_tp_plan).
 # q/k/v and gate/up are separate linears there, so each enters the region on its own.
@@ -98,6 +102,9 @@ def plait_validate(cfg, dims) -> list[str]:
     if importlib.util.find_spec("transformers") is None:
         return ["model=llama_tiny needs transformers: pip install -e \".[hf]\""]
     m = cfg.model
+    problems = range_problems("model", m, RANGES)
+    if problems:
+        return problems
     problems = context_problems(cfg, m.block_size)
     if m.hidden_size % m.num_attention_heads:
         problems.append(f"model.hidden_size={m.hidden_size} is not divisible by "

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from plait import hookimpl
-from plait.config import OptimizerConfig
+from plait.config import AT_LEAST_0, AT_LEAST_1, OptimizerConfig, Range, range_problems
 from plait.types import PluginInfo
 
 
@@ -25,6 +25,12 @@ class AdamWConfig(OptimizerConfig):
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     fused: Optional[bool] = None  # None: fused on CUDA, plain elsewhere
+
+
+# torch.optim.AdamW's own rules (lr, eps, weight_decay >= 0, betas in [0, 1)), and the schedule's.
+RANGES = {"lr": AT_LEAST_0, "min_lr": AT_LEAST_0, "weight_decay": AT_LEAST_0, "eps": AT_LEAST_0,
+          "betas": Range(0, 1, high_open=True), "decay_steps": AT_LEAST_1,
+          "warmup_steps": Range(0, meaning="0: no warm-up")}
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -57,6 +63,16 @@ def plait_declare() -> PluginInfo:
 @hookimpl
 def plait_register_configs(config_store) -> None:
     config_store.store(group="optimizer", name="base_adamw", node=AdamWConfig)
+
+
+@hookimpl
+def plait_validate(cfg) -> list[str]:
+    opt = cfg.optimizer
+    problems = range_problems("optimizer", opt, RANGES)
+    if len(opt.betas) != 2:
+        problems.append(f"optimizer.betas={opt.betas} needs two numbers (beta1, beta2), e.g. "
+                        "optimizer.betas=[0.9,0.95]")
+    return problems
 
 
 @hookimpl

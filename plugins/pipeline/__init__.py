@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from plait import hookimpl
-from plait.config import PipelineConfig
+from plait.plan import meta_model
+from plait.config import AT_LEAST_1, PipelineConfig, range_problems
 from plait.plugins.pipeline.schedules import (
     SCHEDULES,
     schedule_problems,
@@ -61,6 +62,9 @@ class TorchPipelineConfig(PipelineConfig):
     microbatches: int = 1  # pipeline micro-batches per optimizer step
     virtual_stages: int = 1  # stages per rank (interleaved and zero-bubble schedules)
     balance: Any = "layers"  # layers | params | time | [blocks per stage, ...]
+
+
+RANGES = {"microbatches": AT_LEAST_1, "virtual_stages": AT_LEAST_1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,14 +117,14 @@ def shared_across_stages(model: torch.nn.Module) -> bool:
 @hookimpl
 def plait_validate(cfg, dims, hook) -> list[str]:
     settings, pp = cfg.pipeline, dims.pp
-    if pp == 1:
-        return []
+    problems = range_problems("pipeline", settings, RANGES)
+    if pp == 1 or problems:
+        return problems
     problems = schedule_problems(settings, pp)
-    if problems:
+    model = meta_model(hook, cfg)
+    if problems or model is None:  # a model that cannot be built: the models plugin says why
         return problems
     n_stages = pp * stages_per_rank(cfg)
-    with torch.device("meta"):
-        model = hook.plait_build_model(cfg=cfg)
     blocks = getattr(model, "blocks", None)
     n_blocks = len(blocks) if isinstance(blocks, torch.nn.ModuleDict) else None
     if n_blocks is not None and n_stages > n_blocks:
@@ -129,7 +133,7 @@ def plait_validate(cfg, dims, hook) -> list[str]:
                         "one; lower parallel.pp / pipeline.virtual_stages or add layers")
     problems += balance_problems(settings, n_blocks, n_stages)
     per_dp = cfg.train.batch_size // dims.dp
-    if settings.microbatches < 1 or per_dp % settings.microbatches:
+    if per_dp % settings.microbatches:
         problems.append(f"pipeline.microbatches={settings.microbatches} does not divide the batch "
                         f"of each data-parallel rank (train.batch_size={cfg.train.batch_size} / "
                         f"dp={dims.dp} = {per_dp}): choose a divisor of {per_dp}")

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 
 from plait import hookimpl
+from plait.plan import meta_model
 from plait.config import TensorParallelConfig
 from plait.plugins.tensor_parallel.plan import apply_plan, merge_shards, plan_for, plan_problems
 from plait.types import PluginInfo
@@ -55,8 +55,9 @@ def plait_validate(cfg, dims, hook) -> list[str]:
             return ["tensor_parallel.sequence_parallel=true needs tensor parallelism: set "
                     "parallel.tp to 2 or more, or tensor_parallel.sequence_parallel=false"]
         return []
-    with torch.device("meta"):
-        model = hook.plait_build_model(cfg=cfg)
+    model = meta_model(hook, cfg)
+    if model is None:  # the models plugin says why
+        return []
     problems = plan_problems(cfg, model)
     if problems or not settings.sequence_parallel:
         return problems

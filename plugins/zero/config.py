@@ -237,7 +237,31 @@ def validate(cfg: DictConfig, dims) -> list[str]:
         except (OSError, ValueError) as e:
             problems.append(f"strategy.config_file={strategy.config_file} is not valid JSON ({e})")
             return problems
-    return problems + conflicts(cfg, dims.dp)
+    return problems + conflicts(cfg, dims.dp) + zero_section_problems(cfg, dims.dp)
+
+
+def zero_section_problems(cfg: DictConfig, dp: int) -> list[str]:
+    """DeepSpeed's own checks (its pydantic model) of the ``zero_optimization`` section, run only
+    when the user's file or passthrough sets keys in it: importing DeepSpeed takes seconds."""
+    sources = [(source, flatten(settings)) for source, settings in user_sources(cfg)
+               if "zero_optimization" in settings]
+    if not sources:
+        return []
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedZeroConfig(**deepspeed_config(cfg, dp)["zero_optimization"])
+    except ValidationError as e:
+        problems = []
+        for error in e.errors():
+            key = "zero_optimization." + ".".join(map(str, error["loc"]))
+            source = next((s for s, keys in reversed(sources) if key in keys), sources[-1][0])
+            where = f"{source}.{key}" if source == "strategy.deepspeed" else f"{source} ({key})"
+            problems.append(f"{where}={json.dumps(error.get('input'))} is refused by DeepSpeed "
+                            f"({error['msg']}): change or drop it")
+        return problems
+    return []
 
 
 def _cpu_supports_fp16() -> bool:

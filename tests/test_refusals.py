@@ -1,0 +1,132 @@
+"""Bad input is refused before any worker starts: `plait train` exits 2 with a message naming the
+setting and the fix, prints no traceback, and leaves no run directory behind.
+
+Every numeric setting of the core and of every built-in plugin (out of range), plus the data
+files and combinations that used to fail inside the workers.
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from plait.cli import main
+
+# (overrides, what the refusal says about each). Settings checked alike (one range table each)
+# share a case: the refusal lists every problem at once. {tmp} is the data directory below.
+CASES = [
+    # the core's settings
+    ("train.steps=0 train.batch_size=0 train.grad_accum_steps=0 train.seq_len=0 "
+     "train.grad_clip=-1 train.log_every=0 train.eval_every=-5 train.eval_batches=0 "
+     "train.peak_flops=0",
+     ["train.steps=0 is out of range: set train.steps >= 1", "set train.batch_size >= 1",
+      "set train.grad_accum_steps >= 1", "set train.seq_len >= 1",
+      "train.grad_clip=-1.0 is out of range: set train.grad_clip >= 0 (0 turns clipping off)",
+      "set train.log_every >= 1", "set train.eval_every >= 0 (0: no evaluation)",
+      "set train.eval_batches >= 1", "train.peak_flops=0.0 is out of range: set "
+      "train.peak_flops > 0"]),
+    ("parallel.tp=0 parallel.pp=-2 launcher.nproc_per_node=0 launcher.nnodes=0 "
+     "launcher.timeout_s=0 seed=-1",
+     ["parallel.tp=0 is out of range: set parallel.tp >= 1", "set parallel.pp >= 1",
+      "set launcher.nproc_per_node >= 1", "set launcher.nnodes >= 1",
+      "set launcher.timeout_s >= 1", "seed=-1 is out of range: set seed in [0, 4294967295]"]),
+    ("parallel.dp=0", ["parallel.dp=0 is out of range: set parallel.dp >= 1, or -1"]),
+    ("device=tpu", ["device=tpu: choose auto, cpu or cuda"]),
+    # adamw
+    ("optimizer.lr=-1 optimizer.min_lr=-1e-4 optimizer.warmup_steps=-1 optimizer.decay_steps=0 "
+     "optimizer.weight_decay=-0.1 optimizer.betas=[0.9,1.5] optimizer.eps=-1e-8",
+     ["optimizer.lr=-1.0 is out of range: set optimizer.lr >= 0", "set optimizer.min_lr >= 0",
+      "set optimizer.warmup_steps >= 0 (0: no warm-up)", "set optimizer.decay_steps >= 1",
+      "set optimizer.weight_decay >= 0", "optimizer.betas=[0.9, 1.5] is out of range: set each "
+      "of optimizer.betas in [0, 1)", "set optimizer.eps >= 0"]),
+    ("optimizer.betas=[0.9]", ["optimizer.betas=[0.9] needs two numbers (beta1, beta2)"]),
+    # checkpoint, pipeline, local launcher, W&B: each plugin checks its own
+    ("fault.checkpoint_every=-1 fault.keep_last=-1 pipeline.microbatches=0 "
+     "pipeline.virtual_stages=0 launcher.node_rank=-1 launcher.master_port=70000 "
+     "launcher.max_restarts=-1 tracker=wandb tracker.mode=loud",
+     ["set fault.checkpoint_every >= 0 (0: only at the end)",
+      "set fault.keep_last >= 0 (0 keeps all)", "set pipeline.microbatches >= 1",
+      "set pipeline.virtual_stages >= 1", "set launcher.node_rank >= 0",
+      "set launcher.master_port in [0, 65535]", "set launcher.max_restarts >= 0",
+      "tracker.mode=loud: choose offline, online or disabled"]),
+    ("launcher.node_rank=1", ["launcher.node_rank=1 with launcher.nnodes=1: give each node its "
+                              "rank, 0 to 0"]),
+    ("launcher.nnodes=2 run.name=r", ["launcher.nnodes=2 needs launcher.master_port=<port>"]),
+    # models; with tp and pp on, the plugins that build the model to check it skip quietly
+    ("model.n_layer=0 model.n_head=0 model.n_embd=0 model.block_size=0 model.dropout=1.0 "
+     "parallel.tp=2 parallel.pp=2 launcher.nproc_per_node=4 pipeline.microbatches=2",
+     ["model.n_layer=0 is out of range: set model.n_layer >= 1", "set model.n_head >= 1",
+      "set model.n_embd >= 1", "set model.block_size >= 1", "set model.dropout in [0, 1)"]),
+    ("model=llama_tiny model.num_key_value_heads=0 model.rms_norm_eps=0",
+     ["set model.num_key_value_heads >= 1", "set model.rms_norm_eps > 0"]),
+    ("model=custom model._target_=torch.nn.Embedding +model.num_embeddings=-3 "
+     "+model.embedding_dim=4",
+     ["model._target_=torch.nn.Embedding cannot be built with these settings (RuntimeError"]),
+    # DeepSpeed's own checks of the zero_optimization section
+    ("strategy=zero2 strategy.deepspeed.zero_optimization.reduce_bucket_size=-1",
+     ["strategy.deepspeed.zero_optimization.reduce_bucket_size=-1 is refused by DeepSpeed "
+      "(Input should be greater than 0)"]),
+    # data
+    ("data.val_fraction=1", ["data.val_fraction=1.0 is out of range: set data.val_fraction in "
+                             "[0, 1)"]),
+    ("train.eval_every=5 data.val_fraction=0", ["train.eval_every=5 with data.val_fraction=0 "
+                                                "leaves no validation split"]),
+    ("data.path={tmp}/corpus.txt", ["data.path={tmp}/corpus.txt is ignored by data=stdlib (the "
+                                    "standard library's source): add data=text"]),
+    ("data=tokens data.path={tmp}/corpus.txt", ["looks like text, not tokens: to train on it as "
+                                                "text use data=text data.path={tmp}/corpus.txt"]),
+    ("data=tokens data.path={tmp}/odd.bin", ["has 4097 bytes, not a whole number of uint16 "
+                                             "tokens"]),
+    ("data=tokens data.path={tmp}/truncated.bin", ["starts with llm.c's magic 20240520 but does "
+                                                   "not fit its layout"]),
+    ("data=tokens data.path={tmp}/gpt2.bin", ["holds token ids up to 50256, but the model's "
+                                              "embedding has 256 rows"]),
+    ("data=tokens data.path={tmp} train.eval_every=5", ["is a directory without val.bin"]),
+    ("data=text data.path={tmp}/corpus.txt", ["fewer than one global batch of "
+                                              "train.batch_size=64"]),
+    ("model.vocab_size=128", ["data=stdlib holds token ids up to 255, but the model's embedding "
+                              "has 128 rows: raise the model's vocabulary to at least 256"]),
+]
+
+
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("data")
+    (tmp / "corpus.txt").write_text("plait trains on text.\n" * 180)  # 3960 bytes
+    rng = np.random.default_rng(0)
+    (tmp / "odd.bin").write_bytes(rng.integers(0, 256, 4097, dtype=np.uint8).tobytes())
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = [20240520, 1, 5000]  # llm.c's GPT-2 header promising 5000 tokens, 100 follow
+    (tmp / "truncated.bin").write_bytes(header.tobytes() + np.zeros(100, np.uint16).tobytes())
+    gpt2 = rng.integers(0, 50257, 20000).astype(np.uint16)
+    gpt2[0] = 50256  # <|endoftext|>
+    gpt2.tofile(tmp / "gpt2.bin")
+    (tmp / "train.bin").write_bytes(np.zeros(20000, np.uint16).tobytes())  # a dir without val.bin
+    return tmp
+
+
+@pytest.mark.parametrize("overrides,messages", CASES, ids=[c[0][:40] for c in CASES])
+def test_bad_input_is_refused_before_launch(overrides, messages, data_files, tmp_path, capsys):
+    overrides = overrides.format(tmp=data_files).split()
+    code = main(["train", "device=cpu", "train.batch_size=64", f"run.root={tmp_path}",
+                 "run.name=r", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "plait: plait refused this plan:" in err
+    for message in messages:
+        assert message.format(tmp=data_files) in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_refusal_reaches_the_terminal_without_a_traceback(data_files, tmp_path):
+    """The two inputs the issue names, through a real `python -m plait` process."""
+    done = subprocess.run([sys.executable, "-m", "plait", "train", "device=cpu",
+                           f"run.root={tmp_path}", "run.name=r", "optimizer.lr=-1",
+                           "data=tokens", f"data.path={data_files}/corpus.txt"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "optimizer.lr=-1.0 is out of range: set optimizer.lr >= 0" in done.stderr
+    assert f"use data=text data.path={data_files}/corpus.txt" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not any(tmp_path.iterdir())
