@@ -1,18 +1,38 @@
-"""Two "nodes" on one machine: network namespaces with their own addresses, joined by a veth
-pair, each running `plait train launcher.nnodes=2` — the real multi-node path (c10d rendezvous
-across addresses, one worker per node)."""
+"""Two "nodes" on one machine, each running the README's multi-node command as written.
+
+Each node is a network namespace with its own address (joined to the other by a veth pair) and
+its own UTS namespace with its own host name; both resolve the two host names through their own
+``/etc/hosts`` (``ip netns exec`` mounts ``/etc/netns/<ns>/hosts``), as a cluster's DNS would. So
+the command needs nothing a real cluster would not: the c10d rendezvous meets at the README's
+``launcher.master_addr``, and the workers find each other by host name.
+"""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
-from plait.testing import TEST_OVERRIDES, free_port, read_metrics, run_losses
+from plait.cli import main
+from plait.plan import make_plan
+from plait.testing import TEST_OVERRIDES, read_metrics, run_losses
 
-pytestmark = pytest.mark.slow
+README = Path(__file__).parents[1] / "README.md"
+STEPS = ["train.steps=3", "optimizer.decay_steps=3"]
+
+
+def readme_multinode_overrides() -> list[str]:
+    """The overrides of the README's multi-node example (node 0's), exactly as written."""
+    [span] = re.findall(r"`([^`]*launcher\.nnodes=[^`]*)`", README.read_text())
+    return span.split()
+
+
+def settings(overrides: list[str]) -> dict[str, str]:
+    return dict(o.split("=", 1) for o in overrides)
 
 
 def ip(*args):
@@ -21,16 +41,22 @@ def ip(*args):
 
 @pytest.fixture
 def two_nodes():
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 to make network namespaces")
+    """Node i: (namespace, host name, address); node 0 has the README's master_addr."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
+        pytest.skip("needs root, iproute2 and unshare to make network and UTS namespaces")
+    master = settings(readme_multinode_overrides())["launcher.master_addr"]
+    prefix, last = master.rsplit(".", 1)
     tag = uuid.uuid4().hex[:6]
-    nodes = [(f"plait{tag}n{i}", f"pl{tag}v{i}", f"10.77.{int(tag[:2], 16)}.{i + 1}")
-             for i in range(2)]
+    nodes = [(f"plait{tag}n{i}", f"node{i}", f"{prefix}.{int(last) + i}") for i in range(2)]
+    devs = [f"pl{tag}v{i}" for i in range(2)]
+    hosts = "127.0.0.1 localhost\n" + "".join(f"{addr} {name}\n" for _, name, addr in nodes)
     try:
         for ns, _, _ in nodes:
             ip("netns", "add", ns)
-        ip("link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1])
-        for ns, dev, addr in nodes:
+            Path(f"/etc/netns/{ns}").mkdir(parents=True)
+            Path(f"/etc/netns/{ns}/hosts").write_text(hosts)
+        ip("link", "add", devs[0], "type", "veth", "peer", "name", devs[1])
+        for (ns, _, addr), dev in zip(nodes, devs):
             ip("link", "set", dev, "netns", ns)
             ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             ip("-n", ns, "link", "set", dev, "up")
@@ -39,24 +65,38 @@ def two_nodes():
     finally:
         for ns, _, _ in nodes:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
 
 
-def test_two_nodes_train_like_one_node_with_two_processes(two_nodes, tmp_path):
-    steps = ["train.steps=3", "optimizer.decay_steps=3"]
-    reference = run_losses(tmp_path / "ref", [*steps, "launcher.nproc_per_node=2"])
-    master = two_nodes[0][2]
-    common = [*TEST_OVERRIDES, *steps, "launcher.nnodes=2", "launcher.nproc_per_node=1",
-              f"launcher.master_addr={master}", f"launcher.master_port={free_port()}",
-              f"run.root={tmp_path}", "run.name=two_nodes"]
-    procs = [
-        subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "plait", "train",
-                          *common, f"launcher.node_rank={rank}", f"launcher.local_addr={addr}"],
-                         env={**os.environ, "GLOO_SOCKET_IFNAME": dev},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for rank, (ns, dev, addr) in enumerate(two_nodes)
-    ]
+@pytest.mark.slow
+def test_readme_multinode_command_trains_like_one_node_with_two_processes(two_nodes, tmp_path):
+    reference = run_losses(tmp_path / "ref", [*STEPS, "launcher.nproc_per_node=2"])
+    readme = readme_multinode_overrides()
+    procs = []
+    for rank, (ns, hostname, _) in enumerate(two_nodes):
+        command = [o if not o.startswith("launcher.node_rank=") else f"launcher.node_rank={rank}"
+                   for o in readme]  # "with its own node_rank", as the README says
+        procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
+             hostname, sys.executable, "-m", "plait", "train", *TEST_OVERRIDES, *STEPS,
+             "launcher.nproc_per_node=1", f"run.root={tmp_path}", *command],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     for p in procs:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out.decode()[-3000:]
-    losses = [m["loss"] for m in read_metrics(tmp_path / "two_nodes")]
+    losses = [m["loss"] for m in read_metrics(tmp_path / settings(readme)["run.name"])]
     assert losses == pytest.approx(reference, rel=1e-6)
+
+
+def test_multinode_without_run_name_is_refused(tmp_path, capsys, monkeypatch):
+    without_name = [o for o in readme_multinode_overrides() if not o.startswith("run.name=")]
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["train", *TEST_OVERRIDES, f"run.root={tmp_path}", *without_name]) == 2
+    assert ("launcher.nnodes=2 needs run.name=<name>, the same on every node"
+            in capsys.readouterr().err)
+    assert not any(tmp_path.iterdir())
+    # an external launcher's job id is the same on every node: the run name follows from it
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    plan = make_plan([*TEST_OVERRIDES, f"run.root={tmp_path}", *without_name])
+    assert plan.problems == [] and plan.cfg.run.name == "job-4242"
