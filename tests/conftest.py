@@ -18,3 +18,32 @@ def token_cache(tmp_path_factory):
         os.environ.pop("PLAIT_CACHE_DIR", None)
     else:
         os.environ["PLAIT_CACHE_DIR"] = previous
+
+
+@pytest.fixture(autouse=True)
+def no_gpu_unless_marked_cuda(request, monkeypatch):
+    """Tests run on the CPU unless marked ``cuda``: plans composed in this process see no GPU, so
+    ``device=auto`` means the CPU here as ``plait.testing.TEST_OVERRIDES``' ``device=cpu`` does in
+    the workers (on a 1-GPU host a plan with 2 processes on ``auto`` is refused otherwise)."""
+    if request.node.get_closest_marker("cuda") is None:
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+def pytest_collection_modifyitems(items):
+    """``@pytest.mark.cuda(gpus=n)``: skip, saying why, where fewer than n GPUs (or no NCCL)."""
+    marked = [(item, item.get_closest_marker("cuda")) for item in items]
+    marked = [(item, marker) for item, marker in marked if marker is not None]
+    if not marked:
+        return
+    import torch
+    import torch.distributed as dist
+
+    gpus = torch.cuda.device_count() if dist.is_nccl_available() else 0
+    for item, marker in marked:
+        needed = marker.kwargs.get("gpus", 1)
+        if gpus < needed:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {needed} CUDA GPU(s) with NCCL; this machine has {gpus}"))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from plait import hookimpl
 from plait.types import PluginInfo
 
@@ -39,6 +42,33 @@ class Fp32Only:
     def plait_declare(self):
         return PluginInfo(name="fp32_only", precisions=frozenset({"fp32"}),
                           parallel_axes=frozenset({"dp"}))
+
+
+class RecordPlacement:
+    """Writes, on every rank, where the strategy's engine put the model and the process group's
+    backend and size: ``placement_rank<r>.json`` in ``directory``."""
+
+    def __init__(self, directory):
+        self.directory = str(directory)
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="record_placement")
+
+    @hookimpl(wrapper=True)
+    def plait_build_engine(self, topology):
+        import torch.distributed as dist
+
+        engine = yield
+        record = {"rank": topology.rank, "local_rank": topology.local_rank,
+                  "device": str(next(engine.model.parameters()).device),
+                  "backend": dist.get_backend(), "world_size": dist.get_world_size()}
+        Path(self.directory, f"placement_rank{topology.rank}.json").write_text(json.dumps(record))
+        return engine
+
+
+def read_placements(directory) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(Path(directory).glob("placement_rank*.json"))]
 
 
 crash_at_step_3 = CrashAtStep(3)
