@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     table = commands()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in table:
-        listing = "\n".join(f"  {name:10s} {help}" for name, (_, help) in table.items())
+        width = max(map(len, table))
+        listing = "\n".join(f"  {name:{width}s}  {help}" for name, (_, help) in table.items())
         print(USAGE.format(commands=listing), file=sys.stderr if argv else sys.stdout)
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     command, overrides = table[argv[0]][0], argv[1:]

@@ -3,11 +3,13 @@
     plait train strategy=zero3 strategy.offload_optimizer=cpu precision=bf16
     plait plan strategy=zero2            # shows the generated DeepSpeed config
     plait estimate strategy=zero3 launcher.nproc_per_node=8 model=gpt2_small
+    plait import-deepspeed ds_config.json  # the overrides equivalent to a DeepSpeed JSON
 
 The DeepSpeed config is generated from plait's settings (``config.py``); the engine
 (``engine.py``) runs DeepSpeed's forward/backward/step loop with plait's LR schedule and the
 data-parallel group of plait's topology; ``estimate.py`` predicts and measures model-state bytes;
-``export.py`` reads checkpoints back through DeepSpeed's zero-to-fp32 path. DeepSpeed itself is
+``export.py`` reads checkpoints back through DeepSpeed's zero-to-fp32 path;
+``import_deepspeed.py`` translates a DeepSpeed JSON into plait overrides. DeepSpeed itself is
 imported only inside the functions that run it, so ``plait plan`` stays fast.
 """
 
@@ -36,8 +38,12 @@ def plait_register_configs(config_store) -> None:
 def plait_register_commands(register) -> None:
     from plait.plugins.zero.command import cmd_estimate
 
+    from plait.plugins.zero.import_deepspeed import cmd_import_deepspeed
+
     register("estimate", cmd_estimate,
              "per-rank bytes of model states and activations for a strategy, without training")
+    register("import-deepspeed", cmd_import_deepspeed,
+             "print the plait overrides equivalent to a DeepSpeed JSON config")
 
 
 @hookimpl
