@@ -94,10 +94,11 @@ def plait_validate(cfg: DictConfig, dims: ParallelDims, hook: HookRelay) -> list
     :param cfg: the configured (read-only) config.
     :param dims: the process layout the run will use.
     :param hook: the active plugins' hooks, to ask another plugin instead of reading its
-        settings, e.g. the model built on the meta device:
-        ``with torch.device("meta"): model = hook.plait_build_model(cfg=cfg)``.
+        settings, e.g. the model built on the meta device: ``plait.plan.meta_model(hook, cfg)``
+        (None when these settings cannot build it).
     :return: problems, each naming the setting and the fix, e.g.
-        ``"parallel.tp=3 does not divide model.n_head=4: choose tp in {1, 2, 4}"``.
+        ``"parallel.tp=3 does not divide model.n_head=4: choose tp in {1, 2, 4}"``; numbers out
+        of range: ``plait.config.range_problems(section, settings, ranges)``.
     """
 
 
