@@ -112,8 +112,7 @@ def plait_register_configs(config_store) -> None:
 
 @hookimpl
 def plait_validate(cfg) -> list[str]:
-    problems = range_problems("fault", cfg.fault, RANGES)
-    return problems + resume_problems(cfg)
+    return range_problems("fault", cfg.fault, RANGES) + resume_problems(cfg)
 
 
 def resume_problems(cfg) -> list[str]:

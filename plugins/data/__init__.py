@@ -240,8 +240,8 @@ def split_problems(cfg, dims, train_tokens: int, val_tokens: int) -> list[str]:
 def vocabulary_problems(cfg, hook, max_id: int, source: str) -> list[str]:
     """Token ids the model's input embedding has no row for (an index error in every worker)."""
     model = meta_model(hook, cfg)
-    embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None) \
-        if model is not None else None
+    modules = model.modules() if model is not None else ()
+    embedding = next((m for m in modules if isinstance(m, torch.nn.Embedding)), None)
     if embedding is None or max_id < embedding.num_embeddings:
         return []
     return [f"{source} holds token ids up to {max_id}, but the model's embedding has "

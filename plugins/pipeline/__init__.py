@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from plait import hookimpl
-from plait.plan import meta_model
 from plait.config import AT_LEAST_1, PipelineConfig, range_problems
+from plait.plan import meta_model
 from plait.plugins.pipeline.schedules import (
     SCHEDULES,
     schedule_problems,

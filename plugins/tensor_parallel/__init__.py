@@ -17,10 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-
 from plait import hookimpl
-from plait.plan import meta_model
 from plait.config import TensorParallelConfig
+from plait.plan import meta_model
 from plait.plugins.tensor_parallel.plan import apply_plan, merge_shards, plan_for, plan_problems
 from plait.types import PluginInfo
 

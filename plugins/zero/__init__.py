@@ -37,7 +37,6 @@ def plait_register_configs(config_store) -> None:
 @hookimpl
 def plait_register_commands(register) -> None:
     from plait.plugins.zero.command import cmd_estimate
-
     from plait.plugins.zero.import_deepspeed import cmd_import_deepspeed
 
     register("estimate", cmd_estimate,
