@@ -151,23 +151,15 @@ def core_range_problems(cfg: DictConfig) -> list[str]:
 
 
 def device_problems(cfg: DictConfig) -> list[str]:
-    """Each process takes the GPU of its local rank (``cuda:LOCAL_RANK``): refuse a node with
-    fewer GPUs than processes before rank 1 asks for a ``cuda:1`` that is not there."""
+    """A device this node does not have. (Each process takes the GPU of its local rank; the
+    launcher, which knows how many processes a node runs, refuses too few GPUs.)"""
     if cfg.device not in ("auto", *sorted(ALL_DEVICES)):
         return [f"device={cfg.device}: choose auto, {' or '.join(sorted(ALL_DEVICES))} (each "
                 "process takes the GPU of its local rank)"]
-    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
-        return []
-    gpus = torch.cuda.device_count()
-    processes = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launcher.nproc_per_node))
-    if gpus >= processes:
-        return []
-    if gpus == 0:
-        return [f"device={cfg.device}: torch sees no CUDA device on this node (torch "
-                f"{torch.__version__}, CUDA build {torch.version.cuda}): use device=cpu"]
-    return [f"device={cfg.device} gives each process the GPU of its local rank, but this node has "
-            f"{gpus} GPU(s) for {processes} processes (launcher.nproc_per_node={processes}): "
-            f"set launcher.nproc_per_node={gpus}, or device=cpu"]
+    if cfg.device == "cuda" and torch.cuda.device_count() == 0:
+        return [f"device=cuda: torch sees no CUDA device on this node (torch {torch.__version__}, "
+                f"CUDA build {torch.version.cuda}): use device=cpu"]
+    return []
 
 
 def core_problems(cfg: DictConfig, dims: ParallelDims | None, run_name_given: bool) -> list[str]:

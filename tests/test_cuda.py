@@ -61,3 +61,7 @@ def test_a_one_gpu_host_refuses_two_processes_on_auto(monkeypatch):
             "for 2 processes (launcher.nproc_per_node=2): set launcher.nproc_per_node=1, or "
             "device=cpu" in make_plan(["launcher.nproc_per_node=2"]).problems)
     assert make_plan(["launcher.nproc_per_node=2", "device=cpu"]).problems == []
+    # under torchrun the node's process count is torchrun's, not launcher.nproc_per_node
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert make_plan(["launcher.nproc_per_node=2"]).problems == []

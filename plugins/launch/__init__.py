@@ -78,7 +78,26 @@ def plait_validate(cfg) -> list[str]:
         problems.append(f"launcher.nnodes={launcher.nnodes} needs launcher.master_port=<port>: "
                         "the port node 0 listens on for the rendezvous, the same on every node "
                         "(e.g. 29500)")
-    return problems
+    return problems + gpu_problems(cfg)
+
+
+def gpu_problems(cfg) -> list[str]:
+    """Each process takes the GPU of its local rank (``cuda:LOCAL_RANK``): refuse a node with
+    fewer GPUs than processes before rank 1 asks for a ``cuda:1`` that is not there."""
+    import torch
+
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        return []  # device=cuda without a GPU: the core refuses it
+    if started_externally():  # torchrun says; srun does with --ntasks-per-node
+        processes = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE")
+    else:
+        processes = cfg.launcher.nproc_per_node
+    gpus = torch.cuda.device_count()
+    if processes is None or gpus >= int(processes):
+        return []
+    return [f"device={cfg.device} gives each process the GPU of its local rank, but this node has "
+            f"{gpus} GPU(s) for {processes} processes (launcher.nproc_per_node={processes}): "
+            f"set launcher.nproc_per_node={gpus}, or device=cpu"]
 
 
 @hookimpl
