@@ -11,3 +11,15 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   python -m pip install -q torch==2.13.0
 fi
 python -m pip install -q -e ".[test,hf]"
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  # DeepSpeed compiles its CPU ops (CPU Adam, shared-memory all-reduce) on first use, into
+  # ~/.cache/torch_extensions. Build them here, in one process: workers that start compiling
+  # together and are killed mid-build leave a lock every later run waits on forever.
+  find "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}" -name lock -delete 2>/dev/null || true
+  DS_ACCELERATOR=cpu python - <<'PY'
+from deepspeed.accelerator import get_accelerator
+
+for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
+    get_accelerator().create_op_builder(name).load(verbose=False)
+PY
+fi
