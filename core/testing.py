@@ -61,23 +61,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn, world_size: int, *args: Any) -> None:
+def spawn(fn, world_size: int, *args: Any, nproc_per_node: int | None = None) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in a gloo
     process group (``torch.multiprocessing``); an exception in any rank fails the caller.
 
     ``fn`` must be importable (module level). Ranks return results by writing files.
+    ``nproc_per_node`` sets the launcher's node variables (``GROUP_RANK``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``) as for that many processes per node, node by node, so a topology sees
+    several "nodes" on one machine; the default is one node.
     """
     import torch.multiprocessing as mp
 
-    mp.spawn(_spawned, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+    mp.spawn(_spawned, args=(fn, world_size, nproc_per_node or world_size, free_port(), args),
+             nprocs=world_size, join=True)
 
 
-def _spawned(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
+def _spawned(rank: int, fn, world_size: int, nproc_per_node: int, port: int,
+             args: tuple) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % nproc_per_node),
+                      LOCAL_WORLD_SIZE=str(nproc_per_node),
+                      GROUP_RANK=str(rank // nproc_per_node))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)

@@ -1,14 +1,21 @@
-"""The process layout: how many ranks go to data, tensor and pipeline parallelism, and the groups.
+"""The process layout: how many ranks go to data, tensor and pipeline parallelism, the nodes
+they sit on, and the groups.
 
 Ranks are laid out Megatron-style on a ``(pp, dp, tp)`` device mesh: tensor-parallel peers are
 adjacent ranks (on one node, where the fast links are), data-parallel peers next, pipeline stages
-outermost.
+outermost. Which node each rank runs on comes from the launcher (torch elastic / ``torchrun`` set
+``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; plait's launcher derives them from
+``srun``'s variables) and is gathered once, so a group's split into nodes is known, not guessed
+from rank numbers::
+
+    2 nodes x 4 processes, tp=2, dp=4:   dp group [0, 2, 4, 6] = node 0: [0, 2] | node 1: [4, 6]
+    intra-node groups [0, 2], [4, 6]     inter-node groups [0, 4], [2, 6]   (strided by tp)
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -75,9 +82,99 @@ def pick_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
+LAUNCHER_ENV = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def launcher_node_env(environ: dict[str, str]) -> tuple[int, int, int]:
+    """``(node_rank, local_rank, local_world_size)`` as the launcher set them.
+
+    torch elastic (``plait train``, ``torchrun``) sets all three; under ``srun`` plait's launcher
+    derives them from ``SLURM_NODEID``, ``SLURM_LOCALID`` and ``SLURM_TASKS_PER_NODE``.
+    """
+    missing = [name for name in LAUNCHER_ENV if name not in environ]
+    if missing:
+        raise ValueError(
+            f"{', '.join(missing)} not set: plait learns the nodes from the launcher; start the "
+            "workers with `plait train`, `torchrun` or `srun ... plait train`")
+    return (int(environ["GROUP_RANK"]), int(environ["LOCAL_RANK"]),
+            int(environ["LOCAL_WORLD_SIZE"]))
+
+
+def mesh_groups(dims: ParallelDims, axis: str) -> list[list[int]]:
+    """The global ranks of every group along ``axis`` of the ``(pp, dp, tp)`` mesh, the layout
+    ``init_device_mesh`` builds (the same enumeration ``plait plan`` prints without processes)."""
+    mesh = torch.arange(dims.world_size).reshape(dims.pp, dims.dp, dims.tp)
+    dim = MESH_AXES.index(axis)
+    return mesh.movedim(dim, -1).reshape(-1, mesh.shape[dim]).tolist()
+
+
+def split_by_node(ranks: list[int], node_of: list[int]) -> list[list[int]] | None:
+    """One group's ranks in their per-node parts (group order kept), or None when the nodes hold
+    different numbers of them (no hierarchical scheme then)."""
+    parts: dict[int, list[int]] = {}
+    for rank in ranks:
+        parts.setdefault(node_of[rank], []).append(rank)
+    if len({len(part) for part in parts.values()}) > 1:
+        return None
+    return list(parts.values())
+
+
+def node_enumeration(groups: list[list[int]], node_of: list[int]) -> tuple[list, list]:
+    """The intra-node and inter-node subgroups of every group, for
+    ``new_subgroups_by_enumeration``: intra = a group's ranks on one node; inter = one rank per
+    node, those at the same position within their node's part. Parts of one rank are left out."""
+    intra, inter = [], []
+    for ranks in groups:
+        parts = split_by_node(ranks, node_of)
+        if parts is None or len(parts) == 1 or len(parts[0]) == 1:
+            continue
+        intra += parts
+        inter += [list(peers) for peers in zip(*parts)]
+    return intra, inter
+
+
+def describe_node_split(ranks: list[int], node_of: list[int]) -> str:
+    """``[0 2 | 4 6]``: a group's ranks, a bar between nodes (``uneven`` when not split evenly)."""
+    parts = split_by_node(ranks, node_of)
+    if parts is None:
+        return f"{ranks} (uneven over nodes)"
+    return "[" + " | ".join(" ".join(map(str, part)) for part in parts) + "]"
+
+
+def describe_nodes(dims: ParallelDims, node_of: list[int]) -> list[str]:
+    """The node layout, for ``plait plan`` and the start-up log: each node's ranks and how each
+    data-parallel group splits into intra-node and inter-node groups."""
+    everyone = describe_node_split(list(range(dims.world_size)), node_of)
+    lines = [f"nodes: {dims.nnodes}, ranks by node {everyone}"]
+    if dims.dp > 1:
+        groups = mesh_groups(dims, "dp")
+        intra, inter = node_enumeration(groups, node_of)
+        shown = ", ".join(describe_node_split(g, node_of) for g in groups[:4])
+        more = f" (+{len(groups) - 4} more)" if len(groups) > 4 else ""
+        lines.append(f"  dp groups by node: {shown}{more}")
+        lines.append(f"  intra-node groups: {' '.join(map(str, intra)) or '(none: one rank per node)'}")
+        lines.append(f"  inter-node groups: {' '.join(map(str, inter)) or '(none: one node)'}")
+    return lines
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """One group split by node, for hierarchical collectives.
+
+    ``intra`` holds this rank's peers on its own node, ``inter`` one peer per node (those at the
+    same position within their node); either is None when it would hold this rank alone (the
+    group lies on one node, or has one rank per node) or the nodes hold unequal shares.
+    """
+
+    nnodes: int
+    local_size: int
+    intra: dist.ProcessGroup | None
+    inter: dist.ProcessGroup | None
+
+
 @dataclass
 class Topology:
-    """This rank's place in the mesh and the process groups of each axis."""
+    """This rank's place in the mesh, the node it runs on, and the process groups of each axis."""
 
     dims: ParallelDims
     device: torch.device
@@ -86,33 +183,46 @@ class Topology:
     local_rank: int
     node_rank: int
     local_world_size: int
+    node_of: list[int]  # the node rank of every global rank, as the launcher assigned it
+    _node_groups: dict[str, NodeGroups] = field(default_factory=dict, repr=False)
 
     @classmethod
     def initialize(cls, cfg) -> Topology:
-        """Join the process group started by the launcher and build the mesh."""
+        """Join the process group started by the launcher, learn the nodes, build the mesh."""
+        node_rank, local_rank, local_world_size = launcher_node_env(dict(os.environ))
         device = pick_device(cfg.device)
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=timedelta(seconds=cfg.launcher.timeout_s))
+        node_of = gather_node_ranks(node_rank, device)
         dims = ParallelDims.from_config(cfg, world_size=dist.get_world_size())
+        dims = replace(dims, nnodes=len(set(node_of)))
         mesh = dist.init_device_mesh(
             device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_AXES
         )
-        return cls(
-            dims=dims,
-            device=device,
-            mesh=mesh,
-            rank=dist.get_rank(),
-            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-            node_rank=int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0))),
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
-        )
+        return cls(dims=dims, device=device, mesh=mesh, rank=dist.get_rank(),
+                   local_rank=local_rank, node_rank=node_rank,
+                   local_world_size=local_world_size, node_of=node_of)
 
     def group(self, axis: str) -> dist.ProcessGroup:
         return self.mesh[axis].get_group()
 
     def axis_rank(self, axis: str) -> int:
         return self.mesh[axis].get_local_rank()
+
+    def node_groups(self, axis: str = "dp") -> NodeGroups:
+        """This rank's ``axis`` group split by node; built once (a collective: every rank calls
+        it, in the same order, the first time)."""
+        if axis not in self._node_groups:
+            groups = mesh_groups(self.dims, axis)
+            mine = next(ranks for ranks in groups if self.rank in ranks)
+            parts = split_by_node(mine, self.node_of) or []
+            intra, inter = node_enumeration(groups, self.node_of)
+            self._node_groups[axis] = NodeGroups(
+                nnodes=len(parts), local_size=len(parts[0]) if parts else 0,
+                intra=dist.new_subgroups_by_enumeration(intra)[0] if intra else None,
+                inter=dist.new_subgroups_by_enumeration(inter)[0] if inter else None)
+        return self._node_groups[axis]
 
     # Megatron-core names, for code ported from there and for DeepSpeed's ``mpu`` interface.
     def get_data_parallel_group(self) -> dist.ProcessGroup:
@@ -143,7 +253,15 @@ class Topology:
     def describe(self) -> str:
         d = self.dims
         return (
-            f"rank {self.rank}/{d.world_size} (node {self.node_rank}, local {self.local_rank}) "
-            f"pp={self.pp_rank}/{d.pp} dp={self.dp_rank}/{d.dp} tp={self.tp_rank}/{d.tp} "
-            f"on {self.device}"
+            f"rank {self.rank}/{d.world_size} (node {self.node_rank}, local {self.local_rank}/"
+            f"{self.local_world_size}) pp={self.pp_rank}/{d.pp} dp={self.dp_rank}/{d.dp} "
+            f"tp={self.tp_rank}/{d.tp} on {self.device}"
         )
+
+
+def gather_node_ranks(node_rank: int, device: torch.device) -> list[int]:
+    """Every rank's node rank (one all-gather at start-up)."""
+    mine = torch.tensor([node_rank], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [int(t.item()) for t in every]
