@@ -8,11 +8,12 @@ implement the same decision (see ``plait.plugin_manager.check_conflicts``).
 Order of a run (``plait.train.train`` reads as this list)::
 
     plait_declare, plait_register_configs, plait_configure,        # CLI, before launch
+    plait_comm_spec (asked by plugins and ``plait plan``),
     plait_validate, plait_backend_config, plait_launch
     plait_build_topology
     plait_build_dataset, plait_shard_data
     plait_build_model, plait_apply_tensor_parallel, plait_split_pipeline, plait_build_loss
-    plait_build_optimizer, plait_build_lr_schedule, plait_comm_hook, plait_build_engine
+    plait_build_optimizer, plait_build_lr_schedule, plait_grad_reducer, plait_build_engine
     plait_load_checkpoint, plait_on_run_start
     per step:  plait_on_step_end, plait_log_metrics (logged steps), plait_save_checkpoint
     plait_on_failure (on an exception), plait_on_run_end
@@ -35,7 +36,16 @@ if TYPE_CHECKING:
     from pluggy import HookRelay
 
     from plait.topology import ParallelDims, Topology
-    from plait.types import BatchSampler, Engine, PluginInfo, StepOutput, TokenDataset, TrainState
+    from plait.types import (
+        BatchSampler,
+        CommSpec,
+        Engine,
+        GradReducer,
+        PluginInfo,
+        StepOutput,
+        TokenDataset,
+        TrainState,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,6 +93,18 @@ def plait_configure(cfg: DictConfig) -> None:
     """
 
 
+@hookspec(firstresult=True)
+def plait_comm_spec(cfg: DictConfig) -> CommSpec | None:
+    """Describe how gradients are communicated: algorithm, compression, fusion bucket size.
+
+    Stops at the first non-None result; the comm plugin answers. Asked before launch, through
+    ``plait_validate``'s ``hook``, by strategies that cannot call a reducer and map the choice
+    onto their backend's settings instead (DeepSpeed ZeRO), and by ``plait plan``.
+
+    :return: a :class:`plait.types.CommSpec`.
+    """
+
+
 @hookspec
 def plait_validate(cfg: DictConfig, dims: ParallelDims, hook: HookRelay) -> list[str] | None:
     """Check the plan for settings this plugin cannot run with.
@@ -103,8 +125,12 @@ def plait_validate(cfg: DictConfig, dims: ParallelDims, hook: HookRelay) -> list
 
 
 @hookspec
-def plait_backend_config(cfg: DictConfig, dims: ParallelDims) -> dict[str, Any] | None:
+def plait_backend_config(cfg: DictConfig, dims: ParallelDims,
+                         hook: HookRelay) -> dict[str, Any] | None:
     """Return the configuration this plugin generates for a backend, for ``plait plan`` to show.
+
+    :param hook: the active plugins' hooks, as for ``plait_validate`` (e.g. ask
+        ``hook.plait_comm_spec(cfg=cfg)`` to map the gradient communication onto the backend).
 
     :return: ``{"deepspeed": {...}}`` or similar, or None when the plugin generates nothing.
     """
@@ -218,13 +244,16 @@ def plait_build_lr_schedule(cfg: DictConfig) -> Callable[[int], float] | None:
 
 
 @hookspec(firstresult=True)
-def plait_comm_hook(cfg: DictConfig, topology: Topology) -> tuple[Any, Callable] | None:
-    """Choose how gradients are communicated across data-parallel ranks.
+def plait_grad_reducer(cfg: DictConfig, topology: Topology) -> GradReducer | None:
+    """Build the reducer that averages gradient buckets over data-parallel ranks.
 
-    Stops at the first non-None result.
+    Stops at the first non-None result; the comm plugin answers. Called on every rank in the
+    same order (a reducer may build process groups, e.g. ``topology.node_groups("dp")``).
 
-    :return: ``(state, hook)`` in the form of ``DistributedDataParallel.register_comm_hook``,
-        or None for the strategy's built-in all-reduce.
+    :return: a :class:`plait.types.GradReducer`: ``reduce(bucket, group)`` averages
+        ``bucket.buffer()`` over ``group`` and returns a future; its ``spec`` says what it does
+        (an engine may run its built-in all-reduce instead when ``spec.native``). None leaves
+        every engine its built-in all-reduce.
     """
 
 
@@ -234,12 +263,15 @@ def plait_build_engine(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    comm_hook: tuple[Any, Callable] | None,
+    grad_reducer: GradReducer | None,
     topology: Topology,
 ) -> Engine | None:
     """Wrap model and optimizer for the chosen strategy (DDP, DeepSpeed ZeRO, …).
 
     Stops at the first non-None result.
+
+    :param grad_reducer: what ``plait_grad_reducer`` returned; an engine that provides
+        ``engine:grad_reducer`` hands it its gradient buckets.
 
     :return: an :class:`plait.types.Engine`.
     """

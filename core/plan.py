@@ -32,7 +32,7 @@ from plait.plugin_manager import (
     keep_selected,
     make_plugin_manager,
 )
-from plait.topology import ParallelDims
+from plait.topology import ParallelDims, describe_nodes
 from plait.types import ALL_DEVICES, ALWAYS, PlanError
 
 # The decisions every run needs, and the config setting that picks who makes each.
@@ -43,6 +43,7 @@ REQUIRED_DECISIONS = {
     "plait_build_optimizer": "optimizer.name",
     "plait_build_lr_schedule": "optimizer.name",
     "plait_build_engine": "strategy.name",
+    "plait_grad_reducer": "comm.name",
     "plait_launch": "launcher.name",
 }
 
@@ -129,7 +130,7 @@ def make_plan(overrides: Iterable[str] = (), objects: Iterable[Any] = ()) -> Pla
         plan.problems += unmet_requirements(pm, available, cfg, plan.dims)
         for found in pm.hook.plait_validate(cfg=cfg, dims=plan.dims, hook=pm.hook):
             plan.problems += found or []
-        for generated in pm.hook.plait_backend_config(cfg=cfg, dims=plan.dims):
+        for generated in pm.hook.plait_backend_config(cfg=cfg, dims=plan.dims, hook=pm.hook):
             plan.backend_configs.update(generated or {})
     return plan
 
@@ -263,6 +264,13 @@ def format_plan(plan: Plan) -> str:
         d = plan.dims
         lines.append(f"mesh: world_size={d.world_size} = pp {d.pp} x dp {d.dp} x tp {d.tp} "
                      f"on {d.nnodes} node(s) x {cfg.launcher.nproc_per_node} process(es)")
+        # Before launch, nodes as plait's launcher and torchrun number ranks: node by node.
+        lines += describe_nodes(d, [r // cfg.launcher.nproc_per_node for r in range(d.world_size)])
+    spec = plan.pm.hook.plait_comm_spec(cfg=cfg)
+    if spec is not None:
+        bucket = ("the strategy's default" if spec.bucket_bytes is None
+                  else f"{spec.bucket_bytes / 2**20:g} MiB")
+        lines.append(f"comm: {spec.algorithm}, compression {spec.compression}, bucket {bucket}")
     lines.append(f"device={cfg.device} precision={cfg.precision} run.dir={cfg.run.dir}")
     lines.append("decisions:")
     for hook, names in sorted(deciders(plan.pm).items()):

@@ -49,9 +49,9 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
     loss_fn = hook.plait_build_loss(cfg=cfg, model=model, topology=topology) or cross_entropy
     optimizer = hook.plait_build_optimizer(cfg=cfg, model=model)
     lr_at = hook.plait_build_lr_schedule(cfg=cfg)
-    comm_hook = hook.plait_comm_hook(cfg=cfg, topology=topology)
+    grad_reducer = hook.plait_grad_reducer(cfg=cfg, topology=topology)
     engine = hook.plait_build_engine(cfg=cfg, model=model, optimizer=optimizer, loss_fn=loss_fn,
-                                     comm_hook=comm_hook, topology=topology)
+                                     grad_reducer=grad_reducer, topology=topology)
 
     state = hook.plait_load_checkpoint(cfg=cfg, engine=engine, topology=topology) or TrainState()
     if state.data:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 if TYPE_CHECKING:
     import torch
+    import torch.distributed as dist
 
 ALL_DEVICES = frozenset({"cpu", "cuda"})
 ALL_PRECISIONS = frozenset({"fp32", "bf16", "fp16"})
@@ -81,6 +82,70 @@ class TrainState:
     def from_dict(cls, d: Mapping[str, Any]) -> TrainState:
         return cls(step=d["step"], tokens_seen=d["tokens_seen"], data=dict(d["data"]),
                    tracker_run_id=d.get("tracker_run_id"))
+
+
+@dataclass(frozen=True)
+class CommSpec:
+    """How a run communicates gradients, as the comm plugin describes it (``plait_comm_spec``).
+
+    Engines that cannot call a reducer (DeepSpeed reduces gradients itself) map these fields
+    onto their backend's settings or refuse the plan; ``plait plan`` prints them.
+
+    ``algorithm``: ``"allreduce"`` (the strategy's own all-reduce), ``"flat"``, ``"ring"``,
+    ``"hierarchical"``, or a third-party plugin's own name. ``compression``: ``"none"``,
+    ``"fp16"``, ``"bf16"`` or ``"powersgd"``. ``bucket_bytes``: the size of the flat buffers
+    gradients are fused into before they are reduced; None leaves each engine its default (DDP's
+    25 MiB, DeepSpeed's ``reduce_bucket_size``).
+    """
+
+    algorithm: str
+    compression: str = "none"
+    bucket_bytes: int | None = None
+
+    @property
+    def native(self) -> bool:
+        """The strategy's own all-reduce is the algorithm: an engine may run its built-in path
+        (DDP's C++ reducer) instead of calling the reducer, with the same result."""
+        return self.algorithm == "allreduce"
+
+
+class GradBucket(Protocol):
+    """A flat gradient buffer and the gradients it holds, in the shape of
+    ``torch.distributed.GradBucket`` (what DDP hands a comm hook), so torch's comm hooks run on it.
+    """
+
+    def index(self) -> int:
+        """Which bucket this is in a step (stable across steps and ranks)."""
+
+    def buffer(self) -> torch.Tensor:
+        """The flat (1-D) buffer to reduce."""
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Views of ``buffer()`` shaped like each parameter's gradient."""
+
+    def is_last(self) -> bool:
+        """True for the last bucket reduced in a step."""
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replace the buffer (compression casts it)."""
+
+
+class GradReducer(Protocol):
+    """The comm plugins' contract, strategy-neutral (``plait_grad_reducer``): average a flat
+    gradient buffer over a group, asynchronously.
+
+    DDP adapts it as a comm hook on its buckets, the pipeline engine calls it on each stage's
+    gradient buckets after the schedule, and any other data-parallel engine (a parameter server,
+    local SGD) may call it the same way: hand over buckets in the same order on every rank of
+    ``group``, then wait for every future before reading the gradients.
+    """
+
+    spec: CommSpec
+
+    def reduce(self, bucket: GradBucket,
+               group: dist.ProcessGroup) -> torch.futures.Future[torch.Tensor]:
+        """Start averaging ``bucket.buffer()`` over ``group``; the future's value is the averaged
+        flat buffer (the bucket's own buffer, written in place)."""
 
 
 Batch = tuple["torch.Tensor", "torch.Tensor"]

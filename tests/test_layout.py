@@ -114,6 +114,10 @@ THIRD_PARTY = '''
             return PluginInfo(name="sparse_comm", selected_by={"comm.name": "sparse"},
                               requires={"dp": frozenset({"engine:grad_reducer"})})
 
+        @hookimpl
+        def plait_grad_reducer(self):
+            raise AssertionError("never built in these tests")
+
 
     fancy, tinylm, sparse_comm = FancyStrategy(), TinyLMPlugin(), SparseComm()
 '''

@@ -29,8 +29,8 @@ def test_default_config_selects_one_decider_per_decision():
     made = deciders(pm)
     assert made["plait_build_engine"] == ["ddp"]
     assert made["plait_build_dataset"] == ["data"]
-    assert made["plait_comm_hook"] == []  # comm=allreduce: the strategy's built-in all-reduce
-    assert "allreduce" in pm.records
+    assert made["plait_grad_reducer"] == ["allreduce"]  # the strategy's built-in all-reduce
+    assert "comm" not in pm.records  # the plugin of comm=flat|ring|hierarchical
     assert "wandb" not in pm.records  # tracker=none
 
 

@@ -1,7 +1,8 @@
 """``strategy=ddp`` (the default): torch ``DistributedDataParallel`` over the data-parallel group.
 
 Gradient accumulation skips the all-reduce on all but the last micro-batch (``no_sync``); the
-gradient communication itself is whatever ``comm=`` plugin answered ``plait_comm_hook``.
+gradient communication is the comm plugin's reducer, adapted as a DDP comm hook on DDP's buckets
+(:func:`register_reducer`), and DDP's bucket size is the comm plugin's (``comm.bucket_mb``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from plait import hookimpl
 from plait.config import StrategyConfig
 from plait.plugins.optim.clip_grads import clip_grad_norm_
 from plait.plugins.optim.mixed_precision import autocast, grad_scaler
-from plait.types import Batch, PluginInfo, StepOutput
+from plait.types import Batch, GradReducer, PluginInfo, StepOutput
 
 
 @dataclass
@@ -29,8 +30,40 @@ class DDPConfig(StrategyConfig):
     compile: bool = False  # torch.compile the model, around DDP (DDP splits the graph per bucket)
 
 
+def reduce_bucket(state, bucket):
+    """A DDP comm hook that hands DDP's bucket to the comm plugin's reducer: ``state`` is
+    ``(reducer, group)``, the result a future of the averaged bucket. (Unannotated: DDP compares
+    the annotations with real types, and this module's are strings.)"""
+    reducer, group = state
+    return reducer.reduce(bucket, group)
+
+
+def register_reducer(ddp: DistributedDataParallel, reducer: GradReducer | None,
+                     group: dist.ProcessGroup) -> None:
+    """Make DDP average its buckets with ``reducer``.
+
+    Where the reducer is the strategy's own all-reduce (``spec.native``), DDP's C++ paths do the
+    same with no Python per bucket: its built-in all-reduce, or for fp16 compression torch's
+    built-in C++ fp16 hook (the C++ twin of ``fp16_compress_hook``). Everything else goes
+    through the reducer.
+    """
+    if reducer is None or (reducer.spec.native and reducer.spec.compression == "none"):
+        return
+    if reducer.spec.native and reducer.spec.compression == "fp16":
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+        return
+    ddp.register_comm_hook((reducer, group), reduce_bucket)
+
+
+def ddp_options(reducer: GradReducer | None) -> dict:
+    """DDP's constructor arguments that the comm plugin decides: the bucket size."""
+    if reducer is None or reducer.spec.bucket_bytes is None:
+        return {}
+    return {"bucket_cap_mb": reducer.spec.bucket_bytes / 2**20}
+
+
 class DDPEngine:
-    def __init__(self, cfg, model, optimizer, loss_fn, comm_hook, topology):
+    def __init__(self, cfg, model, optimizer, loss_fn, grad_reducer, topology):
         self.device = topology.device
         self.model = model.to(self.device)
         self.optimizer = optimizer
@@ -49,9 +82,9 @@ class DDPEngine:
         if self.dp_size > 1:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.wrapped = DistributedDataParallel(model, device_ids=device_ids,
-                                                   process_group=self.dp_group)
-            if comm_hook is not None:
-                self.wrapped.register_comm_hook(*comm_hook)
+                                                   process_group=self.dp_group,
+                                                   **ddp_options(grad_reducer))
+            register_reducer(self.wrapped, grad_reducer, self.dp_group)
         if cfg.strategy.compile:  # compiled around DDP, so DDP's graph splitting applies
             self.wrapped = torch.compile(self.wrapped)
 
@@ -121,7 +154,8 @@ class DDPEngine:
 def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="ddp", selected_by={"strategy.name": "ddp"},
-        provides=frozenset({"engine:tensor_parallel", "engine:pipeline", "engine:grad_reducer"}),
+        provides=frozenset({"engine:tensor_parallel", "engine:pipeline", "engine:grad_reducer",
+                            "engine:grad_comm"}),
         description="torch DistributedDataParallel")
 
 
@@ -151,5 +185,5 @@ def plait_read_model_shards(checkpoint) -> dict[tuple[int, int], dict]:
 
 
 @hookimpl
-def plait_build_engine(cfg, model, optimizer, loss_fn, comm_hook, topology) -> DDPEngine:
-    return DDPEngine(cfg, model, optimizer, loss_fn, comm_hook, topology)
+def plait_build_engine(cfg, model, optimizer, loss_fn, grad_reducer, topology) -> DDPEngine:
+    return DDPEngine(cfg, model, optimizer, loss_fn, grad_reducer, topology)

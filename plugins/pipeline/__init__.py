@@ -22,8 +22,9 @@ averaged over data-parallel ranks: the same gradient as one process on the whole
 
 The engine wraps the strategy's engine (``plait_build_engine`` wrapper): it keeps that engine's
 optimizer and checkpoint files (``model_pp{p}_tp{t}.pt``, original parameter names) and replaces
-only the forward/backward with the schedule; the data-parallel gradient average is
-one bucketed all-reduce over the dp group after the schedule (see ``docs/architecture.md``).
+only the forward/backward with the schedule; the data-parallel gradient average follows the
+schedule: the stage's gradients in ``comm.bucket_mb`` buckets, each averaged over the dp group by
+the comm plugin's reducer (see ``docs/architecture.md``).
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def plait_split_pipeline(cfg, model, topology) -> PipelineStageModules | None:
 
 
 @hookimpl(wrapper=True)
-def plait_build_engine(cfg, loss_fn, topology):
+def plait_build_engine(cfg, loss_fn, grad_reducer, topology):
     """Wrap the strategy's engine when the model was cut into pipeline stages."""
     engine = yield
     if topology.dims.pp == 1 or engine is None:
@@ -199,4 +200,4 @@ def plait_build_engine(cfg, loss_fn, topology):
                          "another plugin answered plait_split_pipeline; set pipeline=torch")
     from plait.plugins.pipeline.engine import PipelineEngine
 
-    return PipelineEngine(cfg, engine, loss_fn, topology)
+    return PipelineEngine(cfg, engine, loss_fn, grad_reducer, topology)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from plait.plugins.comm.buckets import average_gradients
 from plait.plugins.optim.clip_grads import clip_grad_norm_
 from plait.plugins.optim.mixed_precision import autocast
 from plait.plugins.pipeline.schedules import SCHEDULES, make_schedule, stage_to_rank
@@ -47,7 +48,7 @@ class PipelineEngine:
     same factor.
     """
 
-    def __init__(self, cfg, inner, loss_fn, topology):
+    def __init__(self, cfg, inner, loss_fn, grad_reducer, topology):
         from torch.distributed import pipelining
 
         self.inner = inner
@@ -59,6 +60,7 @@ class PipelineEngine:
         self.pp_group = topology.get_pipeline_model_parallel_group()
         self.dp_group = topology.get_data_parallel_group()
         self.dp_size = topology.dims.dp
+        self.grad_reducer = grad_reducer  # the comm plugin's: averages each bucket over dp
         self.tp_group = topology.get_tensor_model_parallel_group()
         self.tp_size, self.tp_rank = topology.dims.tp, topology.tp_rank
         n_stages = self.model.n_stages
@@ -84,22 +86,6 @@ class PipelineEngine:
             loss = loss / self.dp_size
         return loss.item()
 
-    def _average_grads_over_dp(self) -> None:
-        """The data-parallel part: one flat all-reduce per dtype of this stage's gradients."""
-        if self.dp_size == 1:
-            return
-        grads: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self.model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.setdefault(p.grad.dtype, []).append(p.grad)
-        for tensors in grads.values():
-            flat = torch._utils._flatten_dense_tensors(tensors)
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.dp_size
-            for g, reduced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-                g.copy_(reduced)
-
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -111,7 +97,8 @@ class PipelineEngine:
                                return_outputs=False)
         loss = self._reduce_loss(torch.stack(losses).mean() if self.has_last
                                  else torch.zeros(()))
-        self._average_grads_over_dp()
+        if self.dp_size > 1:
+            average_gradients(self.model.parameters(), self.grad_reducer, self.dp_group)
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm,
                                     self.tp_group if self.tp_size > 1 else None, self.tp_rank,
