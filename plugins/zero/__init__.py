@@ -25,7 +25,7 @@ from plait.types import PluginInfo
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(name="zero", selected_by={"strategy.name": tuple(zero_config.STAGES)},
-                      provides=frozenset({"engine:tensor_parallel"}),
+                      provides=frozenset({"engine:tensor_parallel", "engine:grad_comm"}),
                       description="DeepSpeed ZeRO stages 0-3, offload, bf16/fp16")
 
 
@@ -53,22 +53,29 @@ def plait_configure(cfg) -> None:
 
 
 @hookimpl
-def plait_validate(cfg, dims) -> list[str]:
-    return zero_config.validate(cfg, dims)
+def plait_validate(cfg, dims, hook) -> list[str]:
+    return zero_config.validate(cfg, dims, hook.plait_comm_spec(cfg=cfg))
 
 
 @hookimpl
-def plait_backend_config(cfg, dims) -> dict:
-    if zero_config.validate(cfg, dims):
+def plait_backend_config(cfg, dims, hook) -> dict:
+    comm = hook.plait_comm_spec(cfg=cfg)
+    if zero_config.validate(cfg, dims, comm):
         return {}
-    return {"deepspeed": zero_config.deepspeed_config(cfg, dims.dp)}
+    ds = zero_config.deepspeed_config(cfg, dims.dp, comm)
+    mapped = {owner: {key: zero_config.flatten(ds)[key]}
+              for key, owner in zero_config.comm_config(cfg, comm)[1].items()}
+    return {"deepspeed": ds, **({"deepspeed (from comm)": mapped} if mapped else {})}
 
 
 @hookimpl
-def plait_build_engine(cfg, model, optimizer, loss_fn, topology):
+def plait_build_engine(cfg, model, optimizer, loss_fn, grad_reducer, topology):
+    """DeepSpeed reduces the gradients itself: the comm plugin's reducer is not called, its
+    spec is mapped onto DeepSpeed's settings (``comm.py``)."""
     from plait.plugins.zero.engine import ZeroEngine
 
-    ds_config = zero_config.engine_config(cfg, topology.dims.dp, optimizer)
+    comm = grad_reducer.spec if grad_reducer is not None else None
+    ds_config = zero_config.engine_config(cfg, topology.dims.dp, optimizer, comm)
     return ZeroEngine(model, optimizer, loss_fn, topology, ds_config)
 
 

@@ -21,6 +21,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from plait.config import StrategyConfig
+from plait.plugins.zero.comm import comm_settings
+from plait.types import CommSpec
 
 STAGES = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -46,16 +48,17 @@ def micro_batch_size(cfg: DictConfig, dp: int) -> int:
     return cfg.train.batch_size // (cfg.train.grad_accum_steps * dp)
 
 
-def generated_config(cfg: DictConfig, dp: int) -> dict[str, Any]:
-    """The DeepSpeed config that follows from plait's settings alone (the optimizer section is
-    added from the built optimizer: :func:`optimizer_section`)."""
+def generated_config(cfg: DictConfig, dp: int, comm: CommSpec | None = None) -> dict[str, Any]:
+    """The DeepSpeed config that follows from plait's settings alone and the comm plugin's
+    :class:`~plait.types.CommSpec` (``comm.py``); the optimizer section is added from the built
+    optimizer: :func:`optimizer_section`."""
     strategy, train = cfg.strategy, cfg.train
     zero: dict[str, Any] = {"stage": stage_of(cfg)}
     if strategy.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": strategy.offload_optimizer}
     if strategy.offload_params != "none":
         zero["offload_param"] = {"device": strategy.offload_params}
-    return {
+    generated = {
         "train_batch_size": train.batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size(cfg, dp),
         "gradient_accumulation_steps": train.grad_accum_steps,
@@ -66,6 +69,12 @@ def generated_config(cfg: DictConfig, dp: int) -> dict[str, Any]:
         "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0},
         "steps_per_print": QUIET,
     }
+    return deep_merge(generated, comm_config(cfg, comm)[0])
+
+
+def comm_config(cfg: DictConfig, comm: CommSpec | None):
+    """The comm plugin's choice as DeepSpeed settings: ``(settings, owners, problems)``."""
+    return comm_settings(comm, cfg, stage_of(cfg), cfg.launcher.nnodes, cfg.parallel.tp)
 
 
 def optimizer_section(optimizer: torch.optim.Optimizer, offload: bool) -> dict[str, Any] | None:
@@ -88,9 +97,10 @@ def optimizer_section(optimizer: torch.optim.Optimizer, offload: bool) -> dict[s
     return {"type": "AdamW", "params": params}
 
 
-def engine_config(cfg: DictConfig, dp: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def engine_config(cfg: DictConfig, dp: int, optimizer: torch.optim.Optimizer,
+                  comm: CommSpec | None = None) -> dict[str, Any]:
     """What ``deepspeed.initialize`` gets: :func:`deepspeed_config` plus the optimizer section."""
-    ds = deepspeed_config(cfg, dp)
+    ds = deepspeed_config(cfg, dp, comm)
     section = optimizer_section(optimizer, cfg.strategy.offload_optimizer != "none")
     if section is None:
         return {**ds, "zero_allow_untested_optimizer": True}
@@ -109,6 +119,7 @@ OWNED = {
     "bf16.enabled": "precision",
     "fp16.enabled": "precision",
 }
+
 # Whole sections plait decides itself, refused from the user whatever their content.
 OWNED_SECTIONS = {
     "optimizer": "optimizer=... (plait's optimizer plugin builds it; `plait import-deepspeed` "
@@ -170,9 +181,11 @@ def user_sources(cfg: DictConfig) -> list[tuple[str, dict[str, Any]]]:
     return sources
 
 
-def conflicts(cfg: DictConfig, dp: int) -> list[str]:
-    """Every user-given DeepSpeed key that contradicts a plait setting, naming both."""
-    generated = flatten(generated_config(cfg, dp))
+def conflicts(cfg: DictConfig, dp: int, comm: CommSpec | None = None) -> list[str]:
+    """Every user-given DeepSpeed key that contradicts a plait setting, naming both. The keys
+    the comm plugin's choice sets are owned too; where it sets none, the user's value stands."""
+    generated = flatten(generated_config(cfg, dp, comm))
+    owned = {**OWNED, **comm_config(cfg, comm)[1]}
     problems = []
     for source, settings in user_sources(cfg):
         for section, owner in OWNED_SECTIONS.items():
@@ -180,12 +193,12 @@ def conflicts(cfg: DictConfig, dp: int) -> list[str]:
                 problems.append(f"{source} sets DeepSpeed's {section!r}, which plait decides from "
                                 f"{owner}: remove it there and set {owner.split(' ')[0]} instead")
         for key, value in flatten(settings).items():
-            if key not in OWNED:
+            if key not in owned:
                 continue
             ours = generated.get(key)
             if ours is None or not same(value, ours):
                 where = f"{source}.{key}" if source == "strategy.deepspeed" else f"{source} ({key})"
-                owner = OWNED[key]
+                owner = owned[key]
                 plait_value = OmegaConf.select(cfg, owner, default=None)
                 named = f"{owner}={plait_value}" if plait_value is not None else owner
                 problems.append(f"{where}={json.dumps(value)} conflicts with {named} (DeepSpeed's "
@@ -193,18 +206,18 @@ def conflicts(cfg: DictConfig, dp: int) -> list[str]:
     return problems
 
 
-def deepspeed_config(cfg: DictConfig, dp: int) -> dict[str, Any]:
+def deepspeed_config(cfg: DictConfig, dp: int, comm: CommSpec | None = None) -> dict[str, Any]:
     """The DeepSpeed config a run uses: generated, then the file, then the passthrough."""
-    ds = generated_config(cfg, dp)
+    ds = generated_config(cfg, dp, comm)
     for _, settings in user_sources(cfg):
         ds = deep_merge(ds, settings)
     return ds
 
 
-def validate(cfg: DictConfig, dims) -> list[str]:
+def validate(cfg: DictConfig, dims, comm: CommSpec | None = None) -> list[str]:
     """Refusals before launch (the capability checks of ``PluginInfo`` cover devices/axes)."""
     strategy, stage = cfg.strategy, stage_of(cfg)
-    problems = []
+    problems = list(comm_config(cfg, comm)[2])
     for setting in ("offload_optimizer", "offload_params"):
         value = strategy[setting]
         if value not in OFFLOAD_DEVICES:
@@ -237,7 +250,7 @@ def validate(cfg: DictConfig, dims) -> list[str]:
         except (OSError, ValueError) as e:
             problems.append(f"strategy.config_file={strategy.config_file} is not valid JSON ({e})")
             return problems
-    return problems + conflicts(cfg, dims.dp) + zero_section_problems(cfg, dims.dp)
+    return problems + conflicts(cfg, dims.dp, comm) + zero_section_problems(cfg, dims.dp)
 
 
 def zero_section_problems(cfg: DictConfig, dp: int) -> list[str]:
