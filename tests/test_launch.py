@@ -36,6 +36,7 @@ def test_srun_environment_is_translated_for_torch(tmp_path):
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
         env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                   SLURM_TASKS_PER_NODE="2",
                    SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_LAUNCH_NODE_IPADDR="127.0.0.1",
                    MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
@@ -49,9 +50,9 @@ def test_srun_environment_is_translated_for_torch(tmp_path):
 
 
 def test_slurm_variables_map_to_torch_env():
-    env = torch_env_from_slurm({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-                                "SLURM_NTASKS_PER_NODE": "4", "SLURM_NODEID": "1",
+    env = torch_env_from_slurm({"SLURM_PROCID": "4", "SLURM_NTASKS": "7", "SLURM_LOCALID": "1",
+                                "SLURM_TASKS_PER_NODE": "3,2(x2)", "SLURM_NODEID": "1",
                                 "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.1"}, master_port=0)
-    assert env == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+    assert env == {"RANK": "4", "WORLD_SIZE": "7", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                    "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
     assert torch_env_from_slurm({"RANK": "0", "SLURM_PROCID": "0"}, 0) == {}

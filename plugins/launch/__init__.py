@@ -39,16 +39,31 @@ def started_externally() -> bool:
     return "LOCAL_RANK" in os.environ or "SLURM_PROCID" in os.environ
 
 
+def tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """Tasks on node ``node`` from SLURM's compressed list, e.g. ``"4(x2),2"`` = 4, 4, 2."""
+    counts = []
+    for part in tasks_per_node.split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return counts[node]
+
+
 def torch_env_from_slurm(environ: dict[str, str], master_port: int) -> dict[str, str]:
-    """The ``env://`` variables torch needs, derived from what ``srun`` sets."""
+    """The ``env://`` variables torch needs, derived from what ``srun`` sets (the processes on
+    this node from ``SLURM_STEP_TASKS_PER_NODE``/``SLURM_TASKS_PER_NODE`` at ``SLURM_NODEID``)."""
     if "RANK" in environ or "SLURM_PROCID" not in environ:
         return {}
+    node = environ.get("SLURM_NODEID", "0")
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE", environ.get("SLURM_TASKS_PER_NODE"))
+    if per_node is None:
+        raise ValueError("srun set neither SLURM_STEP_TASKS_PER_NODE nor SLURM_TASKS_PER_NODE: "
+                         "plait cannot tell how many processes share this node")
     return {
         "RANK": environ["SLURM_PROCID"],
         "WORLD_SIZE": environ["SLURM_NTASKS"],
         "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
-        "LOCAL_WORLD_SIZE": environ.get("SLURM_NTASKS_PER_NODE", environ["SLURM_NTASKS"]),
-        "GROUP_RANK": environ.get("SLURM_NODEID", "0"),
+        "LOCAL_WORLD_SIZE": str(tasks_on_node(per_node, int(node))),
+        "GROUP_RANK": node,
         "MASTER_ADDR": environ.get("MASTER_ADDR", environ.get("SLURM_LAUNCH_NODE_IPADDR",
                                                               "127.0.0.1")),
         "MASTER_PORT": environ.get("MASTER_PORT", str(master_port or 29500)),
