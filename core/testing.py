@@ -146,6 +146,39 @@ class StepClock:
             f.write(f"{time.perf_counter()}\n")
 
 
+class LinkCounter:
+    """A plugin for runs on ``scripts/netns_cluster.py``: what this node's link
+    (``PLAIT_LINK_DEV``, set by the script) has carried, read from its veth counters by rank 0 at
+    the end of every step, one JSON line per step in ``run.dir/link.jsonl``. With two nodes,
+    node 0's link sees everything that crosses between nodes (its tx plus its rx).
+
+        python scripts/netns_cluster.py -- '+plugins=[plait.testing:link_counter]' ...
+    """
+
+    @hookimpl
+    def plait_on_run_start(self, cfg):
+        self.path = Path(cfg.run.dir) / "link.jsonl"
+        self.statistics = Path("/sys/class/net") / os.environ["PLAIT_LINK_DEV"] / "statistics"
+
+    @hookimpl
+    def plait_on_step_end(self, step):
+        counts = {name: int((self.statistics / name).read_text())
+                  for name in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **counts}) + "\n")
+
+
+link_counter = LinkCounter()
+
+
+def link_bytes_per_step(run_dir: str | Path, skip: int) -> float:
+    """Bytes across the link (tx + rx of node 0) per step, from step ``skip`` to the last."""
+    lines = [json.loads(line) for line in (Path(run_dir) / "link.jsonl").read_text().splitlines()]
+    first, last = lines[skip - 1], lines[-1]
+    total = (last["tx_bytes"] + last["rx_bytes"]) - (first["tx_bytes"] + first["rx_bytes"])
+    return total / (last["step"] - first["step"])
+
+
 def steps_per_s(stamps: list[float], warmup: int) -> float:
     """Steps per second between the end of step ``warmup`` and the last step."""
     timed = stamps[warmup:]
