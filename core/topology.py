@@ -152,8 +152,12 @@ def describe_nodes(dims: ParallelDims, node_of: list[int]) -> list[str]:
         shown = ", ".join(describe_node_split(g, node_of) for g in groups[:4])
         more = f" (+{len(groups) - 4} more)" if len(groups) > 4 else ""
         lines.append(f"  dp groups by node: {shown}{more}")
-        lines.append(f"  intra-node groups: {' '.join(map(str, intra)) or '(none: one rank per node)'}")
-        lines.append(f"  inter-node groups: {' '.join(map(str, inter)) or '(none: one node)'}")
+        if intra:
+            lines.append(f"  intra-node groups: {' '.join(map(str, intra))}")
+            lines.append(f"  inter-node groups: {' '.join(map(str, inter))}")
+        else:
+            lines.append("  no intra-/inter-node groups: each dp group lies on one node or has "
+                         "one rank per node")
     return lines
 
 

@@ -1,11 +1,12 @@
 """Gradient all-reduce between "nodes" made of network namespaces (``scripts/netns_cluster.py``;
 needs root): flat, ring, hierarchical and hierarchical+fp16, each through plait's reducer.
 
-    sudo DS_ACCELERATOR=cpu python scripts/bench_comm.py --rate 1gbit
+    sudo DS_ACCELERATOR=cpu python scripts/bench_comm.py --rates 1gbit 200mbit
     sudo DS_ACCELERATOR=cpu python scripts/bench_comm.py --sizes 1 64 --no-steps   # quicker
 
 On 2 nodes x 2 processes (``--nodes``, ``--nproc-per-node``) it prints three tables, each run on a
-free link and on one limited by ``tc``'s tbf to ``--rate``:
+free link and on links limited by ``tc``'s tbf to each of ``--rates`` (``--delay`` adds a netem
+delay where the kernel has netem):
 
 1. per gradient size (``--sizes``, MB) and algorithm: the all-reduce time (median over
    ``--repeats``, slowest rank), the bytes that crossed between nodes per all-reduce (node 0's
@@ -258,8 +259,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunks-kb", type=int, default=64)
     parser.add_argument("--chunk-repeats", type=int, default=20)
-    parser.add_argument("--rate", default="1gbit", help="tbf rate of the limited link")
-    parser.add_argument("--delay", help="netem delay on the limited link too (needs netem)")
+    parser.add_argument("--rates", nargs="+", default=["1gbit", "200mbit"],
+                        help="tbf rates of the limited links, each measured in turn")
+    parser.add_argument("--delay", help="netem delay on the limited links too (needs netem)")
     parser.add_argument("--steps", type=int, default=10, help="plait train steps per run")
     parser.add_argument("--no-steps", action="store_true", help="skip the plait train table")
     parser.add_argument("--json", type=Path, help="also write every result to this file")
@@ -278,10 +280,11 @@ def main() -> int:
         print(f"bench_comm: {reason}", file=sys.stderr)
         return 2
     results = []
-    results += collectives(args, None)
-    results += collectives(args, args.rate, args.delay)
-    if not args.no_steps:
-        results += step_times(args, None) + step_times(args, args.rate, args.delay)
+    links = [(None, None)] + [(rate, args.delay) for rate in args.rates]
+    for rate, delay in links:
+        results += collectives(args, rate, delay)
+    for rate, delay in links if not args.no_steps else ():
+        results += step_times(args, rate, delay)
     print_tables(results, args)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

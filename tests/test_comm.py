@@ -44,6 +44,15 @@ def test_node_groups_follow_the_launcher_not_rank_numbers():
     assert node_enumeration(mesh_groups(pp, "dp"), [0, 0, 1, 1]) == ([], [])
 
 
+def test_engines_without_buckets_fuse_gradients_by_dtype_up_to_the_bucket_size():
+    from plait.plugins.comm.buckets import fuse
+
+    grads = [torch.zeros(256), torch.zeros(256), torch.zeros(600),
+             torch.zeros(8, dtype=torch.bfloat16)]
+    sizes = [[g.numel() for g in bucket] for bucket in fuse(grads, bucket_bytes=2048)]
+    assert sizes == [[256, 256], [600], [8]]
+
+
 def test_node_variables_come_from_the_launcher():
     assert launcher_node_env({"GROUP_RANK": "1", "LOCAL_RANK": "0",
                               "LOCAL_WORLD_SIZE": "2"}) == (1, 0, 2)
@@ -78,8 +87,8 @@ def test_bad_comm_settings_are_refused_before_launch():
 
 def test_zero_maps_each_comm_choice_onto_deepspeed():
     plan = make_plan(["tracker=none", "launcher.nproc_per_node=2", "launcher.nnodes=2",
-                      "run.name=x", "strategy=zero3", "comm=hierarchical",
-                      "comm.compression=bf16", "comm.bucket_mb=2"])
+                      "launcher.master_port=29500", "run.name=x", "strategy=zero3",
+                      "comm=hierarchical", "comm.compression=bf16", "comm.bucket_mb=2"])
     assert plan.problems == []
     ds = plan.backend_configs["deepspeed"]
     assert ds["communication_data_type"] == "bf16"
@@ -98,7 +107,8 @@ def test_zero_maps_each_comm_choice_onto_deepspeed():
 
 def test_zero_refuses_what_deepspeed_cannot_do():
     assert ("comm=ring under strategy=zero2: DeepSpeed reduces gradients with its own "
-            "collectives and cannot call a plait reducer" in problems("strategy=zero2", "comm=ring"))
+            "collectives and cannot call a plait reducer" in problems("strategy=zero2",
+                                                                      "comm=ring"))
     assert "comm=flat under strategy=zero1" in problems("strategy=zero1", "comm=flat")
     assert ("comm=hierarchical under strategy=zero2: DeepSpeed's hierarchical scheme is ZeRO++'s "
             "hpZ (zero_hpz_partition_size), for ZeRO-3 only" in problems("strategy=zero2",
@@ -117,14 +127,14 @@ def test_zero_refuses_what_deepspeed_cannot_do():
 # ---------------------------------------------------------------------------------------------
 
 
-def _cfg(name: str, compression: str = "none"):
+def _cfg(name: str, compression: str = "none", bucket_mb: float | None = None):
     from omegaconf import OmegaConf
 
     return OmegaConf.create({
         "device": "cpu", "seed": 0,
         "launcher": {"timeout_s": 120, "nnodes": 2, "nproc_per_node": 2},
         "parallel": {"dp": -1, "tp": 1, "pp": 1},
-        "comm": {"name": name, "compression": compression, "bucket_mb": None,
+        "comm": {"name": name, "compression": compression, "bucket_mb": bucket_mb,
                  "powersgd_rank": 1, "powersgd_start_iter": 2}})
 
 
@@ -144,7 +154,7 @@ def _algorithms_on_two_nodes(rank: int, world_size: int) -> None:
     from plait.plugins.comm.buckets import FlatBucket
     from plait.plugins.comm.hierarchical import hierarchical_all_reduce_
     from plait.plugins.comm.ring import ring_all_reduce_
-    from plait.plugins.ddp import register_reducer
+    from plait.plugins.ddp import ddp_options, register_reducer
     from plait.topology import Topology
 
     topology = Topology.initialize(_cfg("ring"))
@@ -190,18 +200,20 @@ def _algorithms_on_two_nodes(rank: int, world_size: int) -> None:
             else:
                 assert error < tolerance[compression] * 4, (name, compression, error)
 
-    # DDP keeps its C++ paths for comm=allreduce, and takes every other reducer as a hook
-    def hook_of(name, compression):
-        ddp = DistributedDataParallel(torch.nn.Linear(4, 4), process_group=group)
+    # DDP keeps its C++ paths for comm=allreduce, takes every other reducer as a hook, and
+    # its bucket size from comm.bucket_mb
+    def ddp_with(name, compression, bucket_mb=None):
         plugin = plugins.allreduce if name == "allreduce" else plugins.comm
-        register_reducer(ddp, plugin.plait_grad_reducer(_cfg(name, compression), topology),
-                         group)
-        return str(ddp._get_ddp_logging_data().get("comm_hook"))
+        reducer = plugin.plait_grad_reducer(_cfg(name, compression, bucket_mb), topology)
+        ddp = DistributedDataParallel(torch.nn.Linear(4, 4), process_group=group,
+                                      **ddp_options(reducer))
+        register_reducer(ddp, reducer, group)
+        return str(ddp._get_ddp_logging_data().get("comm_hook")), ddp.bucket_bytes_cap
 
-    assert hook_of("allreduce", "none") == "None"  # DDP's own C++ all-reduce
-    assert hook_of("allreduce", "fp16") == "BuiltinCommHookType.FP16_COMPRESS"
-    assert hook_of("allreduce", "bf16") == "reduce_bucket"
-    assert hook_of("ring", "none") == "reduce_bucket"
+    assert ddp_with("allreduce", "none") == ("None", 25 * 2**20)  # DDP's own C++ all-reduce
+    assert ddp_with("allreduce", "fp16")[0] == "BuiltinCommHookType.FP16_COMPRESS"
+    assert ddp_with("allreduce", "bf16")[0] == "reduce_bucket"
+    assert ddp_with("ring", "none", bucket_mb=0.5) == ("reduce_bucket", 2**19)
 
 
 @pytest.mark.slow

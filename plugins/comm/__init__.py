@@ -89,7 +89,7 @@ def algorithm_of(name: str, topology) -> Callable[[dist.ProcessGroup], dist.Proc
     dp_ranks = dist.get_process_group_ranks(topology.get_data_parallel_group())
     if nodes.intra is None or nodes.inter is None:
         if topology.dp_rank == 0 and topology.tp_rank == 0:
-            where = (f"lies on one node" if nodes.nnodes == 1 else "has one rank per node"
+            where = ("lies on one node" if nodes.nnodes == 1 else "has one rank per node"
                      if nodes.local_size == 1 else "is spread unevenly over the nodes")
             print(f"plait: comm=hierarchical: data-parallel group {dp_ranks} {where}; "
                   "falling back to flat all-reduce", flush=True)

@@ -13,7 +13,8 @@ between nodes included: over ``n`` nodes of ``L`` ranks, ``2 (nL-1)`` steps on t
 ``2 n S (nL-1)/(nL)`` bytes across node boundaries for a buffer of ``S`` bytes.
 
 Sums are exact on integers, so the result equals torch's all-reduce bit for bit there; on floats
-it differs only by the order of the additions.
+it differs only by the order of the additions. The two halves are also the intra-node steps of
+``hierarchical.py``.
 """
 
 from __future__ import annotations
@@ -33,27 +34,43 @@ class RingGroup(AlgorithmGroup):
 
 def ring_all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Sum ``tensor`` (1-D, contiguous) over ``group`` in place, around the ring of its ranks."""
+    chunks = tensor.tensor_split(group.size())
+    ring_reduce_scatter_(chunks, group)
+    ring_all_gather_(chunks, group)
+
+
+def owned_chunk(group: dist.ProcessGroup) -> int:
+    """The chunk this rank holds fully reduced after :func:`ring_reduce_scatter_`."""
+    return (group.rank() + 1) % group.size()
+
+
+def ring_reduce_scatter_(chunks: tuple[torch.Tensor, ...], group: dist.ProcessGroup) -> None:
+    """Sum ``chunks`` (one per rank of ``group``, views of one buffer) around the ring, so that
+    this rank ends with the full sum of chunk :func:`owned_chunk`; the others hold partial sums."""
     p, r = group.size(), group.rank()
-    if p == 1:
-        return
-    chunks = tensor.tensor_split(p)
-    right, left = (r + 1) % p, (r - 1) % p
-
-    def pass_along(send: int, receive: int) -> torch.Tensor:
-        """Send one chunk right, receive one from the left (a chunk of a buffer shorter than
-        the ring is empty, and then is neither sent nor received)."""
-        incoming = torch.empty_like(chunks[receive])
-        work = dist.isend(chunks[send], group=group, group_dst=right) if chunks[send].numel() \
-            else None
-        if incoming.numel():
-            dist.recv(incoming, group=group, group_src=left)
-        if work is not None:
-            work.wait()
-        return incoming
-
-    for s in range(p - 1):  # reduce-scatter
+    for s in range(p - 1):
         send, receive = (r - s) % p, (r - s - 1) % p
-        chunks[receive].add_(pass_along(send, receive))
-    for s in range(p - 1):  # all-gather
+        chunks[receive].add_(_pass_along(chunks, send, receive, group))
+
+
+def ring_all_gather_(chunks: tuple[torch.Tensor, ...], group: dist.ProcessGroup) -> None:
+    """Give every rank every rank's :func:`owned_chunk`, around the ring."""
+    p, r = group.size(), group.rank()
+    for s in range(p - 1):
         send, receive = (r + 1 - s) % p, (r - s) % p
-        chunks[receive].copy_(pass_along(send, receive))
+        chunks[receive].copy_(_pass_along(chunks, send, receive, group))
+
+
+def _pass_along(chunks, send: int, receive: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Send one chunk to the right neighbour, receive one from the left (a chunk of a buffer
+    shorter than the ring is empty, and then is neither sent nor received)."""
+    p, r = group.size(), group.rank()
+    incoming = torch.empty_like(chunks[receive])
+    work = None
+    if chunks[send].numel():
+        work = dist.isend(chunks[send], group=group, group_dst=(r + 1) % p)
+    if incoming.numel():
+        dist.recv(incoming, group=group, group_src=(r - 1) % p)
+    if work is not None:
+        work.wait()
+    return incoming

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from plait import hookimpl
+from plait.topology import describe_nodes
 from plait.types import PluginInfo
 
 
@@ -35,6 +36,8 @@ class Console:
         print(f"plait: training {cfg.run.dir} from step {state.step} on {d.world_size} "
               f"process(es) (dp {d.dp} x tp {d.tp} x pp {d.pp}, {topology.device}, "
               f"{cfg.precision})", flush=True)
+        if d.nnodes > 1:  # the node layout the launcher gave, as `plait plan` forecast it
+            print("\n".join(describe_nodes(d, topology.node_of)), flush=True)
         if sys.stderr.isatty():
             from tqdm import tqdm
 
