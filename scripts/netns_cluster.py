@@ -102,6 +102,8 @@ class Cluster:
         except BaseException:
             self.close()
             raise
+        print(f"netns_cluster: namespaces {' '.join(n.netns for n in self.nodes)} on a bridge in "
+              f"{self.switch}", file=sys.stderr, flush=True)
         return self
 
     def __exit__(self, *exc) -> None:
