@@ -27,7 +27,7 @@ STEPS = ["train.steps=3", "optimizer.decay_steps=3"]
 
 def readme_multinode_overrides() -> list[str]:
     """The overrides of the README's multi-node example (node 0's), exactly as written."""
-    [span] = re.findall(r"`([^`]*launcher\.nnodes=[^`]*)`", README.read_text())
+    [span] = re.findall(r"`([^`\n]*launcher\.nnodes=[^`\n]*)`", README.read_text())
     return span.split()
 
 
