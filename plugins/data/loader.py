@@ -81,9 +81,12 @@ class StepLoader:
             return
         from torch.utils.data import DataLoader
 
+        # fork, as under torchrun: workers start in milliseconds and inherit the dataset
+        # (memory maps, fsspec file systems registered by plugins) instead of unpickling it in
+        # a fresh interpreter, which the launcher's spawned workers would otherwise default to.
         yield from DataLoader(_Batches(self.dataset), sampler=indices, batch_size=None,
                               num_workers=self.num_workers, pin_memory=self.pin_memory,
-                              prefetch_factor=self.prefetch)
+                              prefetch_factor=self.prefetch, multiprocessing_context="fork")
 
     def _produce(self, start: int, ready: queue.Queue, stop: threading.Event,
                  prefetcher: ShardPrefetcher | None) -> None:
