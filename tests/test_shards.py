@@ -209,11 +209,13 @@ def refused(*overrides: str) -> str:
 def test_bad_shard_input_is_refused_before_launch(tmp_path, small_shards, bpe_shards,
                                                   other_small_shards, capsys):
     assert refused(f"data.path={small_shards}") == ""
-    assert "data.path=" + str(tmp_path) + " holds no index.json: make one with `plait prepare" \
-        in refused(f"data.path={tmp_path}")
-    (tmp_path / "progress.npz").touch()
-    assert "its plait prepare did not finish: run the same plait prepare again to resume" \
-        in refused(f"data.path={tmp_path}")
+    # every source's index is checked, and all problems are reported at once
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "progress.npz").touch()
+    sources = {tmp_path: "holds no index.json: make one with `plait prepare data.path=<text "
+                         f"files> out={tmp_path}`",
+               partial: "its plait prepare did not finish: run the same plait prepare again"}
     for name, damage, message in [
         ("index.json", lambda p: p.write_text("{"), "index.json or documents.npy is corrupt"),
         ("documents.npy", lambda p: p.write_bytes(b"x"), "index.json or documents.npy is corrupt"),
@@ -224,21 +226,24 @@ def test_bad_shard_input_is_refused_before_launch(tmp_path, small_shards, bpe_sh
         broken = tmp_path / name.replace(".", "_")
         shutil.copytree(small_shards, broken)
         damage(broken / name)
-        problem = refused(f"data.path={broken}")
-        assert message in problem and problem.endswith(f": run plait prepare again with "
-                                                       f"out={broken}")
-    assert "data.path=nosuch://x cannot be reached" in refused("data.path=nosuch://x")
-    assert "the sources were tokenized differently" in refused(
-        f"data.sources=[{{path: {small_shards}}}, {{path: {bpe_shards}}}]", "model.vocab_size=512")
-    assert ("the model's output has 256 ids, fewer than the tokenizer's vocabulary of 512"
-            in refused(f"data.path={bpe_shards}"))
-    assert "must be non-negative and sum to a positive number" in refused(
+        sources[broken] = f"{message}" + ".*" + f": run plait prepare again with out={broken}$"
+    sources["nosuch://x"] = "cannot be reached"
+    listed = ", ".join(f"{{path: {path}}}" for path in sources)
+    problems = refused(f"data.sources=[{listed}]").splitlines()
+    assert len(problems) == len(sources)
+    for k, (problem, message) in enumerate(zip(problems, sources.values())):
+        assert re.search(f"data.sources\\[{k}\\].path=.*{message}", problem), problem
+    # settings that do not fit the data
+    assert re.search("the sources were tokenized differently.*\n.*the model's output has 256 ids, "
+                     "fewer than the tokenizer's vocabulary of 512 .*: set model.vocab_size=512",
+                     refused(f"data.sources=[{{path: {small_shards}}}, {{path: {bpe_shards}}}]"))
+    assert "weights [0.5, -0.5] must be non-negative and sum to a positive number" in refused(
         f"data.sources=[{{path: {small_shards}, weight: 0.5}}, "
         f"{{path: {other_small_shards}, weight: -0.5}}]")
-    assert "data.cache_limit_gb=1e-06 is smaller than one shard of slow://" in refused(
-        f"data.path=slow://{small_shards}", "data.cache_limit_gb=0.000001")
-    assert "fewer than one global batch of train.batch_size=4096" in refused(
-        f"data.path={small_shards}", "train.batch_size=4096")
+    assert re.search("data.cache_limit_gb=1e-06 is smaller than one shard of slow://.*\n.*fewer "
+                     "than one global batch of train.batch_size=4096", refused(
+                         f"data.path=slow://{small_shards}", "data.cache_limit_gb=0.000001",
+                         "train.batch_size=4096"))
     # what a user sees: exit 2, the message, no run directory
     assert main(["train", "data=shards", f"data.path={tmp_path}", f"run.root={tmp_path}/runs",
                  "tracker=none"]) == 2

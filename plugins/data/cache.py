@@ -58,6 +58,7 @@ class NodeCache:
         self.dir = self.root / cache_key(self.remote)
         self.limit_bytes = limit_bytes
         self._fs = None  # opened lazily in each process (fsspec objects are not fork-safe)
+        self._touched: dict[str, float] = {}  # shard name -> when this process last touched it
 
     @property
     def fs(self):
@@ -95,13 +96,21 @@ class NodeCache:
 
     def read(self, name: str, size: int, offset: int, nbytes: int) -> bytes:
         """``nbytes`` bytes of shard ``name`` at ``offset``, from the local copy."""
+        path = os.path.join(self.dir, name)
         while True:
-            path = self.ensure(name, size)
             try:
-                with open(path, "rb") as f:
-                    return os.pread(f.fileno(), nbytes, offset)
-            except FileNotFoundError:  # evicted between ensure and open: fetch it again
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # not cached, or evicted since: fetch it
+                self.ensure(name, size)
                 continue
+            try:
+                data = os.pread(fd, nbytes, offset)
+            finally:
+                os.close(fd)
+            now = time.monotonic()  # "recently used" to the second: one utime per shard and second
+            if now - self._touched.get(name, 0.0) > 1.0 and self._touch(Path(path)):
+                self._touched[name] = now
+            return data
 
     @staticmethod
     def _touch(path: Path) -> bool:

@@ -324,7 +324,9 @@ def prepare(data, out: Path, log=print) -> Path:
     total_bytes = sum(s.end - s.start for task in tasks for s in task)
     bar = tqdm(total=total_bytes, initial=progress.bytes_done, unit="B", unit_scale=True,
                desc=f"tokenizing ({workers} workers)")
-    context = multiprocessing.get_context("spawn")
+    # fork: workers start at once with the modules loaded (spawn would import torch in each);
+    # HF tokenizers disables its thread pool in forked children, and _init_worker says so too
+    context = multiprocessing.get_context("fork")
     with context.Pool(workers, _init_worker, (tokenizer.name, tokenizer.json, dtype)) as pool:
         for tokens, lengths, nbytes in pool.imap(tokenize_task, tasks[progress.tasks_done:]):
             writer.add(tokens, lengths, nbytes)
