@@ -244,6 +244,13 @@ def test_bad_shard_input_is_refused_before_launch(tmp_path, small_shards, bpe_sh
                      "than one global batch of train.batch_size=4096", refused(
                          f"data.path=slow://{small_shards}", "data.cache_limit_gb=0.000001",
                          "train.batch_size=4096"))
+    assert re.search("train.eval_every=5: the validation split holds 0 samples .* fewer than "
+                     "one per-rank batch of 4: raise data.val_fraction", refused(
+                         f"data.path={small_shards}", "train.eval_every=5", "data.val_fraction=0"))
+    out_of_range = refused(f"data.path={small_shards}", "data.shuffle_block=0",
+                           "data.num_workers=-1", "data.prefetch=0")
+    for setting in ("data.shuffle_block=0", "data.num_workers=-1", "data.prefetch=0"):
+        assert f"{setting} is out of range" in out_of_range
     # what a user sees: exit 2, the message, no run directory
     assert main(["train", "data=shards", f"data.path={tmp_path}", f"run.root={tmp_path}/runs",
                  "tracker=none"]) == 2
@@ -292,6 +299,7 @@ def test_cache_fetches_once_and_stays_under_its_limit_with_concurrent_readers(
     watcher.join()
     assert not errors
     assert 2 * index.shard_bytes(0) <= peak[0] <= cache.limit_bytes
+    assert cache.usage() <= cache.limit_bytes  # what the watcher may have missed
 
 
 # ---------------------------------------------------------------------------------------------

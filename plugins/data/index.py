@@ -103,11 +103,12 @@ def read_index(root: str, setting: str = "data.path") -> ShardIndex:
         fs, path = url_to_fs(root)
         listing = {Path(e["name"]).name: e for e in fs.ls(path, detail=True)}
     except FileNotFoundError:
-        raise ShardIndexError(f"{setting}={root} does not exist: give the out= directory of a "
-                          "plait prepare run") from None
+        raise ShardIndexError(f"{setting}={root} does not exist: give the out= directory of "
+                              "a plait prepare run") from None
     except Exception as e:  # an unknown protocol, a missing fsspec backend, a network error
-        raise ShardIndexError(f"{setting}={root} cannot be reached ({type(e).__name__}: {e}): check "
-                          "the path, or install the fsspec backend for its protocol") from None
+        raise ShardIndexError(f"{setting}={root} cannot be reached ({type(e).__name__}: {e}): "
+                              "check the path, or install the fsspec backend for its "
+                              "protocol") from None
     if INDEX not in listing:
         hint = ("its plait prepare did not finish: run the same plait prepare again to resume"
                 if "progress.npz" in listing else
@@ -126,7 +127,7 @@ def read_index(root: str, setting: str = "data.path") -> ShardIndex:
                            fingerprint=meta["fingerprint"])
     except Exception as e:
         raise ShardIndexError(f"{setting}={root}: {INDEX} or {DOCUMENTS} is corrupt "
-                          f"({type(e).__name__}: {e}): {fix}") from None
+                              f"({type(e).__name__}: {e}): {fix}") from None
     problems = index_problems(index, listing)
     if problems:
         raise ShardIndexError(f"{setting}={root}: {problems[0]}: {fix}")

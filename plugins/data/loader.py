@@ -39,7 +39,7 @@ class StepLoader:
     def __init__(self, dataset, sampler, *, num_workers: int = 0, prefetch: int = 2,
                  prefetch_shards: int = 2, pin_memory: bool = False):
         self.dataset, self.sampler = dataset, sampler
-        self.num_workers, self.prefetch = num_workers, max(prefetch, 1)
+        self.num_workers, self.prefetch = num_workers, prefetch
         self.prefetch_shards, self.pin_memory = prefetch_shards, pin_memory
         self.consumed_samples = 0
 

@@ -79,8 +79,8 @@ def find_sources(paths: list[str]) -> list[Path]:
         files = []
         for p in matches:
             if p.is_dir():
-                files += sorted(f for f in p.rglob("*") if f.is_file()
-                                and not any(part.startswith(".") for part in f.relative_to(p).parts))
+                files += sorted(f for f in p.rglob("*") if f.is_file() and not any(
+                    part.startswith(".") for part in f.relative_to(p).parts))
             elif p.is_file():
                 files.append(p)
         if not files:
@@ -124,14 +124,16 @@ def read_documents(segments: list[Segment]) -> list[bytes]:
             f.seek(seg.start)
             data = f.read(seg.end - seg.start)
         if seg.jsonl:
-            docs += [json.loads(line)["text"].encode() for line in data.splitlines() if line.strip()]
+            docs += [json.loads(line)["text"].encode() for line in data.splitlines()
+                     if line.strip()]
         else:
             docs.append(data)
     return [d for d in docs if d]
 
 
 def fingerprint(files: list[Path], tokenizer_spec: str, shard_tokens: int) -> str:
-    """What the output depends on: the inputs (path, size, mtime), the tokenizer, the shard size."""
+    """What the output depends on: the inputs (path, size, mtime), the tokenizer, the shard
+    size."""
     digest = hashlib.sha256(f"{fmt.FORMAT}\0{tokenizer_spec}\0{shard_tokens}\n".encode())
     for p in files:
         st = p.stat()

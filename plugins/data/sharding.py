@@ -25,7 +25,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from plait import hookimpl
-from plait.config import DataConfig
+from plait.config import AT_LEAST_0, AT_LEAST_1, DataConfig, range_problems
 from plait.plugins.data.loader import StepLoader
 from plait.types import PluginInfo
 
@@ -37,6 +37,9 @@ class LoaderSettings(DataConfig):
     shuffle: bool = True  # a new order of the samples every epoch
     num_workers: int = 0  # DataLoader worker processes; 0: a background thread makes batches
     prefetch: int = 2  # steps made ahead of the train loop
+
+
+RANGES = {"num_workers": AT_LEAST_0, "prefetch": AT_LEAST_1}
 
 
 class GlobalOrderSampler:
@@ -104,6 +107,12 @@ def plait_declare() -> PluginInfo:
     return PluginInfo(name="sharding", selected_by={"data.sharding": "contiguous"},
                       description="disjoint deterministic per-dp-rank shares of each batch, "
                                   "made ahead by a background loader")
+
+
+@hookimpl
+def plait_validate(cfg) -> list[str]:
+    present = {key: allowed for key, allowed in RANGES.items() if key in cfg.data}
+    return range_problems("data", cfg.data, present)
 
 
 @hookimpl

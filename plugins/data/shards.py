@@ -10,7 +10,8 @@ Before launch it refuses: a directory without a complete index, a corrupt index 
 shard, an unreachable path, sources prepared with different tokenizers, a model whose output
 has fewer ids than the tokenizer (asked of the model plugin: the model is built on the meta
 device and run on one token), weights that do not sum to a positive number, a cache limit
-smaller than one shard, and too few samples for one global batch.
+smaller than one shard, too few samples for one global batch (or, with ``train.eval_every``, for
+one per-rank validation batch), and numbers out of range (``RANGES``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 from omegaconf import MISSING
 
 from plait import hookimpl
+from plait.config import AT_LEAST_1, POSITIVE, Range, range_problems
+from plait.plan import meta_model
 from plait.plugins.data.blend import BlendedDataset
 from plait.plugins.data.index import ShardIndex, ShardIndexError, read_index
 from plait.plugins.data.shard_dataset import (ShardDataset, make_reader, split_documents,
@@ -51,6 +54,10 @@ class ShardsDataConfig(LoaderSettings):
     prefetch_shards: int = 2  # shards fetched ahead of the loader
 
 
+RANGES = {"shuffle_block": AT_LEAST_1, "val_fraction": Range(0, 1, high_open=True),
+          "cache_limit_gb": POSITIVE, "prefetch_shards": Range(0, meaning="0: no prefetch")}
+
+
 def sources_of(data) -> list[tuple[str, str, float]]:
     """``(setting, path, weight)`` of each source."""
     if data.sources:
@@ -72,15 +79,16 @@ def source_problems(data) -> list[str]:
 def model_vocab_size(cfg, hook) -> Optional[int]:
     """The width of the model's output, from the model plugin: built on the meta device and
     run on one token. None when that model cannot run on the meta device."""
+    model = meta_model(hook, cfg)
+    if model is None:  # the model plugin's own check says why
+        return None
     try:
-        with torch.device("meta"):
-            model = hook.plait_build_model(cfg=cfg)
-            return int(model(torch.zeros(1, 1, dtype=torch.long)).shape[-1])
+        return int(model(torch.zeros(1, 1, dtype=torch.long, device="meta")).shape[-1])
     except Exception:
         return None
 
 
-def index_problems(cfg, hook, indexes: list[tuple[str, ShardIndex]]) -> list[str]:
+def index_problems(cfg, dims, hook, indexes: list[tuple[str, ShardIndex]]) -> list[str]:
     data, problems = cfg.data, []
     identities = {index.tokenizer["identity"] for _, index in indexes}
     if len(identities) > 1:
@@ -102,14 +110,25 @@ def index_problems(cfg, hook, indexes: list[tuple[str, ShardIndex]]) -> list[str
                             f"shard of {root} ({size / 2**30:.3g} GiB): raise it to hold a few "
                             "shards")
     for setting, index in indexes:
-        n = len(window_starts(split_documents(index.documents, data.val_fraction, "train"),
-                              cfg.train.seq_len, data.pack))
+        n = samples_of(index, data, cfg.train.seq_len, "train")
         if n < (cfg.train.batch_size if len(indexes) == 1 else 1):
             problems.append(f"{setting}={index.root} holds {n} training samples of "
                             f"train.seq_len={cfg.train.seq_len}, fewer than one global batch of "
                             f"train.batch_size={cfg.train.batch_size}: lower them, set "
                             "data.pack=true, or prepare more text")
+    per_rank = cfg.train.batch_size // dims.dp
+    n_val = sum(samples_of(index, data, cfg.train.seq_len, "val") for _, index in indexes)
+    if cfg.train.eval_every and n_val < per_rank:
+        problems.append(f"train.eval_every={cfg.train.eval_every}: the validation split holds "
+                        f"{n_val} samples of train.seq_len={cfg.train.seq_len}, fewer than one "
+                        f"per-rank batch of {per_rank}: raise data.val_fraction, or set "
+                        "train.eval_every=0")
     return problems
+
+
+def samples_of(index: ShardIndex, data, seq_len: int, split: str) -> int:
+    return len(window_starts(split_documents(index.documents, data.val_fraction, split),
+                             seq_len, data.pack))
 
 
 @hookimpl
@@ -133,8 +152,8 @@ def plait_register_commands(register) -> None:
 
 
 @hookimpl
-def plait_validate(cfg, hook) -> list[str]:
-    problems = source_problems(cfg.data)
+def plait_validate(cfg, dims, hook) -> list[str]:
+    problems = range_problems("data", cfg.data, RANGES) + source_problems(cfg.data)
     if problems:
         return problems
     indexes = []
@@ -143,7 +162,7 @@ def plait_validate(cfg, hook) -> list[str]:
             indexes.append((setting, read_index(path, setting)))
         except ShardIndexError as e:
             problems.append(str(e))
-    return problems or index_problems(cfg, hook, indexes)
+    return problems or index_problems(cfg, dims, hook, indexes)
 
 
 @hookimpl
