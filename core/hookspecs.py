@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from plait.topology import ParallelDims, Topology
     from plait.types import (
-        BatchSampler,
+        BatchLoader,
         CommSpec,
         Engine,
         GradReducer,
@@ -174,13 +174,17 @@ def plait_build_dataset(cfg: DictConfig, topology: Topology, split: str) -> Toke
 @hookspec(firstresult=True)
 def plait_shard_data(
     cfg: DictConfig, dataset: TokenDataset, topology: Topology
-) -> BatchSampler | None:
-    """Give this data-parallel rank its disjoint, deterministic share of the samples.
+) -> BatchLoader | None:
+    """Give this data-parallel rank its disjoint, deterministic share of the samples, as a
+    loader of ready micro-batches.
 
     Stops at the first non-None result.
 
-    :return: a sampler yielding, per optimizer step, ``grad_accum_steps`` lists of indices; its
-        ``state_dict`` goes into the checkpoint so a resumed run continues where it stopped.
+    :return: a :class:`plait.types.BatchLoader` yielding, per optimizer step,
+        ``grad_accum_steps`` micro-batches ``(inputs, targets)``; the loop calls ``next`` on it
+        once per step. Its ``state_dict`` (a small dict keyed by global sample position, the
+        same at any data-parallel size) goes into every checkpoint, and ``load_state_dict``
+        makes a resumed run continue exactly where it stopped.
     """
 
 

@@ -67,22 +67,27 @@ class StepMeter:
         self.flops_per_step = flops_per_token(model, cfg.train.seq_len) * self.tokens_per_step
         peak = cfg.train.peak_flops or device_peak_flops(topology.device)
         self.peak_flops = peak * topology.dims.world_size if peak else None
-        self._started = 0.0
+        self._started = self._data_ready = 0.0
 
     def start(self) -> None:
         self._started = time.perf_counter()
 
+    def data_ready(self) -> None:
+        """The step's batches are in hand: the time since ``start`` was spent waiting for data."""
+        self._data_ready = time.perf_counter()
+
     def stop(self, step: int, out: StepOutput, lr: float) -> dict[str, float]:
         """Metrics for ``step``; empty on steps that are not logged. Collective on logged steps."""
         step_time = time.perf_counter() - self._started
+        data_wait = self._data_ready - self._started
         if step % self.cfg.train.log_every and step != self.cfg.train.steps:
             return {}
         memory = float(peak_memory_bytes(self.topology.device))
         # One MAX reduction gives both extremes: min(x) = -max(-x).
-        figures = torch.tensor([step_time, memory, -step_time, -memory], dtype=torch.float64,
-                               device=self.topology.device)
+        figures = torch.tensor([step_time, memory, data_wait, -step_time, -memory],
+                               dtype=torch.float64, device=self.topology.device)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-        highs, lows = figures[:2].tolist(), (-figures[2:]).tolist()
+        highs, lows = figures[:3].tolist(), (-figures[3:]).tolist()
         slowest = highs[0]
         metrics = {
             "loss": out.loss,
@@ -93,6 +98,7 @@ class StepMeter:
             "step_time_s/max": slowest,
             "peak_memory_bytes/min": lows[1],
             "peak_memory_bytes/max": highs[1],
+            "data_wait_s/max": highs[2],
             **out.metrics,
         }
         if self.peak_flops:

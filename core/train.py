@@ -35,7 +35,7 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
     seed_everything(cfg.seed)
 
     train_data = hook.plait_build_dataset(cfg=cfg, topology=topology, split="train")
-    sampler = hook.plait_shard_data(cfg=cfg, dataset=train_data, topology=topology)
+    loader = hook.plait_shard_data(cfg=cfg, dataset=train_data, topology=topology)
     val_data = None
     if cfg.train.eval_every:
         val_data = hook.plait_build_dataset(cfg=cfg, topology=topology, split="val")
@@ -55,21 +55,22 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
 
     state = hook.plait_load_checkpoint(cfg=cfg, engine=engine, topology=topology) or TrainState()
     if state.data:
-        sampler.load_state_dict(state.data)
+        loader.load_state_dict(state.data)
     logging = topology.is_logging_rank
-    batches = iter(sampler)
+    batches = iter(loader)
     status = "failed"
     try:
         if logging:
             hook.plait_on_run_start(cfg=cfg, state=state, topology=topology)
         while state.step < cfg.train.steps:
-            micro_batches = [train_data.batch(indices) for indices in next(batches)]
             lr = lr_at(state.step)
             meter.start()
+            micro_batches = next(batches)
+            meter.data_ready()
             out = engine.train_step(micro_batches, lr=lr)
             state.step += 1
             state.tokens_seen += meter.tokens_per_step
-            state.data = sampler.state_dict()
+            state.data = loader.state_dict()
             metrics = meter.stop(state.step, out, lr)  # a collective on logged steps
             if val_data is not None and state.step % cfg.train.eval_every == 0:
                 metrics["eval/loss"] = evaluate(cfg, engine, val_data, topology)

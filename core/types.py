@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -176,7 +176,12 @@ class Engine(Protocol):
 
 
 class TokenDataset(Protocol):
-    """Fixed-length training samples cut from one token stream."""
+    """Fixed-length training samples (ids ``0 .. len-1``) cut from token streams.
+
+    A dataset may also define ``epoch_order(seed, epoch) -> array of ids``, the order of its
+    samples in an epoch (e.g. shard-local shuffling, a weighted blend); without it the built-in
+    sampler permutes the ids with a seeded RNG.
+    """
 
     seq_len: int
 
@@ -185,10 +190,17 @@ class TokenDataset(Protocol):
     def batch(self, indices: list[int]) -> Batch: ...
 
 
-class BatchSampler(Protocol):
-    """Yields, per optimizer step, this rank's micro-batches as lists of sample indices."""
+class BatchLoader(Protocol):
+    """Yields, per optimizer step, this rank's ``grad_accum_steps`` micro-batches, ready to
+    train on (pinned on CUDA), typically made ahead in the background.
 
-    def __iter__(self): ...
+    Its state is small and layout-free, keyed by global sample position: the built-in loader's
+    is ``{"consumed_samples": c}``, the samples all data-parallel ranks together have taken.
+    A state saved at one data-parallel size loads at another and continues at the same
+    position (nothing repeated or skipped).
+    """
+
+    def __iter__(self) -> Iterator[list[Batch]]: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 

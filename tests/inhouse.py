@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import signal
 from pathlib import Path
 
 from plait import hookimpl
@@ -72,3 +75,49 @@ def read_placements(directory) -> list[dict]:
 
 
 crash_at_step_3 = CrashAtStep(3)
+
+
+class RecordBatches:
+    """Records what the model is fed: every step's input rows on every rank, as SHA-1 digests,
+    one JSON line per step in ``<directory>/rank<r>-<pid>.jsonl``; with ``kill_at``, rank 0
+    SIGKILLs its own process after that step (a real worker death, before the step's
+    checkpoint)."""
+
+    def __init__(self, directory, kill_at=None):
+        self.directory, self.kill_at = str(directory), kill_at
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="record_batches")
+
+    @hookimpl(wrapper=True)
+    def plait_build_engine(self, topology):
+        engine = yield
+        return RecordingEngine(engine, self.directory, topology.rank, self.kill_at)
+
+
+class RecordingEngine:
+    def __init__(self, engine, directory, rank, kill_at):
+        self.engine, self.rank, self.kill_at, self.steps = engine, rank, kill_at, 0
+        self.path = Path(directory) / f"rank{rank}-{os.getpid()}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def train_step(self, micro_batches, lr):
+        rows = [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16]
+                for x, _ in micro_batches for row in x]
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rows) + "\n")
+        out = self.engine.train_step(micro_batches, lr)
+        self.steps += 1
+        if self.rank == 0 and self.steps == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def recorded_steps(directory, rank):
+    """Each recorded step's rows of ``rank``, files in the order they were written."""
+    files = sorted(Path(directory).glob(f"rank{rank}-*.jsonl"), key=lambda p: p.stat().st_mtime)
+    return [[json.loads(line) for line in f.read_text().splitlines()] for f in files]

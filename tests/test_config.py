@@ -5,9 +5,11 @@ from pathlib import Path
 import pytest
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
 
 from plait.cli import main
 from plait.plan import make_plan
+from plait.plugins.data.prepare import PrepareDataConfig, prepare
 from plait.testing import compose
 
 CONF = Path(__file__).parents[1] / "conf"
@@ -18,6 +20,7 @@ OPTIONS = sorted(
 )
 NEEDS = {("data", "text"): ["data.path=README.md"],
          ("data", "tokens"): ["data.path=__TOKENS__"],
+         ("data", "shards"): ["data.path=__SHARDS__"],
          ("model", "custom"): ["model._target_=torch.nn.Identity"]}
 
 
@@ -26,6 +29,11 @@ def test_every_option_of_every_group_composes_and_passes_the_checks(group, optio
     extra = [o.replace("__TOKENS__", str(tmp_path / "t.bin")) for o in NEEDS.get((group, option), [])]
     (tmp_path / "t.bin").write_bytes(b"\0" * 4096)  # 2048 tokens: more than one batch
     extra = [o.replace("README.md", str(CONF.parent / "README.md")) for o in extra]
+    if (group, option) == ("data", "shards"):  # the README as byte shards, for the index check
+        prepare(OmegaConf.structured(PrepareDataConfig(path=str(CONF.parent / "README.md"),
+                                                       num_workers=1)),
+                tmp_path / "shards", log=lambda message: None)
+        extra = [o.replace("__SHARDS__", str(tmp_path / "shards")) for o in extra]
     cfg = compose([f"{group}={option}", f"run.root={tmp_path}", *extra])
     assert cfg[group] is not None
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from plait.plugins import data as data_plugin
-from plait.plugins.data.sharding import ShardedBatchSampler
+from plait.plugins.data.sharding import GlobalOrderSampler, epoch_order_of
 from plait.testing import compose
 
 
@@ -67,37 +67,39 @@ class Local:
     local_rank = 0
 
 
-def shards(dp, accum, steps, state=None, batch=8):
-    out = []
-    for rank in range(dp):
-        sampler = ShardedBatchSampler(100, batch, accum, rank, dp, shuffle=True, seed=1)
-        if state:
-            sampler.load_state_dict(state)
-        it = iter(sampler)
-        out.append([next(it) for _ in range(steps)])
-    return out
+def sampler(rank=0, dp=1, accum=1, batch=8, n=100):
+    return GlobalOrderSampler(n, epoch_order_of(range(n), seed=1, shuffle=True), batch, accum,
+                              rank, dp)
+
+
+def take(steps, k):
+    return [next(steps) for _ in range(k)]
 
 
 def test_dp_ranks_get_disjoint_shares_that_make_up_the_global_batch():
-    two = shards(dp=2, accum=1, steps=30)  # 30 steps > 12 per epoch: crosses epochs
-    one = shards(dp=1, accum=2, steps=30)[0]
+    two = [take(sampler(rank, dp=2).steps(0), 30) for rank in range(2)]  # 30 * 8 > 100: epochs
+    one = take(sampler(accum=2).steps(0), 30)
     for step in range(30):
         a, b = two[0][step][0], two[1][step][0]
         assert not set(a) & set(b)
         assert one[step] == [a, b]  # same global batch, same micro-batch order
 
 
-def test_sampler_state_resumes_exactly():
-    sampler = ShardedBatchSampler(100, 8, 1, 0, 1, shuffle=True, seed=1)
-    it = iter(sampler)
-    seen = [next(it) for _ in range(17)]
-    resumed = ShardedBatchSampler(100, 8, 1, 0, 1, shuffle=True, seed=1)
-    resumed.load_state_dict(sampler.state_dict())
-    rest = iter(resumed)
-    straight = shards(1, 1, 25)[0]
-    assert seen + [next(rest) for _ in range(8)] == straight
+def test_positions_run_through_epochs_each_a_permutation():
+    ids = [i for step in take(sampler(batch=10).steps(0), 30) for i in step[0]]
+    for epoch in range(3):
+        assert sorted(ids[epoch * 100:(epoch + 1) * 100]) == list(range(100))
+    assert ids[:100] != ids[100:200]
+
+
+def test_a_position_saved_at_dp2_resumes_at_dp1_without_repeats_or_gaps():
+    straight = take(sampler(accum=2).steps(0), 25)
+    consumed = 17 * 8  # the state after 17 steps, whatever the dp size
+    two = [take(sampler(rank, dp=2).steps(consumed), 8) for rank in range(2)]
+    one = take(sampler(accum=2).steps(consumed), 8)
+    assert one == straight[17:] == [[a[0], b[0]] for a, b in zip(*two)]
 
 
 def test_too_little_data_for_one_batch_names_the_setting():
     with pytest.raises(ValueError, match="fewer than one global batch of train.batch_size=64"):
-        ShardedBatchSampler(10, 64, 1, 0, 1, shuffle=False, seed=0)
+        sampler(batch=64, n=10)

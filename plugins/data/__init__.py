@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 
 from plait import hookimpl
-from plait.config import DataConfig, Range, range_problems
+from plait.config import Range, range_problems
 from plait.plan import meta_model
+from plait.plugins.data.sharding import LoaderSettings
 from plait.plugins.data.token_files import looks_like_text, read_tokens, token_layout
 from plait.types import Batch, PluginInfo
 
@@ -43,13 +44,12 @@ SCAN_TOKENS = 1 << 24  # token ids checked against the model's vocabulary before
 
 
 @dataclass
-class DataFilesConfig(DataConfig):
-    """Settings of ``data=stdlib|text|tokens``."""
+class DataFilesConfig(LoaderSettings):
+    """Settings of ``data=stdlib|text|tokens`` (and the loader's, read by sharding)."""
 
     path: Optional[str] = None
     cache_dir: str = "${oc.env:PLAIT_CACHE_DIR,'~/.cache/plait'}"
     val_fraction: float = 0.01
-    shuffle: bool = True  # a new permutation of the samples every epoch (read by sharding)
 
 
 RANGES = {"val_fraction": Range(0, 1, high_open=True)}

@@ -89,8 +89,9 @@ class PipelineEngine:
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        x = torch.cat([b[0] for b in micro_batches]).to(self.device)
-        y = torch.cat([b[1] for b in micro_batches]).to(self.device)
+        # each (pinned) micro-batch copied without blocking, joined on the device
+        x = torch.cat([b[0].to(self.device, non_blocking=True) for b in micro_batches])
+        y = torch.cat([b[1].to(self.device, non_blocking=True) for b in micro_batches])
         losses: list[torch.Tensor] = []
         with autocast(self.precision, self.device):
             self.schedule.step(*((x,) if self.has_first else ()), target=y, losses=losses,

@@ -1,0 +1,87 @@
+"""Tokenizers for ``plait prepare``: bytes (no setup), byte-level BPE trained here with HF
+``tokenizers``, or a ``tokenizer.json`` the user gives. Nothing is downloaded.
+
+A tokenizer's *identity* is ``bytes-v1`` or the SHA-256 of its JSON serialisation; two shard
+directories can be blended only when their identities match, and a prepare resumes only with the
+tokenizer it started with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+
+BYTES = "bytes"
+BPE = "bpe"
+EOT = "<|endoftext|>"  # GPT-2's document separator, added to every BPE plait trains
+
+
+class ByteTokenizer:
+    """Token id = byte value (vocab 256), exactly what ``data=stdlib|text`` train on."""
+
+    name = BYTES
+    identity = "bytes-v1"
+    vocab_size = 256
+    eot: Optional[int] = None  # all 256 ids are bytes; documents are separated by the index
+    json: Optional[str] = None
+
+    def encode_batch(self, docs: list[bytes]) -> list[np.ndarray]:
+        return [np.frombuffer(doc, dtype=np.uint8) for doc in docs]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A HF ``tokenizers`` tokenizer; documents are UTF-8 text (invalid bytes become U+FFFD)."""
+
+    def __init__(self, tokenizer, name: str):
+        self.tokenizer = tokenizer
+        self.name = name
+        self.json = tokenizer.to_str()
+        self.identity = "sha256:" + hashlib.sha256(self.json.encode()).hexdigest()
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eot = tokenizer.token_to_id(EOT)
+
+    @classmethod
+    def from_json(cls, json: str, name: str) -> HFTokenizer:
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_str(json), name)
+
+    def encode_batch(self, docs: list[bytes]) -> list[np.ndarray]:
+        texts = [doc.decode("utf-8", errors="replace") for doc in docs]
+        return [np.asarray(e.ids, dtype=np.int64) for e in self.tokenizer.encode_batch(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def train_bpe(docs: Iterable[bytes], vocab_size: int) -> HFTokenizer:
+    """Byte-level BPE (GPT-2's scheme) trained on ``docs``: every byte is in the initial
+    alphabet, so any text round-trips exactly; ``<|endoftext|>`` is id 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    texts = (doc.decode("utf-8", errors="replace") for doc in docs)
+    tokenizer.train_from_iterator(texts, trainer)
+    return HFTokenizer(tokenizer, BPE)
+
+
+def load_tokenizer_file(path: str | Path, name: str = "file") -> HFTokenizer:
+    from tokenizers import Tokenizer
+
+    return HFTokenizer(Tokenizer.from_file(str(path)), name)
+
+
+def from_spec(name: str, json: Optional[str]):
+    """Rebuild a tokenizer in a worker process from its name and JSON."""
+    return ByteTokenizer() if name == BYTES else HFTokenizer.from_json(json, name)
