@@ -9,8 +9,10 @@ Order of a run (``plait.train.train`` reads as this list)::
 
     plait_declare, plait_register_configs, plait_configure,        # CLI, before launch
     plait_comm_spec (asked by plugins and ``plait plan``),
+    plait_assign_roles (asked by the plan and the topology),
     plait_validate, plait_backend_config, plait_launch
     plait_build_topology
+    a rank whose role is not "trainer": plait_run_role, and nothing below
     plait_build_dataset, plait_shard_data
     plait_build_model, plait_apply_tensor_parallel, plait_split_pipeline, plait_build_loss
     plait_build_optimizer, plait_build_lr_schedule, plait_grad_reducer, plait_build_engine
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
 
     from pluggy import HookRelay
 
-    from plait.topology import ParallelDims, Topology
+    from plait.topology import ParallelDims, Roles, Topology
     from plait.types import (
         BatchLoader,
         CommSpec,
@@ -105,6 +107,22 @@ def plait_comm_spec(cfg: DictConfig) -> CommSpec | None:
     """
 
 
+@hookspec(firstresult=True)
+def plait_assign_roles(cfg: DictConfig, world_size: int) -> Roles | None:
+    """Carve the launched ranks into roles, e.g. parameter servers and trainers.
+
+    Stops at the first non-None result; the strategy answers. None (the default) makes every rank
+    a trainer. Asked before launch (the trainers' count is the mesh's world size) and by every
+    worker when its topology is built. Only ``trainer`` ranks run the train loop; the core's and
+    shared plugins' collectives run over them (``Topology.trainer_group`` / ``step_group``), and
+    the first of them logs. Every other role runs ``plait_run_role``.
+
+    :param world_size: the number of processes launched.
+    :return: a :class:`plait.topology.Roles`; raise ``ValueError`` naming the setting and the
+        fix when the settings leave no trainer (the plan reports it as a problem).
+    """
+
+
 @hookspec
 def plait_validate(cfg: DictConfig, dims: ParallelDims, hook: HookRelay) -> list[str] | None:
     """Check the plan for settings this plugin cannot run with.
@@ -160,6 +178,20 @@ def plait_build_topology(cfg: DictConfig) -> Topology | None:
 
     Stops at the first non-None result; when no plugin answers, the core's
     :meth:`plait.topology.Topology.initialize` builds it.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_run_role(cfg: DictConfig, topology: Topology, hook: HookRelay) -> bool | None:
+    """Run this rank's whole job when its role is not ``trainer`` (e.g. a parameter server's
+    loop), in place of the train loop. Called right after ``plait_build_topology``.
+
+    Stops at the first non-None result; the plugin that assigned the role answers.
+
+    :param topology: ``topology.role`` says which loop to run.
+    :param hook: the active plugins' hooks, to build what the role needs (model, optimizer,
+        learning-rate schedule) exactly as the trainers do.
+    :return: True once the role's work is done.
     """
 
 
@@ -341,7 +373,8 @@ def plait_merge_tensor_parallel_shards(
 
 
 # ---------------------------------------------------------------------------------------------
-# step: tracking, called on the logging rank only (global rank 0)
+# step: tracking, called on the logging rank only (the first trainer: global rank 0 unless a
+# strategy assigns roles)
 # ---------------------------------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """Per-step figures: throughput, MFU, and per-rank time and memory as min/max.
 
-Per-rank figures are reduced across all ranks so a straggler shows in the logged max while only
-rank 0 logs.
+Per-rank figures are reduced across the trainers that step together (``topology.step_group``)
+so a straggler shows in the logged max while only the logging rank logs.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class StepMeter:
         # One MAX reduction gives both extremes: min(x) = -max(-x).
         figures = torch.tensor([step_time, memory, data_wait, -step_time, -memory],
                                dtype=torch.float64, device=self.topology.device)
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.topology.step_group)
         highs, lows = figures[:3].tolist(), (-figures[3:]).tolist()
         slowest = highs[0]
         metrics = {

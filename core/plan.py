@@ -32,7 +32,7 @@ from plait.plugin_manager import (
     keep_selected,
     make_plugin_manager,
 )
-from plait.topology import ParallelDims, describe_nodes
+from plait.topology import ParallelDims, Roles, describe_nodes
 from plait.types import ALL_DEVICES, ALWAYS, PlanError
 
 # The decisions every run needs, and the config setting that picks who makes each.
@@ -85,6 +85,7 @@ class Plan:
     pm: PlaitPluginManager
     dims: ParallelDims | None
     problems: list[str] = field(default_factory=list)
+    roles: Roles | None = None
     backend_configs: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> Plan:
@@ -119,7 +120,11 @@ def make_plan(overrides: Iterable[str] = (), objects: Iterable[Any] = ()) -> Pla
     plan.problems += core_range_problems(cfg)
     if not plan.problems:
         try:
-            plan.dims = ParallelDims.from_config(cfg)
+            world_size = int(os.environ.get(
+                "WORLD_SIZE", cfg.launcher.nnodes * cfg.launcher.nproc_per_node))
+            plan.roles = Roles.resolve(pm.hook.plait_assign_roles(cfg=cfg, world_size=world_size),
+                                       world_size)
+            plan.dims = ParallelDims.from_config(cfg, world_size=len(plan.roles.trainers))
         except ValueError as e:
             plan.problems.append(str(e))
     plan.problems += core_problems(cfg, plan.dims, run_name_given)
@@ -262,10 +267,13 @@ def format_plan(plan: Plan) -> str:
     cfg, lines = plan.cfg, []
     if plan.dims is not None:
         d = plan.dims
-        lines.append(f"mesh: world_size={d.world_size} = pp {d.pp} x dp {d.dp} x tp {d.tp} "
-                     f"on {d.nnodes} node(s) x {cfg.launcher.nproc_per_node} process(es)")
+        per_node = cfg.launcher.nproc_per_node
+        trainers = "" if plan.roles.single else " trainers"
+        lines.append(f"mesh: world_size={d.world_size}{trainers} = pp {d.pp} x dp {d.dp} x tp "
+                     f"{d.tp} on {d.nnodes} node(s) x {per_node} process(es)")
         # Before launch, nodes as plait's launcher and torchrun number ranks: node by node.
-        lines += describe_nodes(d, [r // cfg.launcher.nproc_per_node for r in range(d.world_size)])
+        lines += describe_nodes(d, [r // per_node for r in range(d.nnodes * per_node)],
+                                plan.roles)
     spec = plan.pm.hook.plait_comm_spec(cfg=cfg)
     if spec is not None:
         bucket = ("the strategy's default" if spec.bucket_bytes is None

@@ -10,6 +10,13 @@ from rank numbers::
 
     2 nodes x 4 processes, tp=2, dp=4:   dp group [0, 2, 4, 6] = node 0: [0, 2] | node 1: [4, 6]
     intra-node groups [0, 2], [4, 6]     inter-node groups [0, 4], [2, 6]   (strided by tp)
+
+A strategy may carve the ranks into roles (``plait_assign_roles``), e.g. parameter servers and
+trainers. The mesh then holds the trainers only; every collective of the core and the shared
+plugins runs over the trainer group (``trainer_group``, or ``step_group`` for per-step figures),
+the logging rank is the first trainer, and a rank of another role runs its plugin's loop
+(``plait_run_role``) instead of the train loop. With one role (the default) both groups are the
+default group and nothing else changes.
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 MESH_AXES = ("pp", "dp", "tp")
+TRAINER = "trainer"
 
 
 @dataclass(frozen=True)
@@ -100,10 +109,12 @@ def launcher_node_env(environ: dict[str, str]) -> tuple[int, int, int]:
             int(environ["LOCAL_WORLD_SIZE"]))
 
 
-def mesh_groups(dims: ParallelDims, axis: str) -> list[list[int]]:
+def mesh_groups(dims: ParallelDims, axis: str, ranks: list[int] | None = None) -> list[list[int]]:
     """The global ranks of every group along ``axis`` of the ``(pp, dp, tp)`` mesh, the layout
-    ``init_device_mesh`` builds (the same enumeration ``plait plan`` prints without processes)."""
-    mesh = torch.arange(dims.world_size).reshape(dims.pp, dims.dp, dims.tp)
+    ``init_device_mesh`` builds (the same enumeration ``plait plan`` prints without processes).
+    ``ranks``: the global ranks the mesh is laid over, in order (the trainers); default all."""
+    ranks = list(range(dims.world_size)) if ranks is None else ranks
+    mesh = torch.tensor(ranks).reshape(dims.pp, dims.dp, dims.tp)
     dim = MESH_AXES.index(axis)
     return mesh.movedim(dim, -1).reshape(-1, mesh.shape[dim]).tolist()
 
@@ -141,13 +152,16 @@ def describe_node_split(ranks: list[int], node_of: list[int]) -> str:
     return "[" + " | ".join(" ".join(map(str, part)) for part in parts) + "]"
 
 
-def describe_nodes(dims: ParallelDims, node_of: list[int]) -> list[str]:
+def describe_nodes(dims: ParallelDims, node_of: list[int], roles: Roles | None = None) -> list[str]:
     """The node layout, for ``plait plan`` and the start-up log: each node's ranks and how each
     data-parallel group splits into intra-node and inter-node groups."""
-    everyone = describe_node_split(list(range(dims.world_size)), node_of)
+    everyone = describe_node_split(list(range(len(node_of))), node_of)
     lines = [f"nodes: {dims.nnodes}, ranks by node {everyone}"]
+    if roles is not None and not roles.single:
+        lines.append("  roles: " + ", ".join(f"{role} {list(ranks)}"
+                                              for role, ranks in roles.ranks.items()))
     if dims.dp > 1:
-        groups = mesh_groups(dims, "dp")
+        groups = mesh_groups(dims, "dp", roles.trainers if roles else None)
         intra, inter = node_enumeration(groups, node_of)
         shown = ", ".join(describe_node_split(g, node_of) for g in groups[:4])
         more = f" (+{len(groups) - 4} more)" if len(groups) > 4 else ""
@@ -159,6 +173,45 @@ def describe_nodes(dims: ParallelDims, node_of: list[int]) -> list[str]:
             lines.append("  no intra-/inter-node groups: each dp group lies on one node or has "
                          "one rank per node")
     return lines
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Which global ranks play which role. ``trainer`` ranks run the train loop over the
+    ``(pp, dp, tp)`` mesh; every other role runs the loop its plugin provides (``plait_run_role``).
+
+    ``lockstep``: the trainers take their steps together, so per-step collectives among them
+    (the logged figures' min/max, evaluation) are safe; False for trainers that step at their own
+    pace (asynchronous parameter-server workers), whose per-step figures are then their own.
+    """
+
+    ranks: dict[str, tuple[int, ...]]
+    lockstep: bool = True
+
+    @classmethod
+    def resolve(cls, assigned: Roles | None, world_size: int) -> Roles:
+        """The strategy's roles, checked; everyone a trainer when the strategy assigns none."""
+        if assigned is None:
+            return cls({TRAINER: tuple(range(world_size))})
+        given = sorted(r for ranks in assigned.ranks.values() for r in ranks)
+        if given != list(range(world_size)):
+            raise ValueError(f"roles {dict(assigned.ranks)} must give each of the {world_size} "
+                             "ranks exactly one role")
+        if not assigned.ranks.get(TRAINER):
+            raise ValueError(f"roles {dict(assigned.ranks)} leave no {TRAINER} rank")
+        return assigned
+
+    @property
+    def trainers(self) -> list[int]:
+        return list(self.ranks[TRAINER])
+
+    @property
+    def single(self) -> bool:
+        """Every rank is a trainer: the layout of a plain run."""
+        return len(self.ranks) == 1
+
+    def role_of(self, rank: int) -> str:
+        return next(role for role, ranks in self.ranks.items() if rank in ranks)
 
 
 @dataclass(frozen=True)
@@ -188,25 +241,60 @@ class Topology:
     node_rank: int
     local_world_size: int
     node_of: list[int]  # the node rank of every global rank, as the launcher assigned it
+    roles: Roles | None = None  # None: every rank is a trainer
+    # The core's and shared plugins' collectives run over these (None: the default group, as in
+    # a plain run). trainer_group: start-up and checkpoints; step_group: per-step figures.
+    trainer_group: dist.ProcessGroup | None = None
+    step_group: dist.ProcessGroup | None = None
     _node_groups: dict[str, NodeGroups] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def initialize(cls, cfg) -> Topology:
-        """Join the process group started by the launcher, learn the nodes, build the mesh."""
+    def initialize(cls, cfg, assign_roles: Callable[[int], Roles | None] | None = None) -> Topology:
+        """Join the process group started by the launcher, learn the nodes, give each rank its
+        role (``assign_roles(world_size)``, the strategy's answer), build the trainers' mesh."""
         node_rank, local_rank, local_world_size = launcher_node_env(dict(os.environ))
         device = pick_device(cfg.device)
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=timedelta(seconds=cfg.launcher.timeout_s))
+        world_size = dist.get_world_size()
+        roles = Roles.resolve(assign_roles(world_size) if assign_roles else None, world_size)
+        trainers = roles.trainers
         node_of = gather_node_ranks(node_rank, device)
-        dims = ParallelDims.from_config(cfg, world_size=dist.get_world_size())
-        dims = replace(dims, nnodes=len(set(node_of)))
-        mesh = dist.init_device_mesh(
-            device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_AXES
-        )
+        dims = ParallelDims.from_config(cfg, world_size=len(trainers))
+        dims = replace(dims, nnodes=len({node_of[r] for r in trainers}))
+        groups = {}
+        if roles.single:  # today's layout, untouched: the default group is the trainer group
+            mesh = dist.init_device_mesh(
+                device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_AXES
+            )
+        else:  # every rank takes part in creating each group, members or not
+            mesh = dist.DeviceMesh(device.type, torch.tensor(trainers).reshape(
+                dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_AXES)
+            groups["trainer_group"] = groups["step_group"] = dist.new_group(trainers)
+        if not roles.lockstep:
+            groups["step_group"] = dist.new_subgroups_by_enumeration([[r] for r in trainers])[0]
         return cls(dims=dims, device=device, mesh=mesh, rank=dist.get_rank(),
                    local_rank=local_rank, node_rank=node_rank,
-                   local_world_size=local_world_size, node_of=node_of)
+                   local_world_size=local_world_size, node_of=node_of, roles=roles, **groups)
+
+    def __post_init__(self) -> None:
+        if self.roles is None:
+            self.roles = Roles.resolve(None, len(self.node_of))
+
+    @property
+    def role(self) -> str:
+        return self.roles.role_of(self.rank)
+
+    @property
+    def trainer_ranks(self) -> list[int]:
+        return self.roles.trainers
+
+    @property
+    def local_trainer_rank(self) -> int:
+        """This trainer's place among the trainers on its node (its local rank in a plain run):
+        0 does a node's one-off work, such as writing the token cache."""
+        return [r for r in self.trainer_ranks if self.node_of[r] == self.node_rank].index(self.rank)
 
     def group(self, axis: str) -> dist.ProcessGroup:
         return self.mesh[axis].get_group()
@@ -218,7 +306,7 @@ class Topology:
         """This rank's ``axis`` group split by node; built once (a collective: every rank calls
         it, in the same order, the first time)."""
         if axis not in self._node_groups:
-            groups = mesh_groups(self.dims, axis)
+            groups = mesh_groups(self.dims, axis, self.trainer_ranks)
             mine = next(ranks for ranks in groups if self.rank in ranks)
             parts = split_by_node(mine, self.node_of) or []
             intra, inter = node_enumeration(groups, self.node_of)
@@ -252,10 +340,14 @@ class Topology:
 
     @property
     def is_logging_rank(self) -> bool:
-        return self.rank == 0
+        """The first trainer logs (rank 0 in a plain run)."""
+        return self.rank == self.trainer_ranks[0]
 
     def describe(self) -> str:
         d = self.dims
+        if self.role != TRAINER:
+            return (f"{self.role} rank {self.rank}/{len(self.node_of)} (node {self.node_rank}, "
+                    f"local {self.local_rank}/{self.local_world_size}) on {self.device}")
         return (
             f"rank {self.rank}/{d.world_size} (node {self.node_rank}, local {self.local_rank}/"
             f"{self.local_world_size}) pp={self.pp_rank}/{d.pp} dp={self.dp_rank}/{d.dp} "

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from plait.metrics import StepMeter
 from plait.plugin_manager import PlaitPluginManager
-from plait.topology import Topology
+from plait.topology import TRAINER, Topology
 from plait.types import Engine, TokenDataset, TrainState
 
 
@@ -31,8 +31,11 @@ def seed_everything(seed: int) -> None:
 
 def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
     hook = pm.hook
-    topology = hook.plait_build_topology(cfg=cfg) or Topology.initialize(cfg)
+    topology = hook.plait_build_topology(cfg=cfg) or Topology.initialize(
+        cfg, assign_roles=lambda world_size: hook.plait_assign_roles(cfg=cfg, world_size=world_size))
     seed_everything(cfg.seed)
+    if topology.role != TRAINER:
+        return run_role(cfg, pm, topology)
 
     train_data = hook.plait_build_dataset(cfg=cfg, topology=topology, split="train")
     loader = hook.plait_shard_data(cfg=cfg, dataset=train_data, topology=topology)
@@ -88,6 +91,14 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
         if logging:
             hook.plait_on_run_end(state=state, status=status)
     return state
+
+
+def run_role(cfg: DictConfig, pm: PlaitPluginManager, topology: Topology) -> TrainState:
+    """A rank that is not a trainer runs its plugin's loop (e.g. a parameter server)."""
+    if not pm.hook.plait_run_role(cfg=cfg, topology=topology, hook=pm.hook):
+        raise RuntimeError(f"rank {topology.rank} has role {topology.role!r}, which no active "
+                           "plugin runs (plait_run_role)")
+    return TrainState()
 
 
 def evaluate(cfg: DictConfig, engine: Engine, data: TokenDataset, topology: Topology) -> float:

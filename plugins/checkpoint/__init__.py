@@ -86,9 +86,10 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def barrier() -> None:
+def barrier(topology) -> None:
+    """Wait for every trainer (the ranks that save; other roles save their own state)."""
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=topology.trainer_group)
 
 
 def prune(root: Path, keep_last: int) -> None:
@@ -159,21 +160,21 @@ def plait_save_checkpoint(cfg, engine, state, topology, final) -> Path | None:
     root = checkpoint_root(cfg)
     name = f"step_{state.step:08d}"
     partial, complete = root / f".{name}.partial", root / name
-    if topology.rank == 0:
+    if topology.is_logging_rank:
         shutil.rmtree(partial, ignore_errors=True)  # left over from a crashed write
         partial.mkdir(parents=True)
-    barrier()
+    barrier(topology)
     engine.save_state(partial)
     torch.save(torch.get_rng_state(), partial / f"rng_rank{topology.rank}.pt")
-    barrier()
-    if topology.rank == 0:
+    barrier(topology)
+    if topology.is_logging_rank:
         atomic_write_text(partial / TRAINER_STATE, json.dumps(state.to_dict()))
         if complete.exists():  # the same step saved again after a resume: same content
             shutil.rmtree(complete)
         os.replace(partial, complete)
         atomic_write_text(root / LATEST, name)
         prune(root, cfg.fault.keep_last)
-    barrier()
+    barrier(topology)
     return complete
 
 

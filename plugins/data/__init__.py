@@ -109,17 +109,18 @@ def tokenize_to_cache(sources: list[Path], cache_file: Path) -> None:
     )
 
 
-def cached_tokens(sources: list[Path], cache_dir: Path, local_rank: int) -> Path:
-    """The cache file for ``sources``; local rank 0 writes it if missing, the rest wait."""
+def cached_tokens(sources: list[Path], cache_dir: Path, local_rank: int, group=None) -> Path:
+    """The cache file for ``sources``; local rank 0 (a node's first trainer) writes it if
+    missing, the rest of ``group`` (the trainers; None: every rank) wait."""
     cache_file = cache_dir / "tokens" / f"{cache_key(sources)}.bin"
     if local_rank == 0 and not cache_file.exists():
         tokenize_to_cache(sources, cache_file)
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
     return cache_file
 
 
-def token_file(cfg, local_rank: int, split: str) -> tuple[Path, bool]:
+def token_file(cfg, local_rank: int, split: str, group=None) -> tuple[Path, bool]:
     """The token file for ``split`` and whether it still needs cutting into train/val."""
     data = cfg.data
     if data.name == "tokens":
@@ -128,7 +129,7 @@ def token_file(cfg, local_rank: int, split: str) -> tuple[Path, bool]:
             return path / f"{split}.bin", False
         return path, True
     sources = stdlib_sources() if data.name == "stdlib" else text_sources(Path(data.path).expanduser())
-    return cached_tokens(sources, Path(data.cache_dir).expanduser(), local_rank), True
+    return cached_tokens(sources, Path(data.cache_dir).expanduser(), local_rank, group), True
 
 
 def load_split(tokens: np.ndarray, val_fraction: float, split: str) -> np.ndarray:
@@ -251,7 +252,7 @@ def vocabulary_problems(cfg, hook, max_id: int, source: str) -> list[str]:
 
 @hookimpl
 def plait_build_dataset(cfg, topology, split: str) -> TokenWindows:
-    path, needs_split = token_file(cfg, topology.local_rank, split)
+    path, needs_split = token_file(cfg, topology.local_trainer_rank, split, topology.trainer_group)
     tokens = read_tokens(path)
     if needs_split:
         tokens = load_split(tokens, cfg.data.val_fraction, split)

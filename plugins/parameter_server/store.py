@@ -1,0 +1,31 @@
+"""Coordination through the job's ``TCPStore`` (the rendezvous store torch elastic already runs):
+the asynchronous servers' inboxes (a queue of the worker ranks whose gradients wait) and the
+figures servers and workers publish for the logging rank (W&B: worker throughput, staleness
+histogram, server load). Tensors themselves travel point to point (``isend``/``irecv``)."""
+
+from __future__ import annotations
+
+import json
+
+import torch.distributed as dist
+
+PREFIX = "plait/ps/"
+
+
+def job_store() -> dist.Store:
+    """The default process group's store, under plait's prefix."""
+    return dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
+
+
+def inbox(server: int) -> str:
+    return f"inbox/{server}"
+
+
+def publish(store: dist.Store, who: str, figures: dict) -> None:
+    store.set(f"figures/{who}", json.dumps(figures))
+
+
+def read_figures(store: dist.Store, names: list[str]) -> dict[str, dict]:
+    """The last figures each of ``names`` published (left out: one that has not yet)."""
+    return {name: json.loads(store.get(f"figures/{name}")) for name in names
+            if store.check([f"figures/{name}"])}

@@ -1,0 +1,130 @@
+"""The trainers' engine under ``strategy=parameter_server``: pull the parameters, compute the
+gradient of this worker's share of the batch, push it to the servers, take their reply.
+
+The replies' receives are posted before the gradients go out, so a server's answer never waits
+for its worker. In ``async`` mode each worker clips its own gradient (each push is one update)
+and announces its push in the server's inbox queue; in ``sync`` mode the servers clip the
+averaged gradient and the loss is averaged over the workers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from plait.plugins.optim.clip_grads import clip_grad_norm_
+from plait.plugins.optim.mixed_precision import autocast
+from plait.plugins.parameter_server import SERVER
+from plait.plugins.parameter_server.sharding import flat, shards_of, unflatten_into
+from plait.plugins.parameter_server.store import inbox, job_store, publish, read_figures
+from plait.types import Batch, StepOutput
+
+
+class WorkerEngine:
+    def __init__(self, cfg, model, loss_fn, topology):
+        self.device = topology.device
+        self.model = model.to(self.device)
+        self.loss_fn = loss_fn
+        self.precision = cfg.precision
+        self.sync = cfg.strategy.mode == "sync"
+        self.max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
+        self.servers = list(topology.roles.ranks[SERVER])
+        self.shards = shards_of(list(self.model.parameters()), len(self.servers))
+        self.rank, self.workers = topology.rank, topology.trainer_ranks
+        self.step_group = topology.step_group
+        self.samples_per_step = cfg.train.batch_size // topology.dims.dp
+        self.log_every = cfg.train.log_every
+        self.saves_checkpoint = topology.is_logging_rank
+        self.store = job_store()
+        self.steps, self.started = 0, time.perf_counter()
+        self.replies = [flat(shard, 0, 0) for shard in self.shards]
+        self.versions = [0] * len(self.servers)
+        self.grad_norm = self._receive([dist.irecv(r, src=s)
+                                        for r, s in zip(self.replies, self.servers)])
+
+    def _receive(self, works) -> float:
+        """Wait for the servers' replies, load them into the model; the reported grad norm."""
+        for work in works:
+            work.wait()
+        with torch.no_grad():
+            for i, (reply, shard) in enumerate(zip(self.replies, self.shards)):
+                version, grad_norm = unflatten_into(reply, shard)
+                self.versions[i] = int(version)
+        return grad_norm
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        with autocast(self.precision, self.device):
+            return self.loss_fn(self.model(x), y)
+
+    def _mean_over_step_group(self, value: torch.Tensor) -> float:
+        if self.step_group is not None and dist.get_world_size(self.step_group) > 1:
+            dist.all_reduce(value, group=self.step_group)
+            value = value / dist.get_world_size(self.step_group)
+        return float(value)
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            loss = self._loss(batch)
+            (loss / n).backward()
+            total += loss.detach()
+        own_norm = None
+        if not self.sync:  # each push is an update of its own: clip it here
+            own_norm = float(clip_grad_norm_(self.model.parameters(), self.max_norm))
+        replies = [dist.irecv(r, src=s) for r, s in zip(self.replies, self.servers)]
+        pushes = []
+        for i, (shard, server) in enumerate(zip(self.shards, self.servers)):
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in shard]
+            pushes.append(dist.isend(flat(grads, self.versions[i], lr), dst=server))
+            if not self.sync:
+                self.store.queue_push(inbox(i), str(self.rank))
+        for work in pushes:
+            work.wait()
+        server_norm = self._receive(replies)
+        self.model.zero_grad(set_to_none=True)
+        self.steps += 1
+        mean_loss = self._mean_over_step_group(total / n)
+        return StepOutput(loss=mean_loss, grad_norm=own_norm if own_norm is not None else server_norm,
+                          metrics=self._figures())
+
+    def _figures(self) -> dict[str, float]:
+        """Publish this worker's throughput; on the logging rank's logged steps, gather every
+        worker's and server's figures (W&B: worker throughput, staleness histogram, load)."""
+        wall = time.perf_counter() - self.started
+        publish(self.store, f"worker{self.rank}",
+                {"steps": self.steps, "samples_per_s": self.steps * self.samples_per_step / wall})
+        if not self.saves_checkpoint or self.steps % self.log_every:
+            return {}
+        names = [f"worker{w}" for w in self.workers] + [f"server{s}" for s in range(len(self.servers))]
+        metrics = {}
+        for name, figures in read_figures(self.store, names).items():
+            for key, value in figures.items():
+                if key == "staleness":
+                    for age, count in value.items():
+                        metrics[f"ps/staleness/{age}"] = metrics.get(f"ps/staleness/{age}", 0) + count
+                else:
+                    metrics[f"ps/{name}/{key}"] = float(value)
+        return metrics
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch) -> float:
+        self.model.eval()
+        loss = self._loss(batch).detach().float()
+        self.model.train()
+        return self._mean_over_step_group(loss)
+
+    def save_state(self, directory: Path) -> None:
+        """The model as this worker last pulled it (in sync mode, the servers' parameters after
+        the step). The servers' optimizer state is not saved: resume is refused."""
+        if self.saves_checkpoint:
+            torch.save({"model": self.model.state_dict()}, directory / "model_pp0_tp0.pt")
+
+    def load_state(self, directory: Path) -> None:
+        raise NotImplementedError("strategy=parameter_server cannot resume yet (refused before "
+                                  "launch)")
