@@ -146,6 +146,25 @@ class StepClock:
             f.write(f"{time.perf_counter()}\n")
 
 
+class SlowRank:
+    """A plugin for tests and benchmarks: a straggler. Global rank ``rank`` sleeps ``seconds``
+    before each forward pass of its model (registered on every rank; only that one sleeps).
+
+        run_training(run_dir, [...], plugins=[SlowRank(rank=2, seconds=0.2)])
+    """
+
+    def __init__(self, rank: int, seconds: float):
+        self.rank, self.seconds = rank, seconds
+
+    @hookimpl
+    def plait_apply_tensor_parallel(self, model, topology):
+        if topology.rank == self.rank:
+            model.register_forward_pre_hook(self._sleep)
+
+    def _sleep(self, module, args) -> None:
+        time.sleep(self.seconds)
+
+
 class LinkCounter:
     """A plugin for runs on ``scripts/netns_cluster.py``: what this node's link
     (``PLAIT_LINK_DEV``, set by the script) has carried, read from its veth counters by rank 0 at

@@ -61,7 +61,11 @@ class FailingEngine:
 
 
 class Rank0:
+    """The topology of a one-process run, as far as saving reads it."""
+
     rank = 0
+    is_logging_rank = True
+    trainer_group = None
 
 
 def test_a_failed_write_leaves_latest_on_the_previous_checkpoint(tmp_path):

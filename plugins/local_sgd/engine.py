@@ -1,0 +1,106 @@
+"""Replicas that step on their own and meet every H steps: local SGD's engine, and DiLoCo's base.
+
+Each data-parallel rank holds a full replica and runs the run's optimizer on its own gradients
+(no gradient communication). Local SGD wraps that optimizer in torch's
+``PostLocalSGDOptimizer`` with a ``PeriodicModelAverager`` over the data-parallel group, which
+averages the parameters after every H-th step. torch's averager averages when its count (from 0)
+minus ``warmup_steps`` is a multiple of the period; a warm-up of H-1 makes that after steps
+H, 2H, ... (this engine runs no DDP, so nothing else happens during that "warm-up").
+
+Figures: the loss is the mean over replicas on averaging steps and this replica's own in between,
+and the grad norm is this replica's own, so no collective runs between averagings. Gradient
+clipping clips each replica's own gradient. Checkpoints hold every replica
+(``replica_dp<r>.pt``), so a resumed run continues each replica where it was.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.optim import PostLocalSGDOptimizer
+
+from plait.plugins.optim.mixed_precision import autocast
+from plait.types import Batch, StepOutput
+
+
+class LocalSGDEngine:
+    def __init__(self, cfg, model, optimizer, loss_fn, topology):
+        self.device = topology.device
+        self.model = model.to(self.device)
+        self.loss_fn = loss_fn
+        self.precision = cfg.precision
+        self.max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
+        self.dp_group = topology.get_data_parallel_group()
+        self.dp_size = topology.dims.dp
+        self.checkpoint_name = f"replica_dp{topology.dp_rank}.pt"
+        self.sync_every = cfg.strategy.sync_every
+        self.steps = 0
+        self.optimizer = self.wrap(optimizer, cfg)
+
+    def wrap(self, optimizer: torch.optim.Optimizer, cfg) -> torch.optim.Optimizer:
+        averager = PeriodicModelAverager(period=self.sync_every, warmup_steps=self.sync_every - 1,
+                                         process_group=self.dp_group)
+        return PostLocalSGDOptimizer(optimizer, averager)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()  # PostLocalSGDOptimizer: the local step, then the averager
+
+    @property
+    def averaged(self) -> bool:
+        """The replicas were averaged after the step just taken."""
+        return self.steps % self.sync_every == 0
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        with autocast(self.precision, self.device):
+            return self.loss_fn(self.model(x), y)
+
+    def _mean_over_dp(self, value: torch.Tensor) -> float:
+        if self.dp_size > 1:
+            dist.all_reduce(value, group=self.dp_group)
+            value = value / self.dp_size
+        return float(value)
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            loss = self._loss(batch)
+            (loss / n).backward()
+            total += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+        self.steps += 1
+        self.optimizer_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        mean_loss = self._mean_over_dp(total / n) if self.averaged else float(total / n)
+        return StepOutput(loss=mean_loss, grad_norm=float(grad_norm),
+                          metrics={"replicas_averaged": float(self.averaged)})
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch) -> float:
+        self.model.eval()
+        loss = self._loss(batch).detach().float()
+        self.model.train()
+        return self._mean_over_dp(loss)
+
+    def state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "steps": self.steps}
+
+    def load(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = state["steps"]
+
+    def save_state(self, directory: Path) -> None:
+        torch.save(self.state(), directory / self.checkpoint_name)
+
+    def load_state(self, directory: Path) -> None:
+        self.load(torch.load(directory / self.checkpoint_name, map_location=self.device,
+                             weights_only=True))

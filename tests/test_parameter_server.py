@@ -1,0 +1,193 @@
+"""Parameter servers (sync and async), local SGD and DiLoCo: processes with roles.
+
+Real runs of ``plait train`` (gloo, CPU). Sync parameter servers and local SGD / DiLoCo with
+H=1 are compared with 1 process on the same global batch (fp32; relative tolerance 1e-5 for
+summation order: the servers average the workers' mean gradients, 1 process sums micro-batches).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.plan import format_plan, make_plan
+from plait.plugins.parameter_server.sharding import shard_by_bytes
+from plait.testing import SlowRank, read_metrics, run_training
+from plait.topology import Roles
+
+REL = 1e-5
+STEPS = ("train.steps=5",)
+# 2 workers x 2 micro-batches of 2 = 1 process x 4 micro-batches: the same global batch of 8.
+ONE = ("launcher.nproc_per_node=1", "train.grad_accum_steps=4")
+TWO = ("train.grad_accum_steps=2",)
+
+
+def problems(*overrides: str) -> str:
+    return "\n".join(make_plan(["tracker=none", *overrides]).problems)
+
+
+def losses_and_norms(run_dir: Path) -> list[tuple[float, float]]:
+    return [(m["loss"], m["grad_norm"]) for m in read_metrics(run_dir)]
+
+
+# ---------------------------------------------------------------------------------------------
+# no processes: sharding, roles, refusals
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shards_are_balanced_by_bytes():
+    # one big tensor and many small ones: greedy by size puts the big one alone
+    assert shard_by_bytes([100, 10, 10, 10, 40, 30], 2) == [0, 1, 1, 1, 1, 1]
+    assert shard_by_bytes([8, 8, 8, 8], 2) == [0, 1, 0, 1]
+
+
+def test_roles_give_every_rank_one_role_and_leave_a_trainer():
+    assert Roles.resolve(None, 3).trainers == [0, 1, 2]
+    with pytest.raises(ValueError, match="exactly one role"):
+        Roles.resolve(Roles({"server": (0,), "trainer": (0, 1)}), 2)
+    with pytest.raises(ValueError, match="leave no trainer"):
+        Roles.resolve(Roles({"server": (0, 1)}), 2)
+
+
+def test_plan_shows_roles_and_the_trainers_mesh():
+    text = format_plan(make_plan(["tracker=none", "strategy=parameter_server",
+                                  "strategy.servers=1", "launcher.nproc_per_node=3"]))
+    assert "mesh: world_size=2 trainers = pp 1 x dp 2 x tp 1" in text
+    assert "roles: server [0], trainer [1, 2]" in text
+
+
+def test_bad_settings_are_refused_before_launch():
+    ps = ("strategy=parameter_server", "launcher.nproc_per_node=2")
+    assert ("strategy.servers=2 leaves no worker among the 2 processes launched: set "
+            "strategy.servers below 2") in problems(*ps, "strategy.servers=2")
+    assert ("plugin 'parameter_server' does not support tp parallelism (parallel.tp=2)"
+            in problems("strategy=parameter_server", "strategy.mode=async",
+                        "launcher.nproc_per_node=3", "parallel.tp=2"))
+    assert "strategy.mode=eventually: choose sync" in problems(*ps, "strategy.mode=eventually")
+    assert "strategy.sync_every=0 is out of range" in problems("strategy=local_sgd",
+                                                               "strategy.sync_every=0")
+    assert "strategy.sync_every=0 is out of range" in problems("strategy=diloco",
+                                                               "strategy.sync_every=0")
+    # ZeRO is another strategy: its settings have no servers
+    with pytest.raises(Exception, match="servers"):
+        make_plan(["tracker=none", "strategy=zero2", "strategy.servers=1"])
+
+
+# ---------------------------------------------------------------------------------------------
+# sync parameter servers = 1 process on the global batch
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    run = tmp_path_factory.mktemp("one") / "r"
+    run_training(run, [*STEPS, *ONE])
+    return losses_and_norms(run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("servers", [1, 2])
+def test_sync_parameter_servers_match_one_process(tmp_path, one_process, servers):
+    run = tmp_path / "ps"
+    run_training(run, [*STEPS, *TWO, "strategy=parameter_server", f"strategy.servers={servers}",
+                       f"launcher.nproc_per_node={servers + 2}"])
+    assert losses_and_norms(run) == pytest.approx(one_process, rel=REL)
+    # the first trainer logged (rank `servers`), and every server applied every step
+    for s in range(servers):
+        log = [json.loads(line) for line in (run / f"ps_server{s}.jsonl").read_text().splitlines()]
+        assert [e["version"] for e in log if e["worker"] == servers] == [1, 2, 3, 4, 5]
+        assert {e["staleness"] for e in log} == {0}
+
+
+# ---------------------------------------------------------------------------------------------
+# async parameter servers with a straggler
+# ---------------------------------------------------------------------------------------------
+
+MAX_STALENESS = 1
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    """1 server, a fast worker (rank 1, the logging rank) and a slow one (rank 2, 0.3 s before
+    every forward pass: several times the fast worker's step on this model)."""
+    run = tmp_path_factory.mktemp("async") / "r"
+    run_training(run, ["train.steps=12", "strategy=parameter_server", "strategy.mode=async",
+                       f"strategy.max_staleness={MAX_STALENESS}", "launcher.nproc_per_node=3"],
+                 plugins=[SlowRank(rank=2, seconds=0.3)])
+    log = [json.loads(line) for line in (run / "ps_server0.jsonl").read_text().splitlines()]
+    return run, log
+
+
+@pytest.mark.slow
+def test_async_fast_worker_is_not_held_back_by_the_slow_one(async_run):
+    _, log = async_run
+    fast_done = max(e["t"] for e in log if e["worker"] == 1)
+    slow_pushes_meanwhile = sum(1 for e in log if e["worker"] == 2 and e["t"] <= fast_done)
+    assert sum(1 for e in log if e["worker"] == 1) == 12
+    assert slow_pushes_meanwhile <= 6  # the fast worker finished its 12 in the slow one's time
+
+
+@pytest.mark.slow
+def test_async_servers_apply_no_update_older_than_the_bound(async_run):
+    _, log = async_run
+    applied = [e for e in log if e["applied"]]
+    assert max(e["staleness"] for e in applied) <= MAX_STALENESS
+    assert any(not e["applied"] for e in log)  # the straggler's stale gradients were dropped
+    assert len(applied) == log[-1]["version"]
+
+
+@pytest.mark.slow
+def test_async_training_learns_and_reports_its_figures(async_run):
+    run, _ = async_run
+    metrics = read_metrics(run)
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3
+    last = metrics[-1]
+    assert last["ps/worker1/steps"] == 12 and last["ps/worker2/steps"] < 12
+    assert last["ps/server0/busy_fraction"] > 0 and last["ps/server0/dropped"] >= 1
+    assert sum(v for k, v in last.items() if k.startswith("ps/staleness/")) == \
+        last["ps/server0/version"]
+
+
+# ---------------------------------------------------------------------------------------------
+# local SGD and DiLoCo
+# ---------------------------------------------------------------------------------------------
+
+SGD = ("optimizer=sgd", "train.grad_clip=0")  # no clipping: each replica would clip its own
+
+
+@pytest.mark.slow
+def test_local_sgd_and_diloco_with_h1_equal_ddp(tmp_path):
+    reference = tmp_path / "one"
+    run_training(reference, [*STEPS, *ONE, *SGD])  # = DDP on 2 processes (tests/test_ddp.py)
+    expected = [m["loss"] for m in read_metrics(reference)]
+    for name, extra in [("local_sgd", ()), ("diloco", ("strategy.outer_lr=1",
+                                                       "strategy.outer_momentum=0"))]:
+        run_training(tmp_path / name, [*STEPS, *TWO, *SGD, f"strategy={name}",
+                                       "strategy.sync_every=1", *extra])
+        assert [m["loss"] for m in read_metrics(tmp_path / name)] == \
+            pytest.approx(expected, rel=REL), name
+
+
+def replicas(run: Path, step: int) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(run / "checkpoints" / f"step_{step:08d}" / f"replica_dp{r}.pt",
+                       weights_only=True)["model"] for r in (0, 1)]
+
+
+def identical(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["local_sgd", "diloco"])
+def test_replicas_meet_every_h_steps_and_learn_with_adamw(tmp_path, name):
+    run = tmp_path / name
+    extra = ("strategy.outer_lr=0.7", "strategy.outer_momentum=0.9")[: 2 * (name == "diloco")]
+    run_training(run, ["train.steps=6", *TWO, f"strategy={name}", "strategy.sync_every=3", *extra,
+                       "fault.checkpoint_every=1", "fault.keep_last=0"])
+    for step in range(1, 7):
+        assert identical(*replicas(run, step)) == (step % 3 == 0), step
+    metrics = read_metrics(run)
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3
