@@ -29,8 +29,10 @@ def problems(*overrides: str) -> str:
     return "\n".join(make_plan(["tracker=none", *overrides]).problems)
 
 
-def losses_and_norms(run_dir: Path) -> list[tuple[float, float]]:
-    return [(m["loss"], m["grad_norm"]) for m in read_metrics(run_dir)]
+def losses_and_norms(run_dir: Path) -> list[float]:
+    """Every step's loss, then every step's grad norm."""
+    metrics = read_metrics(run_dir)
+    return [m["loss"] for m in metrics] + [m["grad_norm"] for m in metrics]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,12 +113,12 @@ MAX_STALENESS = 1
 
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
-    """1 server, a fast worker (rank 1, the logging rank) and a slow one (rank 2, 0.3 s before
-    every forward pass: several times the fast worker's step on this model)."""
+    """1 server, a fast worker (rank 1, the logging rank) and a slow one (rank 2, 0.8 s before
+    every forward pass: many times the fast worker's step on this model)."""
     run = tmp_path_factory.mktemp("async") / "r"
     run_training(run, ["train.steps=12", "strategy=parameter_server", "strategy.mode=async",
                        f"strategy.max_staleness={MAX_STALENESS}", "launcher.nproc_per_node=3"],
-                 plugins=[SlowRank(rank=2, seconds=0.3)])
+                 plugins=[SlowRank(rank=2, seconds=0.8)])
     log = [json.loads(line) for line in (run / "ps_server0.jsonl").read_text().splitlines()]
     return run, log
 
@@ -127,7 +129,7 @@ def test_async_fast_worker_is_not_held_back_by_the_slow_one(async_run):
     fast_done = max(e["t"] for e in log if e["worker"] == 1)
     slow_pushes_meanwhile = sum(1 for e in log if e["worker"] == 2 and e["t"] <= fast_done)
     assert sum(1 for e in log if e["worker"] == 1) == 12
-    assert slow_pushes_meanwhile <= 6  # the fast worker finished its 12 in the slow one's time
+    assert slow_pushes_meanwhile <= 6  # while the fast worker pushed 12, the slow one at most 6
 
 
 @pytest.mark.slow
