@@ -37,7 +37,7 @@ class Console:
               f"process(es) (dp {d.dp} x tp {d.tp} x pp {d.pp}, {topology.device}, "
               f"{cfg.precision})", flush=True)
         if d.nnodes > 1:  # the node layout the launcher gave, as `plait plan` forecast it
-            print("\n".join(describe_nodes(d, topology.node_of)), flush=True)
+            print("\n".join(describe_nodes(d, topology.node_of, topology.roles)), flush=True)
         if sys.stderr.isatty():
             from tqdm import tqdm
 
