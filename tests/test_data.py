@@ -62,9 +62,11 @@ def test_llmc_token_files_are_read_after_their_header(tmp_path, magic, version, 
 
 
 class Local:
-    """The topology a dataset needs outside a process group: the local rank."""
+    """The topology a dataset needs outside a process group: this rank writes the token cache
+    (the first trainer on its node) and waits for nobody."""
 
-    local_rank = 0
+    local_trainer_rank = 0
+    trainer_group = None
 
 
 def sampler(rank=0, dp=1, accum=1, batch=8, n=100):

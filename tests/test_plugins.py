@@ -66,7 +66,8 @@ def test_capabilities_refuse_an_unsupported_precision_and_axis():
 def test_unknown_strategy_name_lists_what_is_installed():
     plan = make_plan(["strategy.name=nope"])
     assert any("strategy.name=nope selects no plugin that decides plait_build_engine; "
-               "installed plugins offer: ddp, zero0, zero1, zero2, zero3" in p for p in plan.problems)
+               "installed plugins offer: ddp, diloco, local_sgd, parameter_server, zero0, zero1, zero2, "
+               "zero3" in p for p in plan.problems)
 
 
 def test_hook_with_a_typo_is_caught_at_registration():
