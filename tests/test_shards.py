@@ -298,8 +298,11 @@ def test_cache_fetches_once_and_stays_under_its_limit_with_concurrent_readers(
     done.set()
     watcher.join()
     assert not errors
-    assert 2 * index.shard_bytes(0) <= peak[0] <= cache.limit_bytes
+    assert peak[0] <= cache.limit_bytes
     assert cache.usage() <= cache.limit_bytes  # what the watcher may have missed
+    # 5 shards through room for 2.5: shards were evicted and fetched again (a polling watcher
+    # cannot prove the cache filled up on a loaded machine; the fetch log can)
+    assert len(slowfs.fetches(tmp_path / "fetches.log")) > len(index.shard_sizes)
 
 
 # ---------------------------------------------------------------------------------------------
