@@ -132,6 +132,22 @@ def test_a_plugin_that_declares_it_cannot_recompute_is_refused():
     compose(TEST_OVERRIDES, [CountsForwardCalls()])  # without recompute it runs
 
 
+def test_plait_estimate_accounts_for_recompute(capsys):
+    from plait import cli
+    from plait.plugins.zero.estimate import gpt_activation_bytes
+
+    printed = {}
+    for mode in ("none", "selective", "full"):
+        overrides = [*TEST_OVERRIDES, "strategy=zero1", f"train.activation_checkpointing={mode}"]
+        assert cli.main(["estimate", *overrides]) == 0
+        expected = gpt_activation_bytes(compose(overrides), micro_batch_size=4)
+        line = next(line for line in capsys.readouterr().out.splitlines()
+                    if line.startswith("activations"))
+        assert f"activation checkpointing {mode}" in line and f"({expected:,} B)" in line
+        printed[mode] = expected
+    assert printed["full"] < printed["selective"] < printed["none"]
+
+
 # ---------------------------------------------------------------------------------------------
 # real runs: the same losses as one process without recompute, recomputes counted
 # ---------------------------------------------------------------------------------------------
