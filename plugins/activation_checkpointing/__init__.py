@@ -8,8 +8,8 @@ What each mode recomputes is the model's to say: ``activation_checkpointing_plan
 a module-name pattern, as its tensor-parallel plan does (plait's GPT: ``full`` → ``blocks.*``,
 ``selective`` → ``blocks.*.attn.core_attention``). Per layer, with ``s`` positions, ``b``
 sequences, hidden size ``h`` and ``a`` heads, a block keeps ``s·b·h·(34 + 5·a·s/h)`` bytes of
-activations at 16 bits (Korthikanti et al. 2022, eq. 1): ``full`` keeps only its input, ``2·s·b·h``,
-and recomputes the whole block; ``selective`` drops the ``5·a·s/h`` term of the attention scores
+activations at 16 bits (Korthikanti et al. 2022, eq. 1): ``full`` keeps only its input,
+``2·s·b·h``, and recomputes the whole block; ``selective`` drops the ``5·a·s/h`` term of the attention scores
 (largest at long sequences) and recomputes only ``softmax(QKᵀ)·V``, which has no weights.
 
 Applied in place after tensor parallelism and before the pipeline split and the engine

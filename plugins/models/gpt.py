@@ -132,7 +132,8 @@ class GPT(nn.Module):
     }
     # What each train.activation_checkpointing mode recomputes (module-name patterns): every
     # block, or only the attention core (Korthikanti et al. 2022, "selective").
-    activation_checkpointing_plan = {"full": "blocks.*", "selective": "blocks.*.attn.core_attention"}
+    activation_checkpointing_plan = {"full": "blocks.*",
+                                     "selective": "blocks.*.attn.core_attention"}
 
     def __init__(self, vocab_size: int = 256, block_size: int = 64, n_layer: int = 2,
                  n_head: int = 4, n_embd: int = 64, dropout: float = 0.0, bias: bool = True,

@@ -45,9 +45,9 @@ class PipelineEngine:
     last stage and summed over the pipeline group (zero elsewhere), so every rank, rank 0
     included, returns the global mean. After the schedule's backward, a strategy engine with a
     ``step_after_backward()`` (ZeRO-1: DeepSpeed averages into its partitions, clips and steps)
-    finishes the step; otherwise this engine does, with the comm plugin's reducer. The gradient norm is the global one,
-    ``sqrt(sum over stages (and tp shards) of |g|^2)``, and clipping scales every stage by the
-    same factor.
+    finishes the step; otherwise this engine does, with the comm plugin's reducer. The gradient
+    norm is the global one, ``sqrt(sum over stages (and tp shards) of |g|^2)``, and clipping
+    scales every stage by the same factor.
     """
 
     def __init__(self, cfg, inner, loss_fn, grad_reducer, topology):
