@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from plait.plugins.models.gpt import GPT
 from plait.plugins.pipeline.split import build_stage_modules, split_stages

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plait import hookimpl
 from plait.plan import meta_model
-from plait.types import PluginInfo
+from plait.types import ALWAYS, PluginInfo
 
 
 class RecomputeCounter:
@@ -99,7 +99,7 @@ def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="activation_checkpointing",
         selected_by={"train.activation_checkpointing": ("full", "selective")},
-        requires={"always": frozenset({"model:activation_checkpointing_plan"})},
+        requires={ALWAYS: frozenset({"model:activation_checkpointing_plan"})},
         description="recompute blocks (full) or the attention core (selective) in the backward")
 
 
