@@ -19,6 +19,7 @@ from omegaconf import MISSING, ListConfig
 GROUPS = ("strategy", "parallel", "tensor_parallel", "pipeline", "comm", "data", "model",
           "optimizer", "fault", "tracker", "launcher")
 PRECISIONS = ("fp32", "bf16", "fp16")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 
 @dataclass
@@ -34,6 +35,9 @@ class TrainConfig:
     # Dense peak FLOP/s of one device, for MFU. None: the device's own figure where it is a
     # known GPU; no MFU is reported on other devices unless this is set.
     peak_flops: Optional[float] = None
+    # none | full (recompute each transformer block) | selective (recompute the attention core);
+    # carried out by the activation_checkpointing plugin, which this setting selects.
+    activation_checkpointing: str = "none"
 
 
 @dataclass

@@ -14,7 +14,8 @@ Order of a run (``plait.train.train`` reads as this list)::
     plait_build_topology
     a rank whose role is not "trainer": plait_run_role, and nothing below
     plait_build_dataset, plait_shard_data
-    plait_build_model, plait_apply_tensor_parallel, plait_split_pipeline, plait_build_loss
+    plait_build_model, plait_apply_tensor_parallel, plait_apply_activation_checkpointing,
+    plait_split_pipeline, plait_build_loss
     plait_build_optimizer, plait_build_lr_schedule, plait_grad_reducer, plait_build_engine
     plait_load_checkpoint, plait_on_run_start
     per step:  plait_on_step_end, plait_log_metrics (logged steps), plait_save_checkpoint
@@ -238,6 +239,18 @@ def plait_apply_tensor_parallel(
     """Split the model's layers across the tensor-parallel group, in place.
 
     Called on every active plugin; a plugin does nothing when ``topology.dims.tp == 1``.
+    """
+
+
+@hookspec
+def plait_apply_activation_checkpointing(
+    cfg: DictConfig, model: torch.nn.Module, topology: Topology
+) -> None:
+    """Make the model recompute activations in the backward instead of keeping them, in place
+    (``train.activation_checkpointing``), keeping its parameter names.
+
+    Called on every active plugin after tensor parallelism and before the pipeline split and the
+    engine (torchtitan's order: TP, activation checkpointing, compile, data parallel).
     """
 
 

@@ -18,6 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from plait.config import (
+    ACTIVATION_CHECKPOINTING,
     AT_LEAST_1,
     POSITIVE,
     PRECISIONS,
@@ -178,6 +179,9 @@ def core_problems(cfg: DictConfig, dims: ParallelDims | None, run_name_given: bo
     if cfg.precision not in PRECISIONS:
         problems.append(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
     train = cfg.train
+    if train.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        problems.append(f"train.activation_checkpointing={train.activation_checkpointing}: "
+                        f"choose one of {', '.join(ACTIVATION_CHECKPOINTING)}")
     if dims is not None and train.batch_size % (train.grad_accum_steps * dims.dp):
         per_step = train.grad_accum_steps * dims.dp
         problems.append(

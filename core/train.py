@@ -43,11 +43,12 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
     if cfg.train.eval_every:
         val_data = hook.plait_build_dataset(cfg=cfg, topology=topology, split="val")
 
-    # Parallelize in a fixed order: tensor parallel, then pipeline stages, then the
-    # data-parallel engine (torchtitan's order).
+    # Parallelize in a fixed order: tensor parallel, activation checkpointing, pipeline stages,
+    # then the data-parallel engine (torchtitan's order).
     model = hook.plait_build_model(cfg=cfg)
     meter = StepMeter(cfg, model, topology)  # counts FLOPs on the whole model, before the split
     hook.plait_apply_tensor_parallel(cfg=cfg, model=model, topology=topology)
+    hook.plait_apply_activation_checkpointing(cfg=cfg, model=model, topology=topology)
     model = hook.plait_split_pipeline(cfg=cfg, model=model, topology=topology) or model
     loss_fn = hook.plait_build_loss(cfg=cfg, model=model, topology=topology) or cross_entropy
     optimizer = hook.plait_build_optimizer(cfg=cfg, model=model)

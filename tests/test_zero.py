@@ -122,15 +122,6 @@ def test_passthrough_and_config_file_are_merged(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_zero_refuses_pipeline_parallelism_by_capability():
-    for stage in ("zero1", "zero2", "zero3"):
-        text = refusal(f"strategy={stage}", "parallel.pp=2", "launcher.nproc_per_node=4",
-                       "pipeline.microbatches=2")
-        assert ("plugin 'pipeline' needs 'engine:pipeline' for parallel.pp=2, which no active "
-                "plugin provides (installed plugins that provide it: ddp (strategy.name=ddp); or "
-                "set parallel.pp=1)") in text
-
-
 def test_offload_params_needs_stage3():
     text = refusal("strategy=zero2", "strategy.offload_params=cpu")
     assert "strategy.offload_params=cpu needs ZeRO-3" in text

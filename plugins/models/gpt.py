@@ -39,13 +39,28 @@ RANGES = {"vocab_size": AT_LEAST_1, "block_size": AT_LEAST_1, "n_layer": AT_LEAS
           "n_head": AT_LEAST_1, "n_embd": AT_LEAST_1, "dropout": Range(0, 1, high_open=True)}
 
 
+class CoreAttention(nn.Module):
+    """``softmax(QKᵀ/√d + causal mask)·V`` over heads ``[batch, head, seq, head_dim]``: the part
+    of attention without weights (Megatron's ``core_attention``), a module of its own so that
+    selective activation checkpointing can recompute it alone."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
         super().__init__()
         self.head_dim = n_embd // n_head
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.core_attention = CoreAttention(dropout)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
-        self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The heads on this rank follow from qkv's output width (a tensor-parallel split keeps
@@ -54,9 +69,7 @@ class CausalSelfAttention(nn.Module):
         qkv = self.qkv(x)
         B, T, _ = qkv.shape
         q, k, v = qkv.view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = self.core_attention(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -117,6 +130,10 @@ class GPT(nn.Module):
         "norm": "norm",
         "head": "vocab",
     }
+    # What each train.activation_checkpointing mode recomputes (module-name patterns): every
+    # block, or only the attention core (Korthikanti et al. 2022, "selective").
+    activation_checkpointing_plan = {"full": "blocks.*",
+                                     "selective": "blocks.*.attn.core_attention"}
 
     def __init__(self, vocab_size: int = 256, block_size: int = 64, n_layer: int = 2,
                  n_head: int = 4, n_embd: int = 64, dropout: float = 0.0, bias: bool = True,
@@ -171,7 +188,8 @@ class GPT(nn.Module):
 def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="gpt", selected_by={"model._target_": GPTConfig._target_},
-        provides=frozenset({"model:tensor_parallel_plan", "model:pipeline_stages"}),
+        provides=frozenset({"model:tensor_parallel_plan", "model:pipeline_stages",
+                            "model:activation_checkpointing_plan"}),
         description="plait's GPT: schema, checks, and what it lets split")
 
 

@@ -61,6 +61,9 @@ def build_llama(vocab_size: int = 256, block_size: int = 64, hidden_size: int = 
 
     class LlamaLM(LlamaForCausalLM):
         tensor_parallel_plan = TENSOR_PARALLEL_PLAN
+        # The attention core is a function inside transformers' attention, not a module:
+        # whole decoder layers only.
+        activation_checkpointing_plan = {"full": "model.layers.*"}
 
         def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # plait's model contract
             return super().forward(input_ids=input_ids, use_cache=False).logits
@@ -88,7 +91,8 @@ def build_llama(vocab_size: int = 256, block_size: int = 64, hidden_size: int = 
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(name="llama", selected_by={"model._target_": LlamaModelConfig._target_},
-                      provides=frozenset({"model:tensor_parallel_plan"}),
+                      provides=frozenset({"model:tensor_parallel_plan",
+                                          "model:activation_checkpointing_plan"}),
                       description="transformers' Llama built from a config")
 
 

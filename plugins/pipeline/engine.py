@@ -43,9 +43,11 @@ class PipelineEngine:
 
     Reuses the strategy engine's optimizer and checkpoint files; the loss is computed on the
     last stage and summed over the pipeline group (zero elsewhere), so every rank, rank 0
-    included, returns the global mean. The gradient norm is the global one,
-    ``sqrt(sum over stages (and tp shards) of |g|^2)``, and clipping scales every stage by the
-    same factor.
+    included, returns the global mean. After the schedule's backward, a strategy engine with a
+    ``step_after_backward()`` (ZeRO-1: DeepSpeed averages into its partitions, clips and steps)
+    finishes the step; otherwise this engine does, with the comm plugin's reducer. The gradient
+    norm is the global one, ``sqrt(sum over stages (and tp shards) of |g|^2)``, and clipping
+    scales every stage by the same factor.
     """
 
     def __init__(self, cfg, inner, loss_fn, grad_reducer, topology):
@@ -98,6 +100,8 @@ class PipelineEngine:
                                return_outputs=False)
         loss = self._reduce_loss(torch.stack(losses).mean() if self.has_last
                                  else torch.zeros(()))
+        if hasattr(self.inner, "step_after_backward"):  # the strategy reduces and steps (ZeRO)
+            return self.inner.step_after_backward(loss)
         if self.dp_size > 1:
             average_gradients(self.model.parameters(), self.grad_reducer, self.dp_group)
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf

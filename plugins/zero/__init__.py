@@ -25,7 +25,8 @@ from plait.types import PluginInfo
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(name="zero", selected_by={"strategy.name": tuple(zero_config.STAGES)},
-                      provides=frozenset({"engine:tensor_parallel", "engine:grad_comm"}),
+                      provides=frozenset({"engine:tensor_parallel", "engine:grad_comm",
+                                          "engine:pipeline"}),
                       description="DeepSpeed ZeRO stages 0-3, offload, bf16/fp16")
 
 

@@ -90,7 +90,8 @@ def estimate_lines(plan) -> list[str]:
     if ds is not None:
         lines.append(f"  DeepSpeed's estimator (device, assumes 16-bit training): {gib(ds)}")
     if activations is not None:
-        lines.append(f"activations per micro-batch of {micro} (estimate): {gib(activations)}")
+        lines.append(f"activations per micro-batch of {micro} (estimate, activation "
+                     f"checkpointing {cfg.train.activation_checkpointing}): {gib(activations)}")
         lines.append(f"total per rank on the device   {gib(device_bytes + activations)}")
     else:
         lines.append("activations: unknown for a custom model (no n_layer/n_head/n_embd)")

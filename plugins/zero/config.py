@@ -217,7 +217,7 @@ def deepspeed_config(cfg: DictConfig, dp: int, comm: CommSpec | None = None) -> 
 def validate(cfg: DictConfig, dims, comm: CommSpec | None = None) -> list[str]:
     """Refusals before launch (the capability checks of ``PluginInfo`` cover devices/axes)."""
     strategy, stage = cfg.strategy, stage_of(cfg)
-    problems = list(comm_config(cfg, comm)[2])
+    problems = list(comm_config(cfg, comm)[2]) + pipeline_problems(cfg, dims)
     for setting in ("offload_optimizer", "offload_params"):
         value = strategy[setting]
         if value not in OFFLOAD_DEVICES:
@@ -251,6 +251,23 @@ def validate(cfg: DictConfig, dims, comm: CommSpec | None = None) -> list[str]:
             problems.append(f"strategy.config_file={strategy.config_file} is not valid JSON ({e})")
             return problems
     return problems + conflicts(cfg, dims.dp, comm) + zero_section_problems(cfg, dims.dp)
+
+
+def pipeline_problems(cfg: DictConfig, dims) -> list[str]:
+    """Pipeline stages take ZeRO-1 only, as in DeepSpeed's own pipeline engine: ZeRO-2 reduces
+    and partitions gradients inside each micro-batch's backward, which the pipeline schedule runs
+    outside DeepSpeed, and ZeRO-3 also gathers parameters around every module's forward."""
+    stage = stage_of(cfg)
+    if dims.pp == 1 or stage == 1:
+        return []
+    if stage == 0:
+        return [f"strategy=zero0 with parallel.pp={dims.pp}: stage 0 partitions nothing; use "
+                "strategy=ddp (the same data parallelism) or strategy=zero1"]
+    return [f"strategy={cfg.strategy.name} with parallel.pp={dims.pp}: DeepSpeed supports only "
+            "ZeRO-1 under pipeline parallelism (its pipeline engine refuses ZeRO-2 and ZeRO-3: "
+            f"ZeRO-{stage} {'partitions gradients' if stage == 2 else 'partitions parameters'} "
+            "inside each micro-batch's backward, which the pipeline schedule runs); use "
+            "strategy=zero1 (optimizer states partitioned over each stage's dp group)"]
 
 
 def zero_section_problems(cfg: DictConfig, dp: int) -> list[str]:

@@ -29,15 +29,26 @@ class TopologyMPU:
     """DeepSpeed's ``mpu`` interface (Megatron's names) over plait's Topology.
 
     DeepSpeed shards ZeRO states over ``get_data_parallel_group()`` and reduces the gradient norm
-    over ``get_model_parallel_group()``, so ZeRO-1/2 compose with plait's tensor parallelism:
-    "model parallel" is Megatron's tensor-parallel group. DeepSpeed asks for these per parameter
-    on hot paths, so groups and ranks are looked up once (a mesh slice per call costs time).
+    over ``get_model_parallel_group()``, counting a parameter that is not split by tensor
+    parallelism only on tensor-parallel rank 0. As in DeepSpeed's own ``PipelineParallelGrid``,
+    "model parallel" is every model-parallel axis: the ranks of all pipeline stages and tensor
+    shards that hold one replica (same dp rank), so the norm is the whole model's; its rank names
+    the checkpoint files (``mp_rank_XX``), one per stage and shard. DeepSpeed asks for these per
+    parameter on hot paths, so groups and ranks are looked up once (a mesh slice per call costs
+    time).
     """
 
     def __init__(self, topology):
         dims = topology.dims
         self.dp_group = topology.get_data_parallel_group()
         self.tp_group = topology.get_tensor_model_parallel_group()
+        self.mp_group, self.mp_rank, self.mp_size = self.tp_group, topology.tp_rank, dims.tp
+        if dims.pp > 1:
+            replicas = torch.arange(dims.world_size).reshape(dims.pp, dims.dp, dims.tp)
+            self.mp_group, _ = dist.new_subgroups_by_enumeration(
+                [replicas[:, d].flatten().tolist() for d in range(dims.dp)])
+            self.mp_rank = topology.pp_rank * dims.tp + topology.tp_rank
+            self.mp_size = dims.pp * dims.tp
         self.pp_group = topology.get_pipeline_model_parallel_group()
         self.dp_rank, self.tp_rank, self.pp_rank = (topology.dp_rank, topology.tp_rank,
                                                     topology.pp_rank)
@@ -69,9 +80,14 @@ class TopologyMPU:
     def get_tensor_model_parallel_src_rank(self) -> int:
         return self.tp_src_rank
 
-    get_model_parallel_group = get_tensor_model_parallel_group
-    get_model_parallel_rank = get_tensor_model_parallel_rank
-    get_model_parallel_world_size = get_tensor_model_parallel_world_size
+    def get_model_parallel_group(self):
+        return self.mp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.mp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.mp_size
 
     def get_pipeline_model_parallel_group(self):
         return self.pp_group
@@ -110,6 +126,7 @@ class ZeroEngine:
             dist_init_required=False,
         )
         self.model = self.ds.module
+        self.optimizer = self.ds.optimizer  # its param_groups are the stepping optimizer's
         # ZeRO's optimizers (and DeepSpeed's bf16/fp16 ones) keep the global norm they clipped
         # with; stage 0 in fp32 clips in ``engine.clip_fp32_gradients`` and drops the norm, so
         # that method is replaced by the same call keeping its result (no second pass).
@@ -137,13 +154,11 @@ class ZeroEngine:
         for i, batch in enumerate(micro_batches):
             loss = self._loss(batch)
             self.ds.backward(loss)
-            if i == 0 and self.model_state_bytes is None and self.ds.global_steps >= 1:
+            if i == 0:
                 # Parameters, (accumulating) gradients and optimizer states all live here, once
                 # the optimizer has stepped; the last backward of a step frees what ZeRO-1
                 # would otherwise show as full gradients.
-                from plait.plugins.zero.estimate import measure_deepspeed_engine
-
-                self.model_state_bytes = self._max_over_ranks(measure_deepspeed_engine(self.ds))
+                self._measure_model_states()
             total += loss.detach().float()
             last = i == len(micro_batches) - 1
             if last:
@@ -155,13 +170,35 @@ class ZeroEngine:
         loss_reduced()
         grad_norm = self.ds.get_global_grad_norm() if self.reports_grad_norm else self.stage0_norm
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-        metrics = {f"model_state_bytes/{k}": float(v)
-                   for k, v in (self.model_state_bytes or {}).items()}
+        metrics = self._model_state_metrics()
         if self.ds.fp16_enabled():  # dynamic loss scaling: show the scale and skipped steps
             metrics["loss_scale"] = float(getattr(self.ds.optimizer, "loss_scale", float("nan")))
             metrics["skipped_steps"] = float(self.ds.skipped_steps)
         mean_loss = total.item() / (len(micro_batches) * self.dp_size)
         return StepOutput(loss=mean_loss, grad_norm=grad_norm, metrics=metrics)
+
+    def step_after_backward(self, loss: float) -> StepOutput:
+        """The optimizer step after a backward that ran outside DeepSpeed (the pipeline
+        schedule's), as DeepSpeed's own pipeline engine does it: ZeRO-1 averages the gradients
+        over dp into each rank's partition, clips by the global norm, steps its partition of the
+        optimizer states and all-gathers the parameters. Reports the pre-clipping norm."""
+        self._measure_model_states()
+        self.ds.set_gradient_accumulation_boundary(True)
+        self.ds.optimizer.reduce_gradients(pipeline_parallel=True)
+        self.ds.step()
+        return StepOutput(loss=loss, grad_norm=float(self.ds.get_global_grad_norm()),
+                          metrics=self._model_state_metrics())
+
+    def _measure_model_states(self) -> None:
+        """Once, after a backward of the second step (every rank calls it at the same point)."""
+        if self.model_state_bytes is None and self.ds.global_steps >= 1:
+            from plait.plugins.zero.estimate import measure_deepspeed_engine
+
+            self.model_state_bytes = self._max_over_ranks(measure_deepspeed_engine(self.ds))
+
+    def _model_state_metrics(self) -> dict[str, float]:
+        return {f"model_state_bytes/{k}": float(v)
+                for k, v in (self.model_state_bytes or {}).items()}
 
     def _start_sum_over_dp(self, value: torch.Tensor) -> Callable[[], None]:
         """Start summing ``value`` in place over the dp group; call the result to wait."""

@@ -86,8 +86,11 @@ def gpt_activation_bytes(cfg, micro_batch_size: int) -> int | None:
     """Activations held for backward by the built-in GPT on one rank, per micro-batch.
 
     Per layer ``s·b·h·(34 + 5·a·s/h)`` bytes at 16 bits (Korthikanti et al. 2022, eq. 1; twice
-    that in fp32) plus the logits and their fp32 softmax for the loss (``2·s·b·V·4``). An
-    estimate: allocator caching and temporaries come on top.
+    that in fp32) plus the logits and their fp32 softmax for the loss (``2·s·b·V·4``). With
+    ``train.activation_checkpointing`` (the same paper, section 4): ``selective`` drops the
+    attention core's ``5·a·s/h`` term; ``full`` keeps only each layer's input, ``2·s·b·h``, plus
+    one layer's whole activations while it is recomputed in the backward. An estimate: allocator
+    caching and temporaries come on top.
     """
     m = cfg.model
     keys = ("n_layer", "n_head", "n_embd", "vocab_size")
@@ -95,9 +98,15 @@ def gpt_activation_bytes(cfg, micro_batch_size: int) -> int | None:
         return None
     s, b, h, a = cfg.train.seq_len, micro_batch_size, m.n_embd, m.n_head
     scale = BYTES[cfg.precision] / 2
-    per_layer = s * b * h * (34 + 5 * a * s / h) * scale
+    whole_layer = s * b * h * (34 + 5 * a * s / h) * scale / cfg.parallel.tp
+    kept_per_layer = {
+        "none": whole_layer,
+        "selective": s * b * h * 34 * scale / cfg.parallel.tp,
+        "full": s * b * h * 2 * scale,  # the block's input, not split by tp
+    }[cfg.train.activation_checkpointing]
+    recomputing = whole_layer if cfg.train.activation_checkpointing == "full" else 0
     logits = 2 * s * b * m.vocab_size * 4
-    return int(m.n_layer * per_layer / cfg.parallel.tp + logits)
+    return int(m.n_layer * kept_per_layer + recomputing + logits)
 
 
 # ---------------------------------------------------------------------------------------------
