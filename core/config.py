@@ -132,7 +132,9 @@ class PlaitConfig:
     seed: int = 1337
     precision: str = "fp32"
     device: str = "auto"  # auto: cuda when available, else cpu
-    resume: Optional[str] = None  # "latest" or a checkpoint / run directory
+    # auto: continue from this run directory's newest complete checkpoint if there is one;
+    # latest: the same, but one must exist; a checkpoint / run directory; null: start fresh
+    resume: Optional[str] = "auto"
     plugins: list[str] = field(default_factory=list)  # dotted paths of in-house plugins
 
 

@@ -18,7 +18,8 @@ Order of a run (``plait.train.train`` reads as this list)::
     plait_split_pipeline, plait_build_loss
     plait_build_optimizer, plait_build_lr_schedule, plait_grad_reducer, plait_build_engine
     plait_load_checkpoint, plait_on_run_start
-    per step:  plait_on_step_end, plait_log_metrics (logged steps), plait_save_checkpoint
+    per step:  plait_check_step (in the engine's step, every rank), plait_on_step_end,
+               plait_log_metrics (logged steps), plait_save_checkpoint
     plait_on_failure (on an exception), plait_on_run_end
     plait export: plait_find_checkpoint, plait_read_model_shards, plait_merge_tensor_parallel_shards
 """
@@ -314,15 +315,34 @@ def plait_build_engine(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     grad_reducer: GradReducer | None,
     topology: Topology,
+    hook: HookRelay,
 ) -> Engine | None:
     """Wrap model and optimizer for the chosen strategy (DDP, DeepSpeed ZeRO, …).
 
-    Stops at the first non-None result.
+    Stops at the first non-None result. The engine calls ``hook.plait_check_step`` once per
+    optimizer step, between backward and the optimizer step, on every rank.
 
     :param grad_reducer: what ``plait_grad_reducer`` returned; an engine that provides
         ``engine:grad_reducer`` hands it its gradient buckets.
 
     :return: an :class:`plait.types.Engine`.
+    """
+
+
+@hookspec
+def plait_check_step(cfg: DictConfig, loss: torch.Tensor, grad_norm: torch.Tensor,
+                     topology: Topology) -> bool | None:
+    """Decide whether this optimizer step may update the model; called by the engine on every
+    rank, after backward (and the gradient reduction) and before the optimizer step.
+
+    The step is skipped when any implementation returns True: the engine drops the gradients and
+    leaves parameters and optimizer state untouched, and the loop does not advance the step
+    counter. An implementation must return the same answer on every rank (agree through a
+    collective when it looks at rank-local values), or the ranks would diverge. It may raise to
+    end the attempt (the launcher's restart then resumes from the last checkpoint).
+
+    :param loss: this rank's mean loss over its micro-batches (a 0-d tensor).
+    :param grad_norm: the global gradient norm before clipping (a 0-d tensor).
     """
 
 

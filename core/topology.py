@@ -229,6 +229,22 @@ class NodeGroups:
     inter: dist.ProcessGroup | None
 
 
+def restart_safe_store(timeout: timedelta) -> dist.Store | None:
+    """The rendezvous store with this restart's own key space, under torch elastic's shared store.
+
+    torch elastic (``torchrun``, plait's launcher) hands workers the agent's rendezvous TCPStore
+    (``TORCHELASTIC_USE_AGENT_STORE=True``); it outlives a restart, so a restarted worker can read
+    the previous attempt's process-group keys (a dead peer's gloo address) and fail in
+    ``connectFullMesh`` (pytorch/pytorch#135712). Prefixing every key with the restart count
+    gives each attempt a fresh key space. None: not under torch elastic's shared store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"plait/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
 @dataclass
 class Topology:
     """This rank's place in the mesh, the node it runs on, and the process groups of each axis."""
@@ -256,7 +272,13 @@ class Topology:
         device = pick_device(cfg.device)
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.launcher.timeout_s))
+            timeout = timedelta(seconds=cfg.launcher.timeout_s)
+            store = restart_safe_store(timeout)
+            if store is None:
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                        world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         world_size = dist.get_world_size()
         roles = Roles.resolve(assign_roles(world_size) if assign_roles else None, world_size)
         trainers = roles.trainers

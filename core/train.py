@@ -55,7 +55,7 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
     lr_at = hook.plait_build_lr_schedule(cfg=cfg)
     grad_reducer = hook.plait_grad_reducer(cfg=cfg, topology=topology)
     engine = hook.plait_build_engine(cfg=cfg, model=model, optimizer=optimizer, loss_fn=loss_fn,
-                                     grad_reducer=grad_reducer, topology=topology)
+                                     grad_reducer=grad_reducer, topology=topology, hook=hook)
 
     state = hook.plait_load_checkpoint(cfg=cfg, engine=engine, topology=topology) or TrainState()
     if state.data:
@@ -72,6 +72,9 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
             micro_batches = next(batches)
             meter.data_ready()
             out = engine.train_step(micro_batches, lr=lr)
+            if out.skipped:  # a guard refused the update on every rank: the batch is spent
+                state.data = loader.state_dict()
+                continue
             state.step += 1
             state.tokens_seen += meter.tokens_per_step
             state.data = loader.state_dict()

@@ -58,11 +58,14 @@ class StepOutput:
 
     ``metrics`` holds any further figures the engine measures (e.g. a loss scale, bytes of model
     states per rank); they are logged with the step's metrics under their own names.
+    ``skipped``: a ``plait_check_step`` guard stopped the optimizer step on every rank
+    (parameters and optimizer state untouched); the loop does not count the step.
     """
 
     loss: float
     grad_norm: float
     metrics: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False
 
 
 @dataclass

@@ -121,3 +121,94 @@ def recorded_steps(directory, rank):
     """Each recorded step's rows of ``rank``, files in the order they were written."""
     files = sorted(Path(directory).glob(f"rank{rank}-*.jsonl"), key=lambda p: p.stat().st_mtime)
     return [[json.loads(line) for line in f.read_text().splitlines()] for f in files]
+
+
+def attempt() -> int:
+    import os
+
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+class KillAt:
+    """SIGKILLs global rank ``rank`` right after step ``step`` (and its checkpoint, if due), once
+    per run directory: a real worker death, which the launcher's restart must survive."""
+
+    def __init__(self, step: int, rank: int = 1):
+        self.step, self.rank = step, rank
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="kill_at_step")
+
+    @hookimpl(wrapper=True)
+    def plait_save_checkpoint(self, cfg, state, topology):
+        import os
+        import signal
+
+        result = yield
+        marker = Path(cfg.run.dir, "killed")
+        if state.step == self.step and topology.rank == self.rank and not marker.exists():
+            marker.write_text(f"rank {self.rank} after step {self.step}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+
+kill_rank1_at_5 = KillAt(5)
+
+
+class NanLoss:
+    """Makes the loss NaN on global rank ``rank`` for the engine's optimizer-step calls
+    ``first .. first+count-1`` of the first attempt. Every rank records, for each poisoned call,
+    whether the engine skipped it and whether parameters and optimizer state stayed the same
+    bytes: ``directory/skip_rank<r>_call<n>.json``."""
+
+    def __init__(self, directory, first: int, count: int, rank: int = 1):
+        self.directory, self.first, self.count, self.rank = str(directory), first, count, rank
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="nan_loss")
+
+    @hookimpl(wrapper=True)
+    def plait_build_engine(self, topology):
+        import itertools
+
+        engine = yield
+        if attempt() > 0:
+            return engine
+        calls, inner_step, inner_loss = itertools.count(1), engine.train_step, engine.loss_fn
+
+        def train_step(micro_batches, lr):
+            n = next(calls)
+            poisoned = self.first <= n < self.first + self.count
+            nan = poisoned and topology.rank == self.rank
+            engine.loss_fn = (lambda y, t: inner_loss(y, t) * float("nan")) if nan else inner_loss
+            before = snapshot(engine) if poisoned else None
+            out = inner_step(micro_batches, lr)
+            if poisoned:
+                after = snapshot(engine)
+                same = before.keys() == after.keys() and all(
+                    torch_equal(before[k], after[k]) for k in before)
+                Path(self.directory, f"skip_rank{topology.rank}_call{n}.json").write_text(
+                    json.dumps({"skipped": out.skipped, "unchanged": same}))
+            return out
+
+        engine.train_step = train_step
+        return engine
+
+
+def snapshot(engine) -> dict:
+    """Parameters and optimizer state as flat ``name -> tensor`` copies."""
+    import torch
+
+    flat = {f"model.{k}": v.detach().clone() for k, v in engine.model.state_dict().items()}
+    for pid, state in engine.optimizer.state_dict()["state"].items():
+        for k, v in state.items():
+            flat[f"optim.{pid}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
+    return flat
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))

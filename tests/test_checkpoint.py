@@ -46,11 +46,12 @@ def test_crash_keeps_last_checkpoint_and_resume_matches_uninterrupted_run(tmp_pa
 def test_fresh_run_into_a_run_with_checkpoints_is_refused_and_nothing_changes(tmp_path, capsys):
     run_dir = tmp_path / "r"
     (run_dir / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000004" / "complete.json").write_text('{"files": {}}')
     (run_dir / "checkpoints" / "latest").write_text("step_00000004")
     (run_dir / "config.yaml").write_text("precious")
-    assert main(["train", f"run.root={tmp_path}", "run.name=r"]) == 2
-    assert "already holds checkpoints (latest: step_00000004); continue it with resume=latest" \
-        in capsys.readouterr().err
+    assert main(["train", f"run.root={tmp_path}", "run.name=r", "resume=null"]) == 2
+    assert ("already holds checkpoints (latest: step_00000004) and resume=null starts fresh: "
+            "continue it with resume=auto") in capsys.readouterr().err
     assert (run_dir / "config.yaml").read_text() == "precious"
 
 
@@ -66,12 +67,14 @@ class Rank0:
     rank = 0
     is_logging_rank = True
     trainer_group = None
+    local_rank = local_trainer_rank = 0
 
 
 def test_a_failed_write_leaves_latest_on_the_previous_checkpoint(tmp_path):
     cfg = compose([f"run.root={tmp_path}", "run.name=r", "fault.checkpoint_every=2"])
     root = tmp_path / "r" / "checkpoints"
     (root / "step_00000002").mkdir(parents=True)
+    (root / "step_00000002" / "complete.json").write_text('{"files": {}}')
     (root / "latest").write_text("step_00000002")
     with pytest.raises(OSError, match="disk full"):
         checkpoint.plait_save_checkpoint(cfg=cfg, engine=FailingEngine(), state=TrainState(step=4),

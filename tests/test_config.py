@@ -73,8 +73,8 @@ def test_missing_data_path():
 
 def test_missing_checkpoint(tmp_path):
     text = problems(f"run.root={tmp_path}", "run.name=x", "resume=latest")
-    assert f"resume=latest: no checkpoint found in {tmp_path}/x/checkpoints" in text
-    assert "resume=/nowhere: no checkpoint found in /nowhere" in problems("resume=/nowhere")
+    assert f"resume=latest: no complete checkpoint found in {tmp_path}/x/checkpoints" in text
+    assert "resume=/nowhere: no complete checkpoint found in /nowhere" in problems("resume=/nowhere")
 
 
 def test_mesh_that_does_not_fill_the_world():

@@ -50,6 +50,8 @@ CASES = [
       "set pipeline.virtual_stages >= 1", "set launcher.node_rank >= 0",
       "set launcher.master_port in [0, 65535]", "set launcher.max_restarts >= 0",
       "tracker.mode=loud: choose offline, online or disabled"]),
+    ("fault.max_bad_steps=0 fault.spike_factor=-1",
+     ["set fault.max_bad_steps >= 1", "set fault.spike_factor >= 0 (0: off)"]),
     ("launcher.node_rank=1", ["launcher.node_rank=1 with launcher.nnodes=1: give each node its "
                               "rank, 0 to 0"]),
     ("launcher.nnodes=2 run.name=r", ["launcher.nnodes=2 needs launcher.master_port=<port>"]),

@@ -1,26 +1,32 @@
-"""``fault=checkpoint`` (the default): periodic atomic checkpoints, ``resume=``, auto-resume after
-an elastic restart.
+"""``fault=checkpoint`` (the default): periodic checkpoints that a failed run cannot corrupt,
+``resume=auto|latest|<path>``, auto-resume after a restart.
 
 Layout under ``run.dir/checkpoints``::
 
-    step_00000040/            one directory per checkpoint (engine files + trainer_state.json
-                              + rng_rank<r>.pt)
-    latest                    the name of the newest complete checkpoint
+    step_00000040/            one directory per checkpoint: engine files, trainer_state.json,
+                              rng_rank<r>.pt, and complete.json (written last)
+    latest                    the name of the newest complete checkpoint (for people and tools)
 
-A checkpoint is written into ``.step_<n>.partial`` and renamed into place only after every rank
-has finished writing; ``latest`` is replaced by rename too. A crash at any point leaves the
-previous checkpoint and ``latest`` untouched.
+A checkpoint is written into ``.step_<n>.partial``: every rank writes its part, each node fsyncs
+what it sees, then rank 0 writes ``complete.json`` (every file's size) and renames the directory
+into place; ``latest`` is replaced by rename after that. Only a directory whose ``complete.json``
+matches its files is ever loaded; a damaged or partial one is skipped with a message, and the
+newest complete one is used. ``latest`` never names a missing checkpoint: re-saving a step that
+exists (after resuming from an older one) first points ``latest`` elsewhere. Stale ``.partial``
+directories of crashed writes are removed by the next save.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -29,7 +35,9 @@ from plait.config import FaultConfig, Range, range_problems
 from plait.types import PluginInfo, TrainState
 
 LATEST = "latest"
+AUTO = "auto"
 TRAINER_STATE = "trainer_state.json"
+COMPLETE = "complete.json"
 
 
 @dataclass
@@ -38,6 +46,9 @@ class CheckpointConfig(FaultConfig):
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
     keep_last: int = 2  # complete checkpoints kept; 0 keeps all
     save_final: bool = True
+    # The step guard (plait.plugins.fault) of this option:
+    max_bad_steps: int = 3  # consecutive skipped (non-finite) steps that end the attempt
+    spike_factor: float = 0.0  # flag a loss above this x the running median; 0: off
 
 
 RANGES = {"checkpoint_every": Range(0, meaning="0: only at the end"),
@@ -48,33 +59,75 @@ def checkpoint_root(cfg) -> Path:
     return Path(cfg.run.dir) / "checkpoints"
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    pointer = root / LATEST
-    if not pointer.exists():
-        return None
-    return root / pointer.read_text().strip()
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint (partial, damaged), or None when it is."""
+    try:
+        files = json.loads((path / COMPLETE).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {COMPLETE} (an unfinished write)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable {COMPLETE} ({e})"
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, {COMPLETE} says {size}"
+    return None
+
+
+def latest_checkpoint(root: Path, quiet: bool = False) -> Path | None:
+    """The newest complete checkpoint under ``root``; damaged or partial ones are skipped with a
+    message on stderr."""
+    for path in sorted(root.glob("step_*"), reverse=True):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        if not quiet:
+            print(f"plait: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
+    return None
+
+
+def restarted() -> bool:
+    """This process is a restart: by torch elastic (plait's launcher, torchrun) or SLURM."""
+    return any(int(os.environ.get(v, 0)) > 0
+               for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
 
 
 def resolve_resume(cfg, resume: str | None) -> Path | None:
     """The checkpoint directory to resume from, or None for a fresh start.
 
-    ``latest`` means the newest checkpoint of this run directory; a path may name a checkpoint
-    directory or a run directory (its newest checkpoint is used). After an elastic restart
-    (``TORCHELASTIC_RESTART_COUNT > 0``) the newest checkpoint is used automatically.
+    ``auto``: this run directory's newest complete checkpoint, else a fresh start. ``latest``:
+    the same, but there must be one. A path names a checkpoint directory or a run directory (its
+    newest complete checkpoint). A restarted process (torch elastic, a SLURM requeue) always
+    continues from this run's own newest checkpoint when there is one.
     """
+    own = latest_checkpoint(checkpoint_root(cfg))
+    if resume in (AUTO, LATEST) or (restarted() and own is not None):
+        return own
     if resume is None:
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-        return latest_checkpoint(checkpoint_root(cfg)) if restarted else None
-    if resume == LATEST:
-        return latest_checkpoint(checkpoint_root(cfg))
+        return None
     path = Path(resume).expanduser()
-    if (path / TRAINER_STATE).exists():
+    if (path / COMPLETE).exists() or (path / TRAINER_STATE).exists():
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise ValueError(f"resume={resume}: not a complete checkpoint: {problem}; give "
+                             "another checkpoint, or the run directory for its newest "
+                             "complete one")
         return path
     for root in (path / "checkpoints", path):
         found = latest_checkpoint(root)
         if found is not None:
             return found
     return None
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -84,6 +137,7 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_path(path.parent)
 
 
 def barrier(topology) -> None:
@@ -95,9 +149,63 @@ def barrier(topology) -> None:
 def prune(root: Path, keep_last: int) -> None:
     if keep_last <= 0:
         return
-    complete = sorted(p for p in root.glob("step_*") if (p / TRAINER_STATE).exists())
+    complete = sorted(p for p in root.glob("step_*") if checkpoint_problem(p) is None)
     for old in complete[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_leftovers(root: Path) -> None:
+    """Directories of writes that never finished (the writer crashed)."""
+    for stale in [*root.glob(".step_*.partial"), *root.glob(".step_*.replaced")]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def publish(root: Path, partial: Path, name: str) -> Path:
+    """Write the completion marker last, rename ``partial`` to ``name`` and point ``latest`` at
+    it. ``latest`` names a complete checkpoint at every instant, even when ``name`` exists
+    (the same step saved again after resuming from an older checkpoint)."""
+    files = {str(f.relative_to(partial)): f.stat().st_size
+             for f in sorted(partial.rglob("*")) if f.is_file()}
+    atomic_write_text(partial / COMPLETE, json.dumps({"files": files}))
+    complete = root / name
+    if complete.exists():
+        others = [p for p in sorted(root.glob("step_*")) if p != complete
+                  and checkpoint_problem(p) is None]
+        if others:
+            atomic_write_text(root / LATEST, others[-1].name)
+        else:
+            (root / LATEST).unlink(missing_ok=True)
+        replaced = root / f".{name}.replaced"
+        os.replace(complete, replaced)
+        os.replace(partial, complete)
+        shutil.rmtree(replaced)
+    else:
+        os.replace(partial, complete)
+    fsync_path(root)
+    atomic_write_text(root / LATEST, name)
+    return complete
+
+
+def rng_state() -> dict:
+    """Every random generator the next step may draw from, for this rank."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": (torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state) -> None:
+    if isinstance(state, torch.Tensor):  # checkpoints before every generator was saved
+        torch.set_rng_state(state)
+        return
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 @hookimpl
@@ -118,16 +226,20 @@ def plait_validate(cfg) -> list[str]:
 
 def resume_problems(cfg) -> list[str]:
     root = checkpoint_root(cfg)
+    if cfg.resume == AUTO:
+        return []
     if cfg.resume is not None:
         if resolve_resume(cfg, cfg.resume) is None:
             where = root if cfg.resume == LATEST else cfg.resume
-            return [f"resume={cfg.resume}: no checkpoint found in {where}; start without "
-                    "resume=, or give a checkpoint or run directory that holds one"]
+            return [f"resume={cfg.resume}: no complete checkpoint found in {where}; start with "
+                    "resume=auto (resumes only if there is one), or give a checkpoint or run "
+                    "directory that holds one"]
         return []
-    existing = latest_checkpoint(root)
-    if existing is not None:
-        return [f"run.dir={cfg.run.dir} already holds checkpoints (latest: {existing.name}); "
-                "continue it with resume=latest, or start a new run with another run.name"]
+    existing = latest_checkpoint(root, quiet=True)
+    if existing is not None and not restarted():
+        return [f"run.dir={cfg.run.dir} already holds checkpoints (latest: {existing.name}) and "
+                "resume=null starts fresh: continue it with resume=auto, or start a new run "
+                "with another run.name"]
     return []
 
 
@@ -144,7 +256,7 @@ def plait_load_checkpoint(cfg, engine, topology) -> TrainState | None:
     engine.load_state(path)
     rng_file = path / f"rng_rank{topology.rank}.pt"
     if rng_file.exists():
-        torch.set_rng_state(torch.load(rng_file, weights_only=True))
+        set_rng_state(torch.load(rng_file, weights_only=True))
     state = TrainState.from_dict(json.loads((path / TRAINER_STATE).read_text()))
     if topology.is_logging_rank:
         print(f"plait: resumed from {path} at step {state.step}", flush=True)
@@ -161,18 +273,19 @@ def plait_save_checkpoint(cfg, engine, state, topology, final) -> Path | None:
     name = f"step_{state.step:08d}"
     partial, complete = root / f".{name}.partial", root / name
     if topology.is_logging_rank:
-        shutil.rmtree(partial, ignore_errors=True)  # left over from a crashed write
+        remove_leftovers(root)
         partial.mkdir(parents=True)
     barrier(topology)
     engine.save_state(partial)
-    torch.save(torch.get_rng_state(), partial / f"rng_rank{topology.rank}.pt")
+    torch.save(rng_state(), partial / f"rng_rank{topology.rank}.pt")
+    barrier(topology)
+    if topology.local_trainer_rank == 0:  # one process per node makes its node's writes durable
+        for file in partial.rglob("*"):
+            fsync_path(file)
     barrier(topology)
     if topology.is_logging_rank:
         atomic_write_text(partial / TRAINER_STATE, json.dumps(state.to_dict()))
-        if complete.exists():  # the same step saved again after a resume: same content
-            shutil.rmtree(complete)
-        os.replace(partial, complete)
-        atomic_write_text(root / LATEST, name)
+        publish(root, partial, name)
         prune(root, cfg.fault.keep_last)
     barrier(topology)
     return complete
@@ -180,7 +293,7 @@ def plait_save_checkpoint(cfg, engine, state, topology, final) -> Path | None:
 
 @hookimpl
 def plait_on_failure(cfg, error, state) -> None:
-    last = latest_checkpoint(checkpoint_root(cfg))
+    last = latest_checkpoint(checkpoint_root(cfg), quiet=True)
     where = f"last good checkpoint: {last}" if last else "no checkpoint was written"
     print(f"plait: worker failed at step {state.step} ({type(error).__name__}: {error}); {where}",
           file=sys.stderr, flush=True)

@@ -8,6 +8,7 @@ gradient communication is the comm plugin's reducer, adapted as a DDP comm hook 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,8 +64,9 @@ def ddp_options(reducer: GradReducer | None) -> dict:
 
 
 class DDPEngine:
-    def __init__(self, cfg, model, optimizer, loss_fn, grad_reducer, topology):
+    def __init__(self, cfg, model, optimizer, loss_fn, grad_reducer, topology, hook):
         self.device = topology.device
+        self.check_step = functools.partial(hook.plait_check_step, cfg=cfg, topology=topology)
         self.model = model.to(self.device)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -124,10 +126,12 @@ class DDPEngine:
         self.scaler.unscale_(self.optimizer)
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, self.tp_group, self.tp_rank)
-        self.scaler.step(self.optimizer)
+        skipped = any(self.check_step(loss=total / n, grad_norm=grad_norm))
+        if not skipped:
+            self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepOutput(loss=mean_loss(), grad_norm=float(grad_norm))
+        return StepOutput(loss=mean_loss(), grad_norm=float(grad_norm), skipped=skipped)
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> float:
@@ -185,5 +189,5 @@ def plait_read_model_shards(checkpoint) -> dict[tuple[int, int], dict]:
 
 
 @hookimpl
-def plait_build_engine(cfg, model, optimizer, loss_fn, grad_reducer, topology) -> DDPEngine:
-    return DDPEngine(cfg, model, optimizer, loss_fn, grad_reducer, topology)
+def plait_build_engine(cfg, model, optimizer, loss_fn, grad_reducer, topology, hook) -> DDPEngine:
+    return DDPEngine(cfg, model, optimizer, loss_fn, grad_reducer, topology, hook)

@@ -190,7 +190,7 @@ def plait_split_pipeline(cfg, model, topology) -> PipelineStageModules | None:
 
 
 @hookimpl(wrapper=True)
-def plait_build_engine(cfg, loss_fn, grad_reducer, topology):
+def plait_build_engine(cfg, loss_fn, grad_reducer, topology, hook):
     """Wrap the strategy's engine when the model was cut into pipeline stages."""
     engine = yield
     if topology.dims.pp == 1 or engine is None:
@@ -200,4 +200,4 @@ def plait_build_engine(cfg, loss_fn, grad_reducer, topology):
                          "another plugin answered plait_split_pipeline; set pipeline=torch")
     from plait.plugins.pipeline.engine import PipelineEngine
 
-    return PipelineEngine(cfg, engine, loss_fn, grad_reducer, topology)
+    return PipelineEngine(cfg, engine, loss_fn, grad_reducer, topology, hook)

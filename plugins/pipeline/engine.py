@@ -3,6 +3,7 @@ the strategy's engine (which keeps the optimizer and the checkpoint files)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -50,10 +51,11 @@ class PipelineEngine:
     scales every stage by the same factor.
     """
 
-    def __init__(self, cfg, inner, loss_fn, grad_reducer, topology):
+    def __init__(self, cfg, inner, loss_fn, grad_reducer, topology, hook):
         from torch.distributed import pipelining
 
         self.inner = inner
+        self.check_step = functools.partial(hook.plait_check_step, cfg=cfg, topology=topology)
         self.model: PipelineStageModules = inner.model
         self.optimizer = inner.optimizer
         self.device = topology.device
@@ -98,8 +100,8 @@ class PipelineEngine:
         with autocast(self.precision, self.device):
             self.schedule.step(*((x,) if self.has_first else ()), target=y, losses=losses,
                                return_outputs=False)
-        loss = self._reduce_loss(torch.stack(losses).mean() if self.has_last
-                                 else torch.zeros(()))
+        local_loss = torch.stack(losses).mean() if self.has_last else torch.zeros(())
+        loss = self._reduce_loss(local_loss.clone())  # reduced in place
         if hasattr(self.inner, "step_after_backward"):  # the strategy reduces and steps (ZeRO)
             return self.inner.step_after_backward(loss)
         if self.dp_size > 1:
@@ -108,9 +110,11 @@ class PipelineEngine:
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm,
                                     self.tp_group if self.tp_size > 1 else None, self.tp_rank,
                                     self.pp_group)
-        self.optimizer.step()
+        skipped = any(self.check_step(loss=local_loss.detach(), grad_norm=grad_norm))
+        if not skipped:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepOutput(loss=loss, grad_norm=grad_norm.item())
+        return StepOutput(loss=loss, grad_norm=grad_norm.item(), skipped=skipped)
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> float:
