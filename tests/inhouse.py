@@ -212,3 +212,12 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+
+
+class Rank0:
+    """The topology of a one-process run, as far as saving reads it."""
+
+    rank = 0
+    is_logging_rank = True
+    trainer_group = None
+    local_rank = local_trainer_rank = 0

@@ -61,15 +61,6 @@ class FailingEngine:
         raise OSError("disk full")
 
 
-class Rank0:
-    """The topology of a one-process run, as far as saving reads it."""
-
-    rank = 0
-    is_logging_rank = True
-    trainer_group = None
-    local_rank = local_trainer_rank = 0
-
-
 def test_a_failed_write_leaves_latest_on_the_previous_checkpoint(tmp_path):
     cfg = compose([f"run.root={tmp_path}", "run.name=r", "fault.checkpoint_every=2"])
     root = tmp_path / "r" / "checkpoints"
@@ -78,7 +69,7 @@ def test_a_failed_write_leaves_latest_on_the_previous_checkpoint(tmp_path):
     (root / "latest").write_text("step_00000002")
     with pytest.raises(OSError, match="disk full"):
         checkpoint.plait_save_checkpoint(cfg=cfg, engine=FailingEngine(), state=TrainState(step=4),
-                                         topology=Rank0(), final=False)
+                                         topology=inhouse.Rank0(), final=False)
     assert (root / "latest").read_text() == "step_00000002"
     assert not (root / "step_00000004").exists()
     assert checkpoint.resolve_resume(cfg, "latest") == root / "step_00000002"

@@ -148,10 +148,6 @@ class TorchEngine:
         torch.save({"w": self.weights}, directory / "model.pt")
 
 
-class Rank0:
-    rank = local_rank = 0
-
-
 KILLABLE = [(os, "replace"), (os, "fsync"), (os, "mkdir"), (os, "unlink"), (shutil, "rmtree"),
             (torch, "save")]
 
@@ -169,7 +165,7 @@ def save_then_die(cfg, engines: list[TorchEngine], steps: list[int], die_at_call
         setattr(module, name, counted)
     try:
         for step, engine in zip(steps, engines):
-            checkpoint.plait_save_checkpoint(cfg=cfg, engine=engine, topology=Rank0(),
+            checkpoint.plait_save_checkpoint(cfg=cfg, engine=engine, topology=inhouse.Rank0(),
                                              state=TrainState(step=step), final=False)
     except BaseException as e:  # never return into pytest from the fork
         print(f"child failed: {e!r}", file=sys.stderr, flush=True)
@@ -196,7 +192,7 @@ def test_sigkill_at_every_moment_of_a_checkpoint_write_never_leaves_a_bad_checkp
     cfg = compose([f"run.root={tmp_path}", "run.name=r", "fault.checkpoint_every=2",
                    "fault.keep_last=2"])
     root = tmp_path / "r" / "checkpoints"
-    checkpoint.plait_save_checkpoint(cfg=cfg, engine=TorchEngine(0), topology=Rank0(),
+    checkpoint.plait_save_checkpoint(cfg=cfg, engine=TorchEngine(0), topology=inhouse.Rank0(),
                                      state=TrainState(step=0), final=False)
     steps = [2, 4, 4]
     engines = [TorchEngine(step) for step in steps]
@@ -216,7 +212,7 @@ def test_sigkill_at_every_moment_of_a_checkpoint_write_never_leaves_a_bad_checkp
             assert checkpoint.latest_checkpoint(root) != partial
     print(f"killed at {moments - 1} moments")
     assert moments >= 10 and newest == 4
-    checkpoint.plait_save_checkpoint(cfg=cfg, engine=TorchEngine(6), topology=Rank0(),
+    checkpoint.plait_save_checkpoint(cfg=cfg, engine=TorchEngine(6), topology=inhouse.Rank0(),
                                      state=TrainState(step=6), final=False)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000006"]
 
@@ -226,7 +222,7 @@ def test_a_damaged_checkpoint_is_skipped_with_a_message(tmp_path, capsys):
                    "fault.keep_last=0"])
     root = tmp_path / "r" / "checkpoints"
     for step in (2, 4):
-        checkpoint.plait_save_checkpoint(cfg=cfg, engine=TorchEngine(step), topology=Rank0(),
+        checkpoint.plait_save_checkpoint(cfg=cfg, engine=TorchEngine(step), topology=inhouse.Rank0(),
                                          state=TrainState(step=step), final=False)
     model = root / "step_00000004" / "model.pt"
     model.write_bytes(model.read_bytes()[:1000])  # truncated by a failing disk

@@ -88,7 +88,8 @@ class NodeCache:
                         open(tmp, "r+b") as dst:
                     while chunk := src.read(COPY_CHUNK):
                         dst.write(chunk)
-                os.replace(tmp, path)
+                with locked(self.root / ".lock"):  # an eviction counting now sees tmp or path
+                    os.replace(tmp, path)
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise

@@ -72,9 +72,9 @@ def plait_validate(cfg) -> list[str]:
     if settings.mode not in MODES:
         problems.append(f"strategy.mode={settings.mode}: choose sync (every step averages every "
                         "worker's gradient) or async (workers go at their own pace)")
-    if cfg.resume is not None:
+    if cfg.resume not in (None, "auto"):  # auto: a new run finds nothing to resume
         problems.append(f"resume={cfg.resume} with strategy=parameter_server: the servers' "
-                        "optimizer shards are not checkpointed yet; start a new run")
+                        "optimizer shards are not checkpointed yet; start a new run (resume=null)")
     return problems
 
 
