@@ -92,6 +92,7 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
         hook.plait_on_failure(cfg=cfg, error=error, state=state)
         raise
     finally:
+        batches.close()  # stops the loader's background work before the process exits
         if logging:
             hook.plait_on_run_end(state=state, status=status)
     return state

@@ -118,7 +118,7 @@ def test_external_torchrun_restart_and_a_rerun_of_the_same_command_resume(uninte
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc_per_node=2", f"--max-restarts={restarts}", "-m", "plait", "train",
                    *TEST_OVERRIDES, *RUN, f"run.root={tmp_path}", f"run.name={name}",
-                   "+plugins=[inhouse.kill_rank1_at_5]"]
+                   "+plugins=[inhouse:kill_rank1_at_5]"]
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=500)
 
     restarted = torchrun("restarted", restarts=1)

@@ -15,6 +15,7 @@ queue) needs saving, and the state holds for any data-parallel size.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -58,8 +59,9 @@ class StepLoader:
                 self.dataset.shard_keys, self.dataset.fetch, self.prefetch_shards)
         ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
-        threading.Thread(target=self._produce, args=(start, ready, stop, prefetcher),
-                         daemon=True, name="plait-loader").start()
+        producer = threading.Thread(target=self._produce, args=(start, ready, stop, prefetcher),
+                                    daemon=True, name="plait-loader")
+        producer.start()
         try:
             while True:
                 item = ready.get()
@@ -68,7 +70,14 @@ class StepLoader:
                 self.consumed_samples += self.sampler.global_batch_size  # this step is read
                 yield item
         finally:
+            # Joined, not left running: a daemon thread still inside a torch op while the
+            # interpreter exits aborts the process ("terminate called without an active
+            # exception") when torch's thread pool is torn down under it.
             stop.set()
+            while producer.is_alive():
+                with contextlib.suppress(queue.Empty):
+                    ready.get_nowait()  # unblock a producer waiting to hand over an error
+                producer.join(timeout=0.1)
             if prefetcher is not None:
                 prefetcher.stop()
 
