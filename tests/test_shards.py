@@ -115,15 +115,26 @@ def test_bpe_round_trips_text_exactly(bpe_shards, corpus):
 
 
 @pytest.mark.slow
+def tasks_done(out: Path) -> int:
+    """The tasks a running prepare has saved as done (its progress file, replaced atomically)."""
+    try:
+        with np.load(out / "progress.npz") as saved:
+            return int(saved["counters"][0])
+    except FileNotFoundError:
+        return 0
+
+
 def test_prepare_is_deterministic_and_resumes_after_a_kill(corpus, bpe_shards, tmp_path):
-    """A prepare SIGKILLed after its third shard and run again ends with the same files as the
+    """A prepare SIGKILLed after its first task and run again ends with the same files as the
     uninterrupted one (which used 2 workers; this one 1, then 2), keeping what it had written."""
     out = tmp_path / "out"
     command = [sys.executable, "-m", "plait", "prepare", f"data.path={corpus}", f"out={out}",
                "data.tokenizer=bpe", "data.vocab_size=512", f"data.shard_tokens={1 << 15}"]
     first = subprocess.Popen([*command, "data.num_workers=1"], start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not (out / shard_name(2)).exists():
+    # progress is saved after each task that completes a shard: kill once shard 2 and a
+    # finished task are on disk (a kill inside the first task would rightly start over)
+    while not (out / shard_name(2)).exists() or tasks_done(out) < 1:
         assert first.poll() is None, "prepare finished before it could be killed"
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
