@@ -268,7 +268,9 @@ def test_export_of_zero3_checkpoint_loads_into_the_plain_model(runs, tmp_path):
     model = GPT(**{k: v for k, v in cfg.model.items() if k != "_target_"})
     model.load_state_dict(torch.load(out, weights_only=True))  # strict: every key, no extra
 
-    val = plait_build_dataset(cfg=cfg, topology=SimpleNamespace(local_rank=0), split="val")
+    val = plait_build_dataset(cfg=cfg, topology=SimpleNamespace(local_trainer_rank=0,
+                                                                   trainer_group=None),
+                              split="val")
     engine, dp = PlainEngine(model), 2
     per_rank = [evaluate(cfg, engine, val, SimpleNamespace(dims=SimpleNamespace(dp=dp),
                                                            dp_rank=r)) for r in range(dp)]

@@ -41,6 +41,8 @@ class WorkerEngine:
         self.saves_checkpoint = topology.is_logging_rank
         self.store = job_store()
         self.steps, self.started = 0, time.perf_counter()
+        # figures from the start: a straggler yet to finish its first step reads as 0 steps
+        publish(self.store, f"worker{self.rank}", {"steps": 0, "samples_per_s": 0.0})
         self.replies = [flat(shard, 0, 0) for shard in self.shards]
         self.versions = [0] * len(self.servers)
         self.grad_norm = self._receive([dist.irecv(r, src=s)
