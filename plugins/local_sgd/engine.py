@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.distributed.optim import PostLocalSGDOptimizer
 
+from plait.plugins.optim.accumulate import accumulate_gradients
 from plait.plugins.optim.mixed_precision import autocast
 from plait.types import Batch, StepOutput
 
@@ -68,17 +69,12 @@ class LocalSGDEngine:
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        n = len(micro_batches)
-        total = torch.zeros((), device=self.device)
-        for batch in micro_batches:
-            loss = self._loss(batch)
-            (loss / n).backward()
-            total += loss.detach()
+        mean = accumulate_gradients(micro_batches, self._loss)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
         self.steps += 1
         self.optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
-        mean_loss = self._mean_over_dp(total / n) if self.averaged else float(total / n)
+        mean_loss = self._mean_over_dp(mean) if self.averaged else float(mean)
         return StepOutput(loss=mean_loss, grad_norm=float(grad_norm),
                           metrics={"replicas_averaged": float(self.averaged)})
 

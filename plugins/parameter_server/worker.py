@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from plait.plugins.optim.clip_grads import clip_grad_norm_
+from plait.plugins.optim.accumulate import accumulate_gradients
 from plait.plugins.optim.mixed_precision import autocast
 from plait.plugins.parameter_server import SERVER
 from plait.plugins.parameter_server.sharding import flat, shards_of, unflatten_into
@@ -70,12 +71,7 @@ class WorkerEngine:
         return float(value)
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
-        n = len(micro_batches)
-        total = torch.zeros((), device=self.device)
-        for batch in micro_batches:
-            loss = self._loss(batch)
-            (loss / n).backward()
-            total += loss.detach()
+        mean = accumulate_gradients(micro_batches, self._loss)
         own_norm = None
         if not self.sync:  # each push is an update of its own: clip it here
             own_norm = float(clip_grad_norm_(self.model.parameters(), self.max_norm))
@@ -91,7 +87,7 @@ class WorkerEngine:
         server_norm = self._receive(replies)
         self.model.zero_grad(set_to_none=True)
         self.steps += 1
-        mean_loss = self._mean_over_step_group(total / n)
+        mean_loss = self._mean_over_step_group(mean)
         return StepOutput(loss=mean_loss, grad_norm=own_norm if own_norm is not None else server_norm,
                           metrics=self._figures())
 
