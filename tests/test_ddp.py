@@ -1,23 +1,43 @@
 """DDP on 2 processes against 1 process on the same global batch, and mixed precision."""
 
+import re
+
 import pytest
 
-from plait.testing import run_losses
+from plait.testing import read_metrics, run_losses
 
 pytestmark = pytest.mark.slow
 
 # fp32 on the CPU: the two runs differ only in the order gradients are summed (one process
-# accumulates 2 micro-batches, DDP all-reduces 2 ranks), so losses agree to float32 rounding.
+# accumulates 2 micro-batches, DDP all-reduces 2 ranks), so losses agree to float32 rounding and
+# so do the global gradient norms (observed: 2e-7 relative).
 REL = 1e-5
 STEPS = ["train.steps=12", "train.batch_size=8", "train.grad_clip=0.5"]
+# AdamW divides each update by the gradient's own scale and clipping rescales it, so a gradient
+# off by a constant factor keeps the losses: the grad norms (before clipping) tell.
+NO_CLIP = ["train.steps=12", "train.batch_size=8", "train.grad_clip=0"]
 
 
-def test_ddp_on_two_processes_matches_one_process(tmp_path):
-    one = run_losses(tmp_path / "one", [*STEPS, "launcher.nproc_per_node=1",
+def grad_norms(run_dir) -> list[float]:
+    return [m["grad_norm"] for m in read_metrics(run_dir)]
+
+
+def layout_that_ran(capfd) -> str:
+    """The process layout rank 0's console reported for the run that just finished."""
+    [layout] = re.findall(r"on (\d+ process\(es\) \(dp \d+ x tp \d+ x pp \d+)",
+                          capfd.readouterr().out)
+    return layout
+
+
+def test_ddp_on_two_processes_matches_one_process(tmp_path, capfd):
+    one = run_losses(tmp_path / "one", [*NO_CLIP, "launcher.nproc_per_node=1",
                                         "train.grad_accum_steps=2"])
-    two = run_losses(tmp_path / "two", [*STEPS, "launcher.nproc_per_node=2"])
+    assert layout_that_ran(capfd) == "1 process(es) (dp 1 x tp 1 x pp 1"
+    two = run_losses(tmp_path / "two", [*NO_CLIP, "launcher.nproc_per_node=2"])
+    assert layout_that_ran(capfd) == "2 process(es) (dp 2 x tp 1 x pp 1"
     assert len(one) == len(two) == 12
     assert two == pytest.approx(one, rel=REL)
+    assert grad_norms(tmp_path / "two") == pytest.approx(grad_norms(tmp_path / "one"), rel=REL)
     assert one[-1] < one[0]  # and it learns
 
 
@@ -27,6 +47,9 @@ def test_ddp_with_grad_accumulation_matches_one_process(tmp_path):
     two = run_losses(tmp_path / "two", [*STEPS, "launcher.nproc_per_node=2",
                                         "train.grad_accum_steps=2"])
     assert two == pytest.approx(one, rel=REL)
+    # the norms before clipping (0.5 clips every step)
+    assert min(grad_norms(tmp_path / "one")) > 0.5
+    assert grad_norms(tmp_path / "two") == pytest.approx(grad_norms(tmp_path / "one"), rel=REL)
 
 
 @pytest.fixture(scope="module")
