@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
 import signal
 from pathlib import Path
+
+import torch.distributed as dist
 
 from plait import hookimpl
 from plait.types import PluginInfo
@@ -60,8 +63,6 @@ class RecordPlacement:
 
     @hookimpl(wrapper=True)
     def plait_build_engine(self, topology):
-        import torch.distributed as dist
-
         engine = yield
         record = {"rank": topology.rank, "local_rank": topology.local_rank,
                   "device": str(next(engine.model.parameters()).device),
@@ -121,3 +122,63 @@ def recorded_steps(directory, rank):
     """Each recorded step's rows of ``rank``, files in the order they were written."""
     files = sorted(Path(directory).glob(f"rank{rank}-*.jsonl"), key=lambda p: p.stat().st_mtime)
     return [[json.loads(line) for line in f.read_text().splitlines()] for f in files]
+
+
+# ---------------------------------------------------------------------------------------------
+# probes: test-only plugins that report from inside the workers of a real run, into run.dir
+# ---------------------------------------------------------------------------------------------
+
+
+class CommCounter:
+    """Counts calls of the collectives the tensor-parallel regions use, by kind (it replaces
+    ``torch.distributed``'s functions, which the regions look up at each call)."""
+
+    KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+    def __init__(self):
+        self.counts = collections.Counter()
+        self.originals = {kind: getattr(dist, kind) for kind in self.KINDS}
+
+    def __enter__(self):
+        for kind, fn in self.originals.items():
+            setattr(dist, kind, self._counting(kind, fn))
+        return self
+
+    def _counting(self, kind, fn):
+        def wrapper(*args, **kwargs):
+            self.counts[kind] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def __exit__(self, *exc):
+        for kind, fn in self.originals.items():
+            setattr(dist, kind, fn)
+
+    def take(self) -> dict[str, int]:
+        taken = {k: v for k, v in self.counts.items() if v}
+        self.counts.clear()
+        return taken
+
+
+class CountCollectives:
+    """Rank 0's collectives per step, by kind: one JSON line per step in
+    ``run.dir/collectives.jsonl`` (what the step's forward, backward, gradient norm and metrics
+    called)."""
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="count_collectives")
+
+    @hookimpl
+    def plait_on_run_start(self, cfg):
+        self.path = Path(cfg.run.dir) / "collectives.jsonl"
+        self.counter = CommCounter().__enter__()
+
+    @hookimpl
+    def plait_on_step_end(self, step):
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **self.counter.take()}) + "\n")
+
+    @hookimpl
+    def plait_on_run_end(self):
+        self.counter.__exit__(None, None, None)
