@@ -182,3 +182,60 @@ class CountCollectives:
     @hookimpl
     def plait_on_run_end(self):
         self.counter.__exit__(None, None, None)
+
+
+class TracePipelineActions:
+    """The pipeline actions each rank ran in the first step, in order, named as torch's schedules
+    name them: ``<stage>F<micro-batch>`` forward, ``B`` full backward, ``I`` backward for the
+    input only, ``W`` the deferred backward for the weights. Written to
+    ``run.dir/actions_rank<r>.json``; recorded around ``PipelineStage``'s methods, which every
+    torch schedule calls."""
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="trace_pipeline_actions")
+
+    @hookimpl(wrapper=True, tryfirst=True)  # outermost: sees the pipeline plugin's engine
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+        actions: list[str] = []
+        for stage in engine.stages:
+            _trace_stage(stage, actions)
+        path = Path(cfg.run.dir) / f"actions_rank{topology.rank}.json"
+        after_first_step(engine, lambda: path.write_text(json.dumps(actions)))
+        return engine
+
+
+def after_first_step(engine, callback) -> None:
+    """Call ``callback()`` once, when the engine's first ``train_step`` has returned."""
+    train_step = engine.train_step
+
+    def first_step(*args, **kwargs):
+        out = train_step(*args, **kwargs)
+        engine.train_step = train_step
+        callback()
+        return out
+
+    engine.train_step = first_step
+
+
+def _trace_stage(stage, actions: list[str]) -> None:
+    forward, backward, weight = (stage.forward_one_chunk, stage.backward_one_chunk,
+                                 stage.backward_weight_one_chunk)
+    s = stage.stage_index
+
+    def forward_one_chunk(mb, *args, **kwargs):
+        actions.append(f"{s}F{mb}")
+        return forward(mb, *args, **kwargs)
+
+    def backward_one_chunk(mb, *args, full_backward=True, **kwargs):
+        actions.append(f"{s}{'B' if full_backward else 'I'}{mb}")
+        return backward(mb, *args, full_backward=full_backward, **kwargs)
+
+    def backward_weight_one_chunk(mb, *args, **kwargs):
+        actions.append(f"{s}W{mb}")
+        return weight(mb, *args, **kwargs)
+
+    stage.forward_one_chunk = forward_one_chunk
+    stage.backward_one_chunk = backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
