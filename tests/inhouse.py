@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import json
 import os
 import signal
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from plait import hookimpl
@@ -239,3 +241,98 @@ def _trace_stage(stage, actions: list[str]) -> None:
     stage.forward_one_chunk = forward_one_chunk
     stage.backward_one_chunk = backward_one_chunk
     stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+
+class DescribeZeroOptimizer:
+    """What DeepSpeed's optimizer is after the first step, from rank 0: the class that steps,
+    ZeRO's offload flags, and the devices holding the optimizer states (none before they
+    exist) (``run.dir/zero_optimizer.json``)."""
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="describe_zero_optimizer")
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+        if topology.rank == 0:
+            path = Path(cfg.run.dir) / "zero_optimizer.json"
+            after_first_step(engine, lambda: path.write_text(json.dumps(
+                _describe_zero_optimizer(engine.ds.optimizer))))
+        return engine
+
+
+def _describe_zero_optimizer(zero_optimizer) -> dict:
+    inner = zero_optimizer.optimizer
+    states = [t for state in inner.state.values() for t in state.values()
+              if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return {"stepping": type(inner).__name__,
+            "offload_optimizer": bool(getattr(zero_optimizer, "offload_optimizer", False)),
+            "offload_param": bool(getattr(zero_optimizer, "offload_param", False)),
+            "state_devices": sorted({t.device.type for t in states})}
+
+
+class DeepSpeedFp16OnThisCpu:
+    """Lets DeepSpeed run fp16 on a CPU without oneDNN fp16 kernels. DeepSpeed's CPU accelerator
+    refuses fp16 there (``is_fp16_supported()`` asks oneDNN); torch's generic CPU kernels compute
+    fp16 all the same, so DeepSpeed's real fp16 path (16-bit model, fp32 master weights, dynamic
+    loss scaler) runs, only slower. Only the probe is replaced, in each worker; the test lifts
+    plait's matching refusal in the parent (``zero.config._cpu_supports_fp16``)."""
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="deepspeed_fp16_on_this_cpu")
+
+    @hookimpl(wrapper=True)
+    def plait_build_engine(self):
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().is_fp16_supported = lambda: True
+        return (yield)
+
+
+class OverflowAtSteps:
+    """Multiplies every loss of the given steps by 1e6: finite in fp32, but once the fp16 loss
+    scaler has multiplied it by its scale the gradients overflow fp16 (largest value 65504): a
+    real overflow for the scaler to catch, from a loss spike rather than a planted inf."""
+
+    def __init__(self, *steps: int):
+        self.steps = steps
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="overflow_at_steps")
+
+    @hookimpl(wrapper=True)  # around whichever loss the run chose
+    def plait_build_loss(self, cfg):
+        from plait.train import cross_entropy
+
+        chosen = (yield) or cross_entropy
+        calls = itertools.count()
+        per_step = cfg.train.grad_accum_steps  # loss calls per optimizer step (no evaluation)
+
+        def loss_fn(logits, targets):
+            loss = chosen(logits, targets)
+            return loss * 1e6 if next(calls) // per_step + 1 in self.steps else loss
+
+        return loss_fn
+
+
+# A 4-step run for OverflowAtSteps(2, 3), a checkpoint after each step (all kept).
+OVERFLOW_RUN = ["train.steps=4", "fault.checkpoint_every=1", "fault.keep_last=0"]
+
+
+def assert_steps_2_and_3_skipped(run_dir, scales: list[float]) -> None:
+    """Steps 2 and 3 overflowed in fp16: their optimizer steps were skipped (the weights after
+    steps 1, 2 and 3 are equal bit for bit; step 4 changed them), both were counted, and the
+    dynamic loss scale went as ``scales`` says (relative to step 1's)."""
+    from plait.export import export
+    from plait.testing import read_metrics
+
+    metrics = read_metrics(run_dir)
+    assert [m["skipped_steps"] for m in metrics] == [0, 1, 2, 2]
+    assert [m["loss_scale"] / metrics[0]["loss_scale"] for m in metrics] == scales
+    weights = [torch.load(export(str(run_dir / "checkpoints" / f"step_{s:08d}")),
+                          weights_only=True) for s in range(1, 5)]
+    changed = [any(not torch.equal(a[k], b[k]) for k in a) for a, b in zip(weights, weights[1:])]
+    assert changed == [False, False, True]  # by steps 2, 3 and 4

@@ -6,6 +6,8 @@ import pytest
 
 from plait.testing import read_metrics, run_losses
 
+import inhouse
+
 pytestmark = pytest.mark.slow
 
 # fp32 on the CPU: the two runs differ only in the order gradients are summed (one process
@@ -65,3 +67,12 @@ def test_mixed_precision_trains_close_to_fp32(tmp_path, precision, fp32):
     # within 2% of fp32 on this short run, and differ from it (autocast really ran).
     assert mixed == pytest.approx(fp32, rel=2e-2)
     assert mixed != fp32
+
+
+def test_fp16_loss_scaler_skips_the_steps_that_overflow(tmp_path):
+    """torch's GradScaler, through loss spikes at steps 2 and 3 of 4 (``inhouse.
+    OverflowAtSteps``): each overflow skips the step and halves the scale."""
+    run = tmp_path / "fp16"
+    run_losses(run, [*inhouse.OVERFLOW_RUN, "train.batch_size=8", "launcher.nproc_per_node=1",
+                     "precision=fp16"], plugins=[inhouse.OverflowAtSteps(2, 3)])
+    inhouse.assert_steps_2_and_3_skipped(run, scales=[1, 0.5, 0.25, 0.25])
