@@ -22,6 +22,7 @@ from plait import cli, hookimpl
 from plait.export import export
 from plait.plan import make_plan
 from plait.plugin_manager import keep_selected, make_plugin_manager
+from plait.plugins.zero import config as zero_config
 from plait.plugins.zero.command import estimate_model_states
 from plait.plugins.zero.config import engine_config
 from plait.plugins.zero.estimate import (
@@ -32,6 +33,8 @@ from plait.plugins.zero.estimate import (
 from plait.testing import TEST_OVERRIDES, compose, read_metrics, run_training
 from plait.train import cross_entropy, evaluate
 from plait.types import PlanError, PluginInfo
+
+import inhouse
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -174,10 +177,8 @@ def test_nvme_offload_on_the_cpu_is_refused():
 
 
 def test_fp16_on_a_cpu_without_fp16_kernels_is_refused(monkeypatch):
-    # This machine's CPU has oneDNN fp16 kernels (fp16 runs here); a CPU without them is
-    # stood in for by patching the one probe DeepSpeed's CPU accelerator also uses.
-    from plait.plugins.zero import config as zero_config
-
+    # Whether or not this machine's CPU has oneDNN fp16 kernels, a CPU without them is stood
+    # in for by patching the one probe DeepSpeed's CPU accelerator also uses.
     monkeypatch.setattr(zero_config, "_cpu_supports_fp16", lambda: False)
     text = refusal("strategy=zero2", "precision=fp16", "device=cpu")
     assert "precision=fp16 with DeepSpeed on the CPU: this CPU has no fp16 kernels" in text
@@ -375,8 +376,55 @@ def test_offload_to_cpu_gives_the_same_losses(runs, tmp_path):
     steps = 6
     offloaded = run_training(tmp_path / "offload", [
         *COMMON, f"train.steps={steps}", f"optimizer.decay_steps={STEPS}", "strategy=zero3",
-        "strategy.offload_optimizer=cpu", "strategy.offload_params=cpu"])
+        "strategy.offload_optimizer=cpu", "strategy.offload_params=cpu"],
+        [inhouse.DescribeZeroOptimizer()])
     assert losses(offloaded) == pytest.approx(losses(runs["ddp"])[:steps], rel=LOSS_RTOL)
+    # and offload really was on: CPU Adam stepped, its states on the host (on this CPU-only
+    # machine everything is; on a GPU the same check tells host from device)
+    assert json.loads((offloaded / "zero_optimizer.json").read_text()) == {
+        "stepping": "DeepSpeedCPUAdam", "offload_optimizer": True, "offload_param": True,
+        "state_devices": ["cpu"]}
+
+
+MIXED_STEPS = 10
+# DeepSpeed casts the whole model to 16 bits (no autocast; the optimizer keeps fp32 master
+# weights): the first 10 losses within 2% of fp32's, as test_ddp asks of autocast.
+MIXED_RTOL = 2e-2
+
+
+def with_precision(precision: str, monkeypatch) -> list:
+    """The plugins a run in ``precision`` needs here. This CPU may lack oneDNN fp16 kernels, and
+    then DeepSpeed and plait refuse fp16 on it; the run lifts both checks (``inhouse.
+    DeepSpeedFp16OnThisCpu``) so that DeepSpeed's real fp16 path runs on torch's generic kernels."""
+    if precision != "fp16" or zero_config._cpu_supports_fp16():
+        return []
+    monkeypatch.setattr(zero_config, "_cpu_supports_fp16", lambda: True)
+    return [inhouse.DeepSpeedFp16OnThisCpu()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_mixed_precision_trains_close_to_fp32(runs, tmp_path, monkeypatch, stage, precision):
+    mixed = run_training(tmp_path / precision, [
+        *COMMON, f"train.steps={MIXED_STEPS}", f"optimizer.decay_steps={STEPS}",
+        f"strategy={stage}", f"precision={precision}"], with_precision(precision, monkeypatch))
+    fp32 = losses(runs[stage])[:MIXED_STEPS]
+    assert losses(mixed) == pytest.approx(fp32, rel=MIXED_RTOL)
+    assert losses(mixed) != fp32  # 16 bits really ran
+    if precision == "fp16":  # the tiny GPT never overflows at DeepSpeed's initial scale 2^16
+        assert [m["skipped_steps"] for m in read_metrics(mixed)] == [0] * MIXED_STEPS
+
+
+@pytest.mark.slow
+def test_fp16_loss_scaler_skips_the_steps_that_overflow(tmp_path, monkeypatch):
+    """DeepSpeed's dynamic loss scaler under ZeRO-2, through loss spikes at steps 2 and 3 of 4
+    (``inhouse.OverflowAtSteps``): both steps are skipped; the scale halves on the second
+    overflow in a row (DeepSpeed's default ``fp16.hysteresis=2``)."""
+    run = run_training(tmp_path / "fp16", [*COMMON, *inhouse.OVERFLOW_RUN, "strategy=zero2",
+                                           "precision=fp16"],
+                       [inhouse.OverflowAtSteps(2, 3), *with_precision("fp16", monkeypatch)])
+    inhouse.assert_steps_2_and_3_skipped(run, scales=[1, 1, 0.5, 0.5])
 
 
 class InHouseSGD:
