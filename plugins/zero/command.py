@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plait.plan import make_plan
+from plait.plan import make_plan, meta_model
 from plait.plugins.zero import config as zero_config
 from plait.plugins.zero.estimate import (
     BYTES,
@@ -26,11 +26,6 @@ from plait.plugins.zero.estimate import (
 def gib(n: float) -> str:
     value, unit = (n / 2**30, "GiB") if n >= 2**30 else (n / 2**20, "MiB")
     return f"{value:10.3f} {unit}  ({int(n):,} B)"
-
-
-def meta_model(plan) -> torch.nn.Module:
-    with torch.device("meta"):
-        return plan.pm.hook.plait_build_model(cfg=plan.cfg)
 
 
 def count_params(model: torch.nn.Module) -> tuple[int, int]:
@@ -54,7 +49,7 @@ def estimate_model_states(plan) -> Estimate:
     """Per-rank model-state bytes for the planned model, strategy, dp size and precision."""
     cfg, dims = plan.cfg, plan.dims
     strategy = cfg.strategy.name
-    n_params, largest = count_params(meta_model(plan))
+    n_params, largest = count_params(meta_model(plan.pm.hook, plan.cfg))
     per_rank_params = n_params // (dims.tp * dims.pp)  # tp/pp split the weights (approximately)
     if strategy == "ddp":
         return Estimate(n_params, per_rank_params, ddp_formula(per_rank_params),
@@ -74,7 +69,7 @@ def estimate_model_states(plan) -> Estimate:
 def activation_bytes(plan, micro_batch_size: int) -> int | None:
     """The model's own count of one micro-batch's activations (None if it has none), divided
     by tp: tensor parallelism splits all of them but the LayerNorm inputs (approximate)."""
-    count = getattr(meta_model(plan), "activation_bytes", None)
+    count = getattr(meta_model(plan.pm.hook, plan.cfg), "activation_bytes", None)
     if not callable(count):
         return None
     cfg = plan.cfg
