@@ -228,8 +228,10 @@ def plait_build_model(cfg: DictConfig) -> torch.nn.Module | None:
 
     Stops at the first non-None result. Also called under ``torch.device("meta")`` before launch
     (to check a plan against the model's layers) and by ``plait estimate``. The model may carry
-    ``tensor_parallel_plan`` (a model plugin then declares ``model:tensor_parallel_plan``) and
-    ``flops_per_token(seq_len)`` (for MFU; without it plait counts 6·N).
+    ``tensor_parallel_plan`` (a model plugin then declares ``model:tensor_parallel_plan``),
+    ``flops_per_token(seq_len)`` (for MFU; without it plait counts 6·N) and
+    ``activation_bytes(batch_size, seq_len, bytes_per_value)`` (for ``plait estimate``; without
+    it no activation figure is printed).
     """
 
 

@@ -2,6 +2,9 @@ import os
 
 import pytest
 
+# inhouse.py holds assertion helpers shared by several test files: show their values on failure.
+pytest.register_assert_rewrite("inhouse")
+
 # Every test run shares one token cache (the stdlib is tokenized once per session) and keeps
 # W&B offline and quiet; tests never reach the network.
 os.environ.setdefault("WANDB_SILENT", "true")

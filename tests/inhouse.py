@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import itertools
 import json
 import os
 import signal
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from plait import hookimpl
 from plait.types import PluginInfo
@@ -60,8 +65,6 @@ class RecordPlacement:
 
     @hookimpl(wrapper=True)
     def plait_build_engine(self, topology):
-        import torch.distributed as dist
-
         engine = yield
         record = {"rank": topology.rank, "local_rank": topology.local_rank,
                   "device": str(next(engine.model.parameters()).device),
@@ -221,3 +224,215 @@ class Rank0:
     is_logging_rank = True
     trainer_group = None
     local_rank = local_trainer_rank = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# probes: test-only plugins that report from inside the workers of a real run, into run.dir
+# ---------------------------------------------------------------------------------------------
+
+
+class CommCounter:
+    """Counts calls of the collectives the tensor-parallel regions use, by kind (it replaces
+    ``torch.distributed``'s functions, which the regions look up at each call)."""
+
+    KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+    def __init__(self):
+        self.counts = collections.Counter()
+        self.originals = {kind: getattr(dist, kind) for kind in self.KINDS}
+
+    def __enter__(self):
+        for kind, fn in self.originals.items():
+            setattr(dist, kind, self._counting(kind, fn))
+        return self
+
+    def _counting(self, kind, fn):
+        def wrapper(*args, **kwargs):
+            self.counts[kind] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def __exit__(self, *exc):
+        for kind, fn in self.originals.items():
+            setattr(dist, kind, fn)
+
+    def take(self) -> dict[str, int]:
+        taken = {k: v for k, v in self.counts.items() if v}
+        self.counts.clear()
+        return taken
+
+
+class CountCollectives:
+    """Rank 0's collectives per step, by kind: one JSON line per step in
+    ``run.dir/collectives.jsonl`` (what the step's forward, backward, gradient norm and metrics
+    called)."""
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="count_collectives")
+
+    @hookimpl
+    def plait_on_run_start(self, cfg):
+        self.path = Path(cfg.run.dir) / "collectives.jsonl"
+        self.counter = CommCounter().__enter__()
+
+    @hookimpl
+    def plait_on_step_end(self, step):
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **self.counter.take()}) + "\n")
+
+    @hookimpl
+    def plait_on_run_end(self):
+        self.counter.__exit__(None, None, None)
+
+
+class TracePipelineActions:
+    """The pipeline actions each rank ran in the first step, in order, named as torch's schedules
+    name them: ``<stage>F<micro-batch>`` forward, ``B`` full backward, ``I`` backward for the
+    input only, ``W`` the deferred backward for the weights. Written to
+    ``run.dir/actions_rank<r>.json``; recorded around ``PipelineStage``'s methods, which every
+    torch schedule calls."""
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="trace_pipeline_actions")
+
+    @hookimpl(wrapper=True, tryfirst=True)  # outermost: sees the pipeline plugin's engine
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+        actions: list[str] = []
+        for stage in engine.stages:
+            _trace_stage(stage, actions)
+        path = Path(cfg.run.dir) / f"actions_rank{topology.rank}.json"
+        after_first_step(engine, lambda: path.write_text(json.dumps(actions)))
+        return engine
+
+
+def after_first_step(engine, callback) -> None:
+    """Call ``callback()`` once, when the engine's first ``train_step`` has returned."""
+    train_step = engine.train_step
+
+    def first_step(*args, **kwargs):
+        out = train_step(*args, **kwargs)
+        engine.train_step = train_step
+        callback()
+        return out
+
+    engine.train_step = first_step
+
+
+def _trace_stage(stage, actions: list[str]) -> None:
+    forward, backward, weight = (stage.forward_one_chunk, stage.backward_one_chunk,
+                                 stage.backward_weight_one_chunk)
+    s = stage.stage_index
+
+    def forward_one_chunk(mb, *args, **kwargs):
+        actions.append(f"{s}F{mb}")
+        return forward(mb, *args, **kwargs)
+
+    def backward_one_chunk(mb, *args, full_backward=True, **kwargs):
+        actions.append(f"{s}{'B' if full_backward else 'I'}{mb}")
+        return backward(mb, *args, full_backward=full_backward, **kwargs)
+
+    def backward_weight_one_chunk(mb, *args, **kwargs):
+        actions.append(f"{s}W{mb}")
+        return weight(mb, *args, **kwargs)
+
+    stage.forward_one_chunk = forward_one_chunk
+    stage.backward_one_chunk = backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+
+class DescribeZeroOptimizer:
+    """What DeepSpeed's optimizer is after the first step, from rank 0: the class that steps,
+    ZeRO's offload flags, and the devices holding the optimizer states (none before they
+    exist) (``run.dir/zero_optimizer.json``)."""
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="describe_zero_optimizer")
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+        if topology.rank == 0:
+            path = Path(cfg.run.dir) / "zero_optimizer.json"
+            after_first_step(engine, lambda: path.write_text(json.dumps(
+                _describe_zero_optimizer(engine.ds.optimizer))))
+        return engine
+
+
+def _describe_zero_optimizer(zero_optimizer) -> dict:
+    inner = zero_optimizer.optimizer
+    states = [t for state in inner.state.values() for t in state.values()
+              if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return {"stepping": type(inner).__name__,
+            "offload_optimizer": bool(getattr(zero_optimizer, "offload_optimizer", False)),
+            "offload_param": bool(getattr(zero_optimizer, "offload_param", False)),
+            "state_devices": sorted({t.device.type for t in states})}
+
+
+class DeepSpeedFp16OnThisCpu:
+    """Lets DeepSpeed run fp16 on a CPU without oneDNN fp16 kernels. DeepSpeed's CPU accelerator
+    refuses fp16 there (``is_fp16_supported()`` asks oneDNN); torch's generic CPU kernels compute
+    fp16 all the same, so DeepSpeed's real fp16 path (16-bit model, fp32 master weights, dynamic
+    loss scaler) runs, only slower. Only the probe is replaced, in each worker; the test lifts
+    plait's matching refusal in the parent (``zero.config._cpu_supports_fp16``)."""
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="deepspeed_fp16_on_this_cpu")
+
+    @hookimpl(wrapper=True)
+    def plait_build_engine(self):
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().is_fp16_supported = lambda: True
+        return (yield)
+
+
+class OverflowAtSteps:
+    """Multiplies every loss of the given steps by 1e6: finite in fp32, but once the fp16 loss
+    scaler has multiplied it by its scale the gradients overflow fp16 (largest value 65504): a
+    real overflow for the scaler to catch, from a loss spike rather than a planted inf."""
+
+    def __init__(self, *steps: int):
+        self.steps = steps
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="overflow_at_steps")
+
+    @hookimpl(wrapper=True)  # around whichever loss the run chose
+    def plait_build_loss(self, cfg):
+        from plait.train import cross_entropy
+
+        chosen = (yield) or cross_entropy
+        calls = itertools.count()
+        per_step = cfg.train.grad_accum_steps  # loss calls per optimizer step (no evaluation)
+
+        def loss_fn(logits, targets):
+            loss = chosen(logits, targets)
+            return loss * 1e6 if next(calls) // per_step + 1 in self.steps else loss
+
+        return loss_fn
+
+
+# A 4-step run for OverflowAtSteps(2, 3), a checkpoint after each step (all kept).
+OVERFLOW_RUN = ["train.steps=4", "fault.checkpoint_every=1", "fault.keep_last=0"]
+
+
+def assert_steps_2_and_3_skipped(run_dir, scales: list[float]) -> None:
+    """Steps 2 and 3 overflowed in fp16: their optimizer steps were skipped (the weights after
+    steps 1, 2 and 3 are equal bit for bit; step 4 changed them), both were counted, and the
+    dynamic loss scale went as ``scales`` says (relative to step 1's)."""
+    from plait.export import export
+    from plait.testing import read_metrics
+
+    metrics = read_metrics(run_dir)
+    assert [m["skipped_steps"] for m in metrics] == [0, 1, 2, 2]
+    assert [m["loss_scale"] / metrics[0]["loss_scale"] for m in metrics] == scales
+    weights = [torch.load(export(str(run_dir / "checkpoints" / f"step_{s:08d}")),
+                          weights_only=True) for s in range(1, 5)]
+    changed = [any(not torch.equal(a[k], b[k]) for k in a) for a, b in zip(weights, weights[1:])]
+    assert changed == [False, False, True]  # by steps 2, 3 and 4

@@ -10,7 +10,6 @@ every step's norm, so every step is clipped): a wrong tensor-parallel norm would
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 
@@ -18,6 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from inhouse import CommCounter, CountCollectives
 
 from plait.plugins.models.gpt import GPT, Block
 from plait.plugins.tensor_parallel.layers import VocabParallelCrossEntropy, split_tensor
@@ -127,36 +128,6 @@ BLOCK_PLAN = TensorParallelPlan(
     styles={k.removeprefix("blocks.*."): v for k, v in GPT_PLAN.styles.items()
             if k.startswith("blocks.*.")},
 )
-
-
-class CommCounter:
-    """Counts calls of the collectives the tensor-parallel regions use, by kind."""
-
-    KINDS = ("all_reduce", "all_gather", "reduce_scatter")
-
-    def __init__(self):
-        self.counts = collections.Counter()
-        self.originals = {kind: getattr(dist, kind) for kind in self.KINDS}
-
-    def __enter__(self):
-        for kind, fn in self.originals.items():
-            setattr(dist, kind, self._counting(kind, fn))
-        return self
-
-    def _counting(self, kind, fn):
-        def wrapper(*args, **kwargs):
-            self.counts[kind] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
-    def __exit__(self, *exc):
-        for kind, fn in self.originals.items():
-            setattr(dist, kind, fn)
-
-    def take(self) -> dict[str, int]:
-        taken = {k: v for k, v in self.counts.items() if v}
-        self.counts.clear()
-        return taken
 
 
 def assert_grads_match(split_model, full_model, plan, rank, tp):
@@ -304,11 +275,19 @@ def reference(tmp_path_factory):
     return run, losses
 
 
+def gathers_and_scatters(run_dir) -> list[dict[str, int]]:
+    """Per step, rank 0's all-gathers and reduce-scatters (counted by ``CountCollectives``)."""
+    lines = (run_dir / "collectives.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k in ("all_gather", "reduce_scatter")}
+            for line in lines]
+
+
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
     run = tmp_path_factory.mktemp("tp") / "tp2"
     losses = run_losses(run, [f"train.steps={STEPS}", GRAD_CLIP, "launcher.nproc_per_node=2",
-                              "parallel.tp=2", "fault.checkpoint_every=10"])
+                              "parallel.tp=2", "fault.checkpoint_every=10"],
+                        plugins=[CountCollectives()])
     return run, losses
 
 
@@ -343,13 +322,20 @@ def test_tp2_checkpoint_resumes_and_exports_the_unsplit_model(reference, tp2, tm
 
 
 @pytest.mark.slow
-def test_sequence_parallel_trains_like_plain_tp(tp2, tmp_path):
+def test_sequence_parallel_trains_like_plain_tp_with_megatron_collectives(tp2, tmp_path):
+    """The same losses and norms as plain tensor parallelism, and the run really was sequence
+    parallel: every step's all-reduces in the layers became all-gathers and reduce-scatters
+    (the counts of ``gpt sp=True`` above; plain tp has none of either)."""
     run, losses = tp2
     sp = run_losses(tmp_path / "sp", [f"train.steps={STEPS}", GRAD_CLIP,
                                       "launcher.nproc_per_node=2", "parallel.tp=2",
-                                      "tensor_parallel.sequence_parallel=true"])
+                                      "tensor_parallel.sequence_parallel=true"],
+                    plugins=[CountCollectives()])
     assert sp == pytest.approx(losses, rel=1e-5)
     assert grad_norms(tmp_path / "sp") == pytest.approx(grad_norms(run), rel=1e-4)
+    assert gathers_and_scatters(run) == [{}] * STEPS
+    assert gathers_and_scatters(tmp_path / "sp") == [
+        {"all_gather": 4 * 2 + 1 + 1, "reduce_scatter": 4 * 2 + 1}] * STEPS
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@
 Gradient accumulation skips the all-reduce on all but the last micro-batch (``no_sync``); the
 gradient communication is the comm plugin's reducer, adapted as a DDP comm hook on DDP's buckets
 (:func:`register_reducer`), and DDP's bucket size is the comm plugin's (``comm.bucket_mb``).
+With ``precision=fp16`` torch's dynamic ``GradScaler`` scales the loss; the step logs
+``loss_scale`` and ``skipped_steps`` (steps skipped on an overflow), as ``strategy=zero*`` does.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class DDPEngine:
         self.precision = cfg.precision
         self.grad_clip = cfg.train.grad_clip
         self.scaler = grad_scaler(cfg.precision, self.device)
+        self.skipped_steps = 0  # steps the fp16 loss scaler skipped on an overflow
         self.dp_group = topology.get_data_parallel_group()
         self.dp_size = topology.dims.dp
         # Tensor-parallel shards: the gradient norm is summed over the tp group.
@@ -126,12 +129,26 @@ class DDPEngine:
         self.scaler.unscale_(self.optimizer)
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, self.tp_group, self.tp_rank)
-        skipped = any(self.check_step(loss=total / n, grad_norm=grad_norm))
+        # fp16: the loss scaler skips a step whose gradients overflowed and lowers the scale,
+        # routinely in the first steps, so the guard judges the loss alone.
+        guarded_norm = torch.zeros_like(grad_norm) if self.scaler.is_enabled() else grad_norm
+        skipped = any(self.check_step(loss=total / n, grad_norm=guarded_norm))
         if not skipped:
             self.scaler.step(self.optimizer)
-        self.scaler.update()
+        metrics = self._update_loss_scale() if self.scaler.is_enabled() else {}
         self.optimizer.zero_grad(set_to_none=True)
-        return StepOutput(loss=mean_loss(), grad_norm=float(grad_norm), skipped=skipped)
+        return StepOutput(loss=mean_loss(), grad_norm=float(grad_norm), skipped=skipped,
+                          metrics=metrics)
+
+    def _update_loss_scale(self) -> dict[str, float]:
+        """fp16: update the scale; it drops exactly when ``scaler.step`` found an inf or NaN
+        gradient and skipped the optimizer step (torch's documented way to tell). The same
+        metrics as DeepSpeed's scaler under ``strategy=zero*``."""
+        before = self.scaler.get_scale()
+        self.scaler.update()
+        scale = self.scaler.get_scale()
+        self.skipped_steps += scale < before
+        return {"loss_scale": scale, "skipped_steps": float(self.skipped_steps)}
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> float:
@@ -144,7 +161,8 @@ class DDPEngine:
         if self.saves_checkpoint:
             torch.save({"model": self.model.state_dict(),
                         "optimizer": self.optimizer.state_dict(),
-                        "scaler": self.scaler.state_dict()}, directory / self.checkpoint_name)
+                        "scaler": self.scaler.state_dict(),
+                        "skipped_steps": self.skipped_steps}, directory / self.checkpoint_name)
 
     def load_state(self, directory: Path) -> None:
         state = torch.load(directory / self.checkpoint_name, map_location=self.device,
@@ -152,6 +170,7 @@ class DDPEngine:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = state["skipped_steps"]
 
 
 @hookimpl

@@ -142,7 +142,7 @@ class GPT(nn.Module):
         if n_embd % n_head:
             raise ValueError(f"model.n_embd={n_embd} is not divisible by model.n_head={n_head}")
         self.block_size = block_size
-        self.n_layer, self.n_embd = n_layer, n_embd
+        self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
         self.embed = Embedding(vocab_size, block_size, n_embd, dropout)
         self.blocks = nn.ModuleDict(
             {str(i): Block(n_embd, n_head, dropout, bias) for i in range(n_layer)}
@@ -171,6 +171,37 @@ class GPT(nn.Module):
         B; ``E`` = heads × head size). Position embeddings are a lookup, not a matmul."""
         n = sum(p.numel() for p in self.parameters()) - self.embed.pos.weight.numel()
         return 6 * n + 12 * self.n_layer * self.n_embd * seq_len
+
+    def activation_bytes(self, batch_size: int, seq_len: int, bytes_per_value: int,
+                         recompute: str = "none") -> int:
+        """Bytes one forward of ``batch_size`` sequences saves for backward, values in
+        ``bytes_per_value`` bytes (the model's dtype), without dropout (the default).
+
+        Korthikanti et al. 2022 (sec. 4.1) count ``34·s·b·h + 5·a·s²·b`` bytes per layer at 16
+        bits; here attention is fused (``scaled_dot_product_attention`` keeps q, k, v, its
+        output and an fp32 log-sum-exp of ``a·s·b``, no ``s²`` scores) and there are no dropout
+        masks, which leaves 16 values of ``s·b·h`` per layer: the two LayerNorm inputs and
+        outputs, q/k/v, the attention output, the MLP's GELU input and output (``4h`` each),
+        plus each LayerNorm's mean and rstd (``2·s·b``). After the layers: the final norm's
+        input, output, mean and rstd, the token ids and positions (int64), and the loss's fp32
+        log-softmax over the vocabulary (``s·b·V``) with its targets.
+
+        With ``recompute`` (``train.activation_checkpointing``): ``selective`` recomputes the
+        attention core, whose inputs q, k, v the checkpoint keeps and whose output the
+        projection saves, so only the log-sum-exp goes; ``full`` keeps each block's input,
+        ``s·b·h``. Full recompute holds one block's activations again while that block's
+        backward runs; that transient is not counted here.
+        """
+        s, b, h, a = seq_len, batch_size, self.n_embd, self.n_head
+        v, fp32, int64 = bytes_per_value, 4, 8
+        per_layer = {
+            "none": (16 * s * b * h + 2 * 2 * s * b) * v + a * s * b * fp32,
+            "selective": (16 * s * b * h + 2 * 2 * s * b) * v,
+            "full": s * b * h * v,
+        }[recompute]
+        tail = (2 * s * b * h + 2 * s * b) * v + s * b * self.head.out_features * fp32
+        ids = (2 * s * b + s) * int64  # inputs, targets, positions
+        return self.n_layer * per_layer + tail + ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from plait.plan import make_plan
+from plait.plan import make_plan, meta_model
 from plait.plugins.zero import config as zero_config
 from plait.plugins.zero.estimate import (
+    BYTES,
     ModelStates,
     ddp_formula,
     deepspeed_estimate,
-    gpt_activation_bytes,
     zero_formula,
 )
 
@@ -28,10 +28,8 @@ def gib(n: float) -> str:
     return f"{value:10.3f} {unit}  ({int(n):,} B)"
 
 
-def count_params(plan) -> tuple[int, int]:
+def count_params(model: torch.nn.Module) -> tuple[int, int]:
     """Total parameters and the largest module's own parameters (DeepSpeed's "largest layer")."""
-    with torch.device("meta"):
-        model = plan.pm.hook.plait_build_model(cfg=plan.cfg)
     total = sum(p.numel() for p in model.parameters())  # a tied weight is listed once
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     return total, largest
@@ -51,7 +49,7 @@ def estimate_model_states(plan) -> Estimate:
     """Per-rank model-state bytes for the planned model, strategy, dp size and precision."""
     cfg, dims = plan.cfg, plan.dims
     strategy = cfg.strategy.name
-    n_params, largest = count_params(plan)
+    n_params, largest = count_params(meta_model(plan.pm.hook, plan.cfg))
     per_rank_params = n_params // (dims.tp * dims.pp)  # tp/pp split the weights (approximately)
     if strategy == "ddp":
         return Estimate(n_params, per_rank_params, ddp_formula(per_rank_params),
@@ -68,13 +66,27 @@ def estimate_model_states(plan) -> Estimate:
                     offload_opt, offload_params)
 
 
+def activation_bytes(plan, micro_batch_size: int) -> int | None:
+    """The model's own count of one micro-batch's activations (None if it has none), divided
+    by tp: tensor parallelism splits all of them but the LayerNorm inputs (approximate).
+    Under activation checkpointing the model is asked with ``recompute=<mode>``."""
+    count = getattr(meta_model(plan.pm.hook, plan.cfg), "activation_bytes", None)
+    if not callable(count):
+        return None
+    cfg = plan.cfg
+    mode = cfg.train.activation_checkpointing
+    recompute = {} if mode == "none" else {"recompute": mode}
+    return count(micro_batch_size, cfg.train.seq_len, BYTES[cfg.precision],
+                 **recompute) // plan.dims.tp
+
+
 def estimate_lines(plan) -> list[str]:
     cfg, dims = plan.cfg, plan.dims
     est = estimate_model_states(plan)
     states, ds = est.states, est.deepspeed_bytes
     offload_opt, offload_params = est.offload_optimizer, est.offload_params
     micro = zero_config.micro_batch_size(cfg, dims.dp)
-    activations = gpt_activation_bytes(cfg, micro)
+    activations = activation_bytes(plan, micro)
     device_bytes = ((0 if offload_params else states.params) + states.grads
                     + (0 if offload_opt else states.optimizer))
     lines = [
@@ -94,7 +106,8 @@ def estimate_lines(plan) -> list[str]:
                      f"checkpointing {cfg.train.activation_checkpointing}): {gib(activations)}")
         lines.append(f"total per rank on the device   {gib(device_bytes + activations)}")
     else:
-        lines.append("activations: unknown for a custom model (no n_layer/n_head/n_embd)")
+        lines.append("activations: unknown (the model has no activation_bytes(batch_size, "
+                     "seq_len, bytes_per_value) method)")
     return lines
 
 

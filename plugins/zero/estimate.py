@@ -15,6 +15,10 @@ flat fp32 partition (``single_partition_of_fp32_groups``). In fp32, stage 0 (tor
 parameters, as DDP) and ZeRO-3 (the optimizer steps the fp32 parameter partition itself) have
 K = 8. Offloaded states count as host memory, not device memory.
 
+Activations are the model's own count (``model.activation_bytes(batch_size, seq_len,
+bytes_per_value)``, e.g. :meth:`plait.plugins.models.gpt.GPT.activation_bytes`), checked against
+:func:`measure_activation_bytes`; a model without one gets no activation figure.
+
 ``measure_model_states`` counts what a running engine holds: the bytes of the storages behind the
 parameters (ZeRO-3: this rank's partition), the gradients (``param.grad`` and ZeRO's reduced
 gradient partitions) and the optimizer (master copy and states), each storage once. The engine
@@ -82,33 +86,6 @@ def deepspeed_estimate(n_params: int, largest_layer_params: int, stage: int, dp:
     return None
 
 
-def gpt_activation_bytes(cfg, micro_batch_size: int) -> int | None:
-    """Activations held for backward by the built-in GPT on one rank, per micro-batch.
-
-    Per layer ``s·b·h·(34 + 5·a·s/h)`` bytes at 16 bits (Korthikanti et al. 2022, eq. 1; twice
-    that in fp32) plus the logits and their fp32 softmax for the loss (``2·s·b·V·4``). With
-    ``train.activation_checkpointing`` (the same paper, section 4): ``selective`` drops the
-    attention core's ``5·a·s/h`` term; ``full`` keeps only each layer's input, ``2·s·b·h``, plus
-    one layer's whole activations while it is recomputed in the backward. An estimate: allocator
-    caching and temporaries come on top.
-    """
-    m = cfg.model
-    keys = ("n_layer", "n_head", "n_embd", "vocab_size")
-    if any(k not in m for k in keys):
-        return None
-    s, b, h, a = cfg.train.seq_len, micro_batch_size, m.n_embd, m.n_head
-    scale = BYTES[cfg.precision] / 2
-    whole_layer = s * b * h * (34 + 5 * a * s / h) * scale / cfg.parallel.tp
-    kept_per_layer = {
-        "none": whole_layer,
-        "selective": s * b * h * 34 * scale / cfg.parallel.tp,
-        "full": s * b * h * 2 * scale,  # the block's input, not split by tp
-    }[cfg.train.activation_checkpointing]
-    recomputing = whole_layer if cfg.train.activation_checkpointing == "full" else 0
-    logits = 2 * s * b * m.vocab_size * 4
-    return int(m.n_layer * kept_per_layer + recomputing + logits)
-
-
 # ---------------------------------------------------------------------------------------------
 # measurement in a running engine
 # ---------------------------------------------------------------------------------------------
@@ -166,6 +143,24 @@ def measure_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimiz
     states = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     optimizer_bytes = _unique_bytes(steps + states, seen)
     return {"params": params, "grads": grads, "optimizer": optimizer_bytes}
+
+
+def measure_activation_bytes(model: torch.nn.Module, loss_fn, inputs: torch.Tensor,
+                             targets: torch.Tensor) -> int:
+    """Bytes autograd saves for backward in one forward and loss of ``model`` (weights and
+    their views excluded, each storage once): what a model's ``activation_bytes`` estimates."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(model(inputs), targets)
+    return sum(saved.values())
 
 
 def measure_deepspeed_engine(ds_engine) -> dict[str, int]:
