@@ -8,7 +8,8 @@ parameters and optimizer state stay as they were, bit for bit, and the step coun
 advance; the batch is spent (the next step takes the next one). ``fault.max_bad_steps``
 consecutive bad steps end the attempt with an error: the launcher's restart
 (``launcher.max_restarts``) then resumes from the last complete checkpoint, which is the
-rollback. Under fp16 a loss-scale overflow is a bad step too (the scaler skips it either way).
+rollback. Under fp16 the engines pass the loss alone: a gradient overflow is the loss scaler's
+to skip (routine in the first steps), not a bad step.
 
 Metrics of every logged step gain ``restarts`` (torch elastic's or SLURM's restart count, so
 W&B shows it) and, with ``fault.spike_factor=F > 0``, ``loss_spike`` (1 when the loss exceeds F
