@@ -10,6 +10,10 @@ Layout under ``run.dir/checkpoints``::
 A checkpoint is written into ``.step_<n>.partial`` and renamed into place only after every rank
 has finished writing; ``latest`` is replaced by rename too. A crash at any point leaves the
 previous checkpoint and ``latest`` untouched.
+
+``resume=`` a checkpoint outside this run's directory (another run's, or a copy a PBT sweeper
+made) starts a new run from it: weights, optimizer state and data position are loaded, the
+other run's tracker id is not (``TrainState.parent`` names that run instead).
 """
 
 from __future__ import annotations
@@ -145,8 +149,19 @@ def plait_load_checkpoint(cfg, engine, topology) -> TrainState | None:
     if rng_file.exists():
         torch.set_rng_state(torch.load(rng_file, weights_only=True))
     state = TrainState.from_dict(json.loads((path / TRAINER_STATE).read_text()))
+    if not path.resolve().is_relative_to(checkpoint_root(cfg).resolve()):
+        state = fork(state, path)
     if topology.is_logging_rank:
         print(f"plait: resumed from {path} at step {state.step}", flush=True)
+    return state
+
+
+def fork(state: TrainState, path: Path) -> TrainState:
+    """Another run's checkpoint starts a new run: its weights, optimizer and data position are
+    taken, its tracker run is not (the new run gets its own and names the other as parent)."""
+    state.parent = {"run_name": state.run_name, "tracker_run_id": state.tracker_run_id,
+                    "step": state.step, "checkpoint": str(path)}
+    state.tracker_run_id, state.run_name, state.metrics = None, None, {}
     return state
 
 
@@ -167,6 +182,7 @@ def plait_save_checkpoint(cfg, engine, state, topology, final) -> Path | None:
     torch.save(torch.get_rng_state(), partial / f"rng_rank{topology.rank}.pt")
     barrier()
     if topology.rank == 0:
+        state.run_name = cfg.run.name
         atomic_write_text(partial / TRAINER_STATE, json.dumps(state.to_dict()))
         if complete.exists():  # the same step saved again after a resume: same content
             shutil.rmtree(complete)
