@@ -72,3 +72,25 @@ def read_placements(directory) -> list[dict]:
 
 
 crash_at_step_3 = CrashAtStep(3)
+
+
+class OptimizerSettingsAfterLoad:
+    """Writes the settings of every param group of the optimizer that steps, right after the
+    checkpoint is loaded, to ``run.dir/optimizer_after_load.json`` (rank 0)."""
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="optimizer_settings_after_load")
+
+    @hookimpl(wrapper=True)
+    def plait_load_checkpoint(self, cfg, engine, topology):
+        import json
+        from pathlib import Path
+
+        state = yield
+        optimizer = engine.ds.optimizer if hasattr(engine, "ds") else engine.optimizer
+        groups = [{k: v for k, v in g.items() if k in ("lr", "betas", "weight_decay", "eps")}
+                  for g in optimizer.param_groups]
+        if topology.rank == 0:
+            Path(cfg.run.dir, "optimizer_after_load.json").write_text(json.dumps(groups))
+        return state

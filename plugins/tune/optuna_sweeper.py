@@ -14,10 +14,12 @@ sweeper keeps its user-facing interface (``hydra/sweeper=optuna``, ``hydra.sweep
 on Optuna's ask-and-tell interface, so each batch of trials goes through whichever Hydra launcher
 is configured (locally, or SLURM through submitit). What differs, on purpose:
 
-- ``n_trials`` is the study's total of finished trials, counted from the storage, not this
-  invocation's: a stopped sweep started again with the same ``storage`` and ``study_name`` runs
-  only the missing trials, and several workers sharing one study stop together (each may finish
-  one batch more, as with Optuna's ``MaxTrialsCallback``).
+- ``n_trials`` is the study's total of complete (or pruned) trials, counted from the storage,
+  not this invocation's: a stopped sweep started again with the same ``storage`` and
+  ``study_name`` runs only the missing trials, and several workers sharing one study stop
+  together (a trial running in another worker counts; a trial left running by a killed sweep
+  on this host is told failed, so a new one takes its place). Failed trials do not count; a
+  sweep stops after ``n_trials`` failures of its own.
 - ``storage`` takes a database URL (``sqlite:///sweeps.db``, ``postgresql://...``) or a file
   path, which becomes Optuna's journal storage: an append-only log that several processes (on
   several machines, over a shared file system) can use at once without a database server.
@@ -30,6 +32,8 @@ is configured (locally, or SLURM through submitit). What differs, on purpose:
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -44,7 +48,7 @@ from plait.plugins.tune.search_space import as_overrides, parse
 
 log = logging.getLogger(__name__)
 
-FINISHED = ("COMPLETE", "PRUNED", "FAIL")
+WORKER = "plait_worker"  # trial user attribute: host:pid of the sweep process running it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,15 +190,19 @@ class OptunaSweeper(Sweeper):
                                     direction=self.direction, load_if_exists=True)
         log.info(f"Optuna study {study.study_name!r} ({self.storage or 'in memory'}), "
                  f"{type(sampler).__name__}, {self.direction}")
-        while (todo := self.n_trials - finished(study)) > 0:
+        failures = 0
+        while (todo := self.n_trials - counted(study)) > 0 and failures < self.n_trials:
             trials = [study.ask(fixed_distributions=space) for _ in range(min(todo, self.n_jobs))]
-            if self.extend_space is not None:
-                for trial in trials:
+            for trial in trials:
+                trial.set_user_attr(WORKER, worker_id())
+                if self.extend_space is not None:
                     self.extend_space(self.config, trial)
             batch = [[*as_overrides(trial.params, fixed), f"hydra.sweep.subdir={trial.number}"]
                      for trial in trials]
             for trial, job in zip(trials, self.launcher.launch(batch, trials[0].number)):
-                tell(study, trial, job)
+                failures += not tell(study, trial, job)
+        if failures >= self.n_trials:
+            raise RuntimeError(f"Optuna sweep stopped: {failures} trials failed")
         best = study.best_trial
         log.info(f"Best trial {best.number}: value {best.value}, params {best.params}")
         OmegaConf.save(OmegaConf.create({"name": "optuna", "study_name": study.study_name,
@@ -203,22 +211,55 @@ class OptunaSweeper(Sweeper):
                        Path(str(self.config.hydra.sweep.dir)) / "optimization_results.yaml")
 
 
-def finished(study) -> int:
+def worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def counted(study) -> int:
+    """Trials toward ``n_trials``: complete or pruned ones, and those running in a live worker.
+
+    A trial left running by a sweep process that was killed on this host is told failed first
+    (its worker's pid is gone), so a restarted sweep runs it again instead of waiting for it.
+    Running trials of other hosts count as live: stopping early is for their workers to see.
+    """
     from optuna.trial import TrialState
 
-    return len(study.get_trials(deepcopy=False,
-                                states=tuple(TrialState[s] for s in FINISHED)))
+    host = socket.gethostname()
+    live = 0
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        worker_host, _, pid = trial.user_attrs.get(WORKER, ":").partition(":")
+        if worker_host == host and pid and not pid_alive(int(pid)):
+            log.info(f"trial {trial.number} was left running by a killed sweep; failing it")
+            study.tell(trial.number, state=TrialState.FAIL)
+        else:
+            live += 1
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+    return len(done) + live
 
 
-def tell(study, trial, job) -> None:
-    """Tell Optuna the job's objective, or that it failed (the sweep goes on)."""
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def tell(study, trial, job) -> bool:
+    """Tell Optuna the job's objective, or that it failed (the sweep goes on); True if told a
+    value. The run's directory is kept as a user attribute of the trial."""
     from optuna.trial import TrialState
 
     try:
-        value = float(job.return_value)  # re-raises the job's exception
+        result = job.return_value  # re-raises the job's exception
+        value = float(result)
     except Exception as error:  # noqa: BLE001 - any failure of one trial fails only that trial
         log.error(f"trial {trial.number} failed: {type(error).__name__}: {error}")
         study.tell(trial, state=TrialState.FAIL)
-        return
+        return False
+    trial.set_user_attr("run_dir", str(result.run_dir))
     study.tell(trial, value)
     log.info(f"trial {trial.number}: {value:.6g} {trial.params}")
+    return True

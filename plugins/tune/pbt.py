@@ -147,6 +147,9 @@ class PBTSweeper(Sweeper):
         sign = 1 if self.direction == "minimize" else -1
         ranked = sorted(members, key=lambda m: sign * m.score)
         best, worst = ranked[:self.replaced], ranked[-self.replaced:]
+        if any(m.checkpoint is None for m in best):
+            raise RuntimeError("PBT: a member of the best quantile failed, so there is nothing "
+                               "to copy (see the errors above)")
         following = []
         for member in members:
             if member not in worst:
