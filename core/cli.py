@@ -47,6 +47,8 @@ def cmd_train(argv: list[str]) -> int:
         if given:
             raise ValueError(f"plait train does not take {flag}"
                              + ("; use --config-dir" if flag == "--config-path" else ""))
+    if args.multirun + bool(args.cfg) + bool(args.info) > 1:
+        raise ValueError("plait train takes only one of -m/--multirun, --cfg and --info")
     name, overrides = args.config_name or CONFIG_NAME, args.overrides
     with hydra_app(make_plugin_manager(), args.config_dir) as hydra:
         if args.help:

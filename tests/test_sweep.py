@@ -1,0 +1,58 @@
+"""``plait train -m``: Hydra's own multirun, one plait run per job, objectives back to the
+sweeper, W&B runs grouped by sweep; Hydra's other flags."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from plait.cli import main
+from plait.plan import default_run_name
+from plait.testing import TEST_OVERRIDES, read_metrics, read_wandb_run
+
+STEPS = ["train.steps=3", "optimizer.decay_steps=3"]
+
+
+@pytest.mark.slow
+def test_multirun_over_two_strategies(tmp_path, capsys):
+    code = main(["train", "-m", "strategy=ddp,zero2", *TEST_OVERRIDES, *STEPS, "tracker=wandb",
+                 "launcher.nproc_per_node=2", f"run.root={tmp_path}", "run.name=sweep"])
+    out = capsys.readouterr().out
+    assert code == 0, out[-3000:]
+    jobs = [tmp_path / "sweep" / str(n) for n in (0, 1)]
+    # two runs, each in its job's directory beside Hydra's record of the job
+    assert all((j / ".hydra" / "overrides.yaml").exists() for j in jobs)
+    ddp, zero2 = ([m["loss"] for m in read_metrics(j)] for j in jobs)
+    assert len(ddp) == 3 and zero2 == pytest.approx(ddp, rel=1e-5)
+    # each job's objective (its final validation loss) went back to the sweeper
+    reported = [float(x) for x in re.findall(r"objective ([0-9.]+)", out)]
+    assert reported == pytest.approx([read_metrics(j)[-1]["eval/loss"] for j in jobs])
+    # two W&B runs, one group: the sweep
+    runs = [read_wandb_run(j) for j in jobs]
+    assert [(r["name"], r["group"], r["job_type"]) for r in runs] == [
+        ("sweep/0", "sweep", "trial"), ("sweep/1", "sweep", "trial")]
+    assert runs[0]["id"] != runs[1]["id"]
+    assert [r["config"]["strategy"]["name"] for r in runs] == ["ddp", "zero2"]
+
+
+def test_hydra_flags_work_on_plait_train(capsys, caplog):
+    assert main(["train", "--cfg", "job", "strategy=zero2", "parallel.tp=2"]) == 0
+    printed = capsys.readouterr().out
+    assert "name: zero2" in printed and "tp: 2" in printed and "hydra:" not in printed
+    assert main(["train", "--cfg", "hydra", "-m", "hydra/sweeper=optuna"]) != 0  # one command
+    capsys.readouterr()
+    assert main(["train", "--info", "defaults", "hydra/sweeper=optuna"]) == 0
+    assert "hydra/sweeper/optuna" in caplog.text  # Hydra logs the defaults list
+
+
+def test_a_refused_job_stops_the_sweep_with_the_reason(tmp_path, capsys):
+    code = main(["train", "-m", "parallel.tp=3", "launcher.nproc_per_node=2,4",
+                 f"run.root={tmp_path}"])
+    assert code == 2
+    assert "parallel" in capsys.readouterr().err
+
+
+def test_default_run_names_of_parallel_trials_differ():
+    names = {default_run_name() for _ in range(20)}  # all within the same second
+    assert len(names) == 20
