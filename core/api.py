@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import IntervalSweep, Override
 from hydra.core.utils import JobReturn, JobStatus
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from plait.plan import CONFIG_NAME, Plan, hydra_app, make_plan, plan_config
@@ -115,10 +118,42 @@ def multirun(overrides: Iterable[str] = (), plugins: Iterable[Any] = (),
     :return: what the sweeper returns (Hydra's basic sweeper: the ``JobReturn`` of every job,
         batch by batch; each ``return_value`` is a :class:`RunResult`).
     """
-    plugins = tuple(plugins)
+    plugins, overrides = tuple(plugins), list(overrides)
     pm = make_plugin_manager(objects=plugins)
     with hydra_app(pm, config_dir) as hydra:
-        return hydra.multirun(config_name or CONFIG_NAME, SweepJob(plugins), list(overrides))
+        check_sweep(hydra, config_name or CONFIG_NAME, overrides, plugins)
+        return hydra.multirun(config_name or CONFIG_NAME, SweepJob(plugins), overrides)
+
+
+def check_sweep(hydra: Any, config_name: str, overrides: list[str],
+                plugins: tuple[Any, ...]) -> None:
+    """Refuse a sweep before any job starts or is submitted (``PlanError``, nothing written):
+    every swept setting is checked at each of its values (an interval at both ends) with the
+    others at their first. A combination of values refused only together is refused when its
+    job starts."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    values = [sweep_values(o) for o in parsed]
+    first = [v[0] for v in values]
+    jobs = [first] + [first[:i] + [value] + first[i + 1:]
+                      for i, choices in enumerate(values) for value in choices[1:]]
+    for job in jobs:
+        cfg = hydra.compose_config(config_name, job, run_mode=RunMode.RUN,
+                                   with_log_configuration=False)
+        with open_dict(cfg):
+            del cfg["hydra"]
+            cfg.run.name = str(cfg.run.name)  # a job's name is given (SweepJob)
+        plan_config(cfg, plugins).check()
+
+
+def sweep_values(override: Override) -> list[str]:
+    """``key=value`` for each value a swept override takes (the override itself if not swept)."""
+    if not override.is_sweep_override():
+        return [override.input_line]
+    key, sweep = override.get_key_element(), override.value()
+    if isinstance(sweep, IntervalSweep):
+        return [f"{key}={sweep.start}", f"{key}={sweep.end}"]
+    return [f"{key}={override._get_value_element_as_str(value)}"
+            for value in override.sweep_iterator()]
 
 
 def job_returns(swept: Any) -> list:

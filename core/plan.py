@@ -61,7 +61,7 @@ CORE_RANGES = {
     "train": {"steps": AT_LEAST_1, "batch_size": AT_LEAST_1, "grad_accum_steps": AT_LEAST_1,
               "seq_len": AT_LEAST_1, "grad_clip": Range(0, meaning="0 turns clipping off"),
               "log_every": AT_LEAST_1, "eval_every": Range(0, meaning="0: no evaluation"),
-              "eval_batches": AT_LEAST_1, "peak_flops": POSITIVE},
+              "eval_batches": AT_LEAST_1, "peak_flops": POSITIVE, "stop_at": AT_LEAST_1},
     "parallel": {"tp": AT_LEAST_1, "pp": AT_LEAST_1},
     "launcher": {"nproc_per_node": AT_LEAST_1, "nnodes": AT_LEAST_1, "timeout_s": AT_LEAST_1},
     "": {"seed": Range(0, 2**32 - 1)},  # numpy's seeds

@@ -46,11 +46,28 @@ def test_hydra_flags_work_on_plait_train(capsys, caplog):
     assert "hydra/sweeper/optuna" in caplog.text  # Hydra logs the defaults list
 
 
-def test_a_refused_job_stops_the_sweep_with_the_reason(tmp_path, capsys):
-    code = main(["train", "-m", "parallel.tp=3", "launcher.nproc_per_node=2,4",
-                 f"run.root={tmp_path}"])
-    assert code == 2
-    assert "parallel" in capsys.readouterr().err
+@pytest.mark.parametrize("overrides,message", [
+    # a value of a swept setting, refused before the first job runs
+    (["parallel.tp=2", "launcher.nproc_per_node=2,3"],
+     "world_size(3) is not divisible by tp(2) * pp(1)"),
+    # either end of a searched interval
+    (["hydra/sweeper=optuna", "optimizer.lr=tag(log,interval(1e-4,1e-2))",
+      "optimizer.warmup_steps=int(interval(-2,4))"],
+     "optimizer.warmup_steps=-2 is out of range: set optimizer.warmup_steps >= 0"),
+    # a SLURM job's settings, before sbatch
+    (["launcher=slurm", "launcher.time=0", "launcher.gpus_per_node=-1"],
+     "launcher.time=0 is out of range: set launcher.time >= 1 (minutes)"),
+    (["launcher=slurm", "launcher.gpus_per_node=-1"],
+     "launcher.gpus_per_node=-1 is out of range: set launcher.gpus_per_node >= 0"),
+    # the sweepers' own settings
+    (["hydra/sweeper=pbt", "hydra.sweeper.population=1", "optimizer.lr=1e-3,1e-2"],
+     "hydra.sweeper: population >= 2"),
+], ids=["grid", "optuna-interval", "slurm-time", "slurm-gpus", "pbt"])
+def test_a_bad_sweep_is_refused_before_any_job(overrides, message, tmp_path, capsys):
+    code = main(["train", "-m", *overrides, f"run.root={tmp_path}", "run.name=s"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert "Traceback" not in err and not any(tmp_path.iterdir())
 
 
 def test_default_run_names_of_parallel_trials_differ():

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from plait import hookimpl
-from plait.config import LauncherConfig
+from plait.config import AT_LEAST_1, LauncherConfig, Range, range_problems
 from plait.types import PluginInfo
 
 
@@ -45,6 +45,11 @@ class SlurmLauncherConfig(LauncherConfig):
     constraint: Optional[str] = None  # sbatch --constraint
     mem_gb: Optional[int] = None  # sbatch --mem, per node
     master_port: int = 0  # 0: derived from the job id, the same in every task
+
+
+RANGES = {"nodes": AT_LEAST_1, "tasks_per_node": AT_LEAST_1, "gpus_per_node": Range(0),
+          "cpus_per_task": AT_LEAST_1, "time": Range(1, meaning="minutes"),
+          "mem_gb": AT_LEAST_1, "master_port": Range(0, 65535, meaning="0: from the job id")}
 
 
 def in_srun_task(environ: Mapping[str, str]) -> bool:
@@ -125,14 +130,13 @@ def plait_register_configs(config_store) -> None:
 
 @hookimpl
 def plait_validate(cfg) -> list[str]:
-    launcher, problems = cfg.launcher, []
+    launcher = cfg.launcher
+    problems = range_problems("launcher", launcher, RANGES)
     if (launcher.nnodes, launcher.nproc_per_node) != (launcher.nodes, launcher.tasks_per_node):
         problems.append(
             f"launcher=slurm takes its layout from launcher.nodes={launcher.nodes} and "
             f"launcher.tasks_per_node={launcher.tasks_per_node}; do not set launcher.nnodes="
             f"{launcher.nnodes} or launcher.nproc_per_node={launcher.nproc_per_node}")
-    if launcher.time < 1:
-        problems.append(f"launcher.time={launcher.time}: the job's time limit in minutes, >= 1")
     return problems + task_count_problems(cfg, os.environ)
 
 
