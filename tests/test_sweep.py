@@ -3,6 +3,7 @@ sweeper, W&B runs grouped by sweep; Hydra's other flags."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
@@ -36,7 +37,16 @@ def test_multirun_over_two_strategies(tmp_path, capsys):
     assert [r["config"]["strategy"]["name"] for r in runs] == ["ddp", "zero2"]
 
 
-def test_hydra_flags_work_on_plait_train(capsys, caplog):
+@pytest.fixture
+def restore_logging():
+    """Hydra's --info configures logging with handlers on this test's captured streams."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:], root.level = handlers, level
+
+
+def test_hydra_flags_work_on_plait_train(capsys, caplog, restore_logging):
     assert main(["train", "--cfg", "job", "strategy=zero2", "parallel.tp=2"]) == 0
     printed = capsys.readouterr().out
     assert "name: zero2" in printed and "tp: 2" in printed and "hydra:" not in printed

@@ -21,7 +21,8 @@ from tests.inhouse import OptimizerSettingsAfterLoad
 
 pytestmark = pytest.mark.slow
 
-SMALL = [*TEST_OVERRIDES, "train.seq_len=16", "train.batch_size=4", "optimizer.warmup_steps=1",
+SMALL = [o for o in TEST_OVERRIDES if not o.startswith("train.steps=")]
+SMALL += ["train.seq_len=16", "train.batch_size=4", "optimizer.warmup_steps=1",
          "launcher.nproc_per_node=1"]
 
 

@@ -1,4 +1,4 @@
-"""``tune=default``: what a run reports to a sweep, and the sweepers and planner of plait.
+"""``tune=default``: what a run reports to a sweep, and the sweepers of plait.
 
 - The objective: ``tune.objective`` names the metric a run hands to the sweeper of ``plait
   train -m`` (its last logged value; default ``eval/loss``, the final validation loss, for
@@ -7,7 +7,6 @@
   interface of Hydra's Optuna sweeper, a persistent study shared by several sweep workers.
 - ``hydra/sweeper=pbt`` (:mod:`.pbt`): population-based training in rounds, each round's
   trials run by whichever Hydra launcher is configured (locally, or on SLURM).
-- ``plait plan --search world_size=N`` (:mod:`.planner`): rank the layouts that fit.
 
 The sweepers are Hydra plugins; Hydra instantiates only classes of the ``hydra_plugins``
 namespace, so they are declared in ``hydra_plugins.plait_tune`` (:mod:`.hydra_plugin`, shipped
@@ -32,8 +31,7 @@ class ObjectiveConfig(TuneConfig):
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(name="tune", selected_by={"tune.name": "default"},
-                      description="the objective a run reports; Optuna and PBT sweepers; "
-                                  "the layout planner")
+                      description="the objective a run reports; Optuna and PBT sweepers")
 
 
 @hookimpl
