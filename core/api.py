@@ -141,7 +141,7 @@ def check_sweep(hydra: Any, config_name: str, overrides: list[str],
                                    with_log_configuration=False)
         with open_dict(cfg):
             del cfg["hydra"]
-            cfg.run.name = str(cfg.run.name)  # a job's name is given (SweepJob)
+            cfg.run.sweep = cfg.run.name = str(cfg.run.name)  # as SweepJob gives them
         plan_config(cfg, plugins).check()
 
 

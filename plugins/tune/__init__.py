@@ -2,7 +2,7 @@
 
 - The objective: ``tune.objective`` names the metric a run hands to the sweeper of ``plait
   train -m`` (its last logged value; default ``eval/loss``, the final validation loss, for
-  which a run without ``train.eval_every`` evaluates once at its last step).
+  which a job of a sweep without ``train.eval_every`` evaluates once at its last step).
 - ``hydra/sweeper=optuna`` (:mod:`.optuna_sweeper`): Bayesian search on current Optuna with the
   interface of Hydra's Optuna sweeper, a persistent study shared by several sweep workers.
 - ``hydra/sweeper=pbt`` (:mod:`.pbt`): population-based training in rounds, each round's
@@ -44,8 +44,10 @@ def plait_register_configs(config_store) -> None:
 
 @hookimpl
 def plait_configure(cfg) -> None:
-    if cfg.tune.objective.startswith("eval/") and not cfg.train.eval_every:
-        cfg.train.eval_every = cfg.train.steps  # evaluate once, at the run's last step
+    # a job of a sweep without evaluation evaluates once, at its last step, for its objective
+    in_sweep = cfg.run.sweep is not None
+    if in_sweep and cfg.tune.objective.startswith("eval/") and not cfg.train.eval_every:
+        cfg.train.eval_every = cfg.train.steps
 
 
 @hookimpl
