@@ -13,6 +13,7 @@ import time
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from plait import api
 from plait.cli import main
@@ -115,8 +116,11 @@ def test_pbt_replaces_the_bad_member_by_a_perturbed_copy_of_the_best(pbt):
     assert [m["step"] for m in mine] == [ROUND + 1, ROUND + 2, ROUND + 3]
     assert mine[0]["loss"] == pytest.approx(parents[ROUND]["loss"], rel=1e-6)
     # ... and its optimizer steps with the perturbed hyperparameters, not the checkpoint's
-    factor = child["params"]["optimizer.lr"] / best["params"]["optimizer.lr"]
-    assert mine[0]["lr"] == pytest.approx(parents[ROUND]["lr"] * factor, rel=1e-6)
+    # (the same point of the cosine schedule from its own peak lr down to min_lr)
+    min_lr = OmegaConf.load(sweep / "m4" / "config.yaml").optimizer.min_lr
+    progress = (parents[ROUND]["lr"] - min_lr) / (best["params"]["optimizer.lr"] - min_lr)
+    assert mine[0]["lr"] == pytest.approx(
+        min_lr + (child["params"]["optimizer.lr"] - min_lr) * progress, rel=1e-6)
     [group] = json.loads((sweep / "m4" / "optimizer_after_load.json").read_text())[:1]
     assert group["weight_decay"] == pytest.approx(child["params"]["optimizer.weight_decay"])
     # the child is a new W&B run of the sweep naming its parent; the others continue theirs
