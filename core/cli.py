@@ -3,6 +3,8 @@
 Examples::
 
     plait train strategy=ddp launcher.nproc_per_node=2 train.steps=100
+    plait train -m strategy=ddp,zero2 optimizer.lr=1e-3,3e-3     # a Hydra multirun: 4 runs
+    plait train --cfg job strategy=zero2                          # print the composed config
     plait plan parallel.tp=2 launcher.nproc_per_node=4
     plait plugins
 """
@@ -12,12 +14,15 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+from hydra._internal.utils import get_args_parser
 from hydra.errors import HydraException
+from hydra.types import RunMode
+from omegaconf import open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from plait import api
 from plait.export import cmd_export
-from plait.plan import compose_config, format_plan, make_plan
+from plait.plan import CONFIG_NAME, compose_config, format_plan, hydra_app, make_plan
 from plait.plugin_manager import make_plugin_manager
 from plait.types import PlanError
 
@@ -29,9 +34,52 @@ commands:
 Everything after the command is a Hydra override, e.g. strategy=zero3 parallel.tp=2."""
 
 
-def cmd_train(overrides: list[str]) -> int:
-    run_dir = api.train(overrides)
-    print(f"plait: run finished; outputs in {run_dir}")
+def cmd_train(argv: list[str]) -> int:
+    """``plait train`` takes Hydra's command line, as an ``@hydra.main`` app does: overrides,
+    ``-m/--multirun``, ``--cfg job|hydra|all`` (with ``--resolve``, ``-p``), ``--info``,
+    ``--config-dir``, ``--config-name``, ``--hydra-help``, ``-h``. A config that sets
+    ``hydra.mode: MULTIRUN`` (``launcher=slurm``) runs as a multirun without ``-m``."""
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    for flag, given in (("--config-path", args.config_path), ("--run", args.run),
+                        ("--shell-completion", args.shell_completion),
+                        ("--experimental-rerun", args.experimental_rerun)):
+        if given:
+            raise ValueError(f"plait train does not take {flag}"
+                             + ("; use --config-dir" if flag == "--config-path" else ""))
+    if args.multirun + bool(args.cfg) + bool(args.info) > 1:
+        raise ValueError("plait train takes only one of -m/--multirun, --cfg and --info")
+    name, overrides = args.config_name or CONFIG_NAME, args.overrides
+    with hydra_app(make_plugin_manager(), args.config_dir) as hydra:
+        if args.help:
+            hydra.app_help(config_name=name, args_parser=parser, args=args)
+            return 0
+        if args.hydra_help:
+            hydra.hydra_help(config_name=name, args_parser=parser, args=args)
+            return 0
+        if args.cfg:
+            hydra.show_cfg(config_name=name, overrides=overrides, cfg_type=args.cfg,
+                           package=args.package, resolve=args.resolve)
+            return 0
+        if args.info:
+            hydra.show_info(args.info, config_name=name, overrides=overrides)
+            return 0
+        multirun = args.multirun or hydra.get_mode(name, overrides) == RunMode.MULTIRUN
+        if not multirun:
+            cfg = hydra.compose_config(name, overrides, run_mode=RunMode.RUN,
+                                       with_log_configuration=False)
+            with open_dict(cfg):
+                del cfg["hydra"]
+    if multirun:
+        swept = api.multirun(overrides, config_dir=args.config_dir, config_name=args.config_name)
+        for job in api.job_returns(swept):
+            result = job.return_value
+            print(f"plait: {' '.join(job.overrides)}: {result.run_dir}, objective "
+                  f"{result.objective}")
+        return 0
+    result = api.train_config(cfg)
+    objective = "" if result.objective is None else f"; objective {result.objective:.6g}"
+    print(f"plait: run finished; outputs in {result.run_dir}{objective}")
     return 0
 
 

@@ -17,7 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, ListConfig
 
 GROUPS = ("strategy", "parallel", "tensor_parallel", "pipeline", "comm", "data", "model",
-          "optimizer", "fault", "tracker", "launcher")
+          "optimizer", "fault", "tracker", "launcher", "tune")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
@@ -32,6 +32,9 @@ class TrainConfig:
     log_every: int = 1
     eval_every: int = 0  # 0: no evaluation
     eval_batches: int = 4
+    # End this job after this step (checkpointed, evaluated) while the schedule still spans
+    # train.steps: one round of population-based training. None: run to train.steps.
+    stop_at: Optional[int] = None
     # Dense peak FLOP/s of one device, for MFU. None: the device's own figure where it is a
     # known GPU; no MFU is reported on other devices unless this is set.
     peak_flops: Optional[float] = None
@@ -45,6 +48,8 @@ class RunConfig:
     root: str = "runs"
     name: str = "${plait_run_name:}"
     dir: str = "${run.root}/${run.name}"
+    # The sweep (`plait train -m`) this run is one job of; plait sets it for each job.
+    sweep: Optional[str] = None
 
 
 @dataclass
@@ -115,6 +120,11 @@ class TrackerConfig:
 
 
 @dataclass
+class TuneConfig:
+    name: str = MISSING
+
+
+@dataclass
 class PlaitConfig:
     strategy: StrategyConfig = MISSING
     parallel: ParallelConfig = MISSING
@@ -127,6 +137,7 @@ class PlaitConfig:
     fault: FaultConfig = MISSING
     tracker: TrackerConfig = MISSING
     launcher: LauncherConfig = MISSING
+    tune: TuneConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     seed: int = 1337
@@ -197,5 +208,6 @@ def store_core_schemas(cs: ConfigStore) -> None:
                         ("tensor_parallel", TensorParallelConfig), ("pipeline", PipelineConfig),
                         ("comm", CommConfig), ("data", DataConfig), ("model", ModelConfig),
                         ("optimizer", OptimizerConfig), ("fault", FaultConfig),
-                        ("tracker", TrackerConfig), ("launcher", LauncherConfig)]:
+                        ("tracker", TrackerConfig), ("launcher", LauncherConfig),
+                        ("tune", TuneConfig)]:
         cs.store(group=group, name=f"base_{group}", node=node)

@@ -10,7 +10,7 @@ Order of a run (``plait.train.train`` reads as this list)::
     plait_declare, plait_register_configs, plait_configure,        # CLI, before launch
     plait_comm_spec (asked by plugins and ``plait plan``),
     plait_assign_roles (asked by the plan and the topology),
-    plait_validate, plait_backend_config, plait_launch
+    plait_validate, plait_backend_config, plait_launch, plait_objective
     plait_build_topology
     a rank whose role is not "trainer": plait_run_role, and nothing below
     plait_build_dataset, plait_shard_data
@@ -157,15 +157,31 @@ def plait_backend_config(cfg: DictConfig, dims: ParallelDims,
 
 
 @hookspec(firstresult=True)
-def plait_launch(cfg: DictConfig, entrypoint: Callable[..., None], args: tuple) -> bool | None:
+def plait_launch(
+    cfg: DictConfig, entrypoint: Callable[..., Any], args: tuple
+) -> dict[int, Any] | None:
     """Start the worker processes and wait for them.
 
     Stops at the first non-None result.
 
     :param cfg: the resolved config, already written to ``cfg.run.dir``.
     :param entrypoint: a module-level (picklable) function; ``entrypoint(*args)`` runs training
-        in one process.
-    :return: True once the workers have finished.
+        in one process and returns, on the logging rank, the run's summary (last metrics, last
+        checkpoint), elsewhere None.
+    :return: once the workers have finished, what ``entrypoint`` returned in each worker this
+        process started or ran, by rank (``{}`` when it ran none).
+    """
+
+
+@hookspec(firstresult=True)
+def plait_objective(cfg: DictConfig, metrics: dict[str, float]) -> float | None:
+    """The number a sweep minimises or maximises for this run (``plait.api.RunResult.objective``,
+    what the task function of ``plait train -m`` hands to the sweeper).
+
+    Stops at the first non-None result; None when no plugin answers.
+
+    :param metrics: the last logged value of every metric of the run (``loss``, ``eval/loss``,
+        ...), from the logging rank.
     """
 
 

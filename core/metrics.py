@@ -76,11 +76,12 @@ class StepMeter:
         """The step's batches are in hand: the time since ``start`` was spent waiting for data."""
         self._data_ready = time.perf_counter()
 
-    def stop(self, step: int, out: StepOutput, lr: float) -> dict[str, float]:
-        """Metrics for ``step``; empty on steps that are not logged. Collective on logged steps."""
+    def stop(self, step: int, out: StepOutput, lr: float, last: bool) -> dict[str, float]:
+        """Metrics for ``step``; empty on steps that are not logged (every ``train.log_every``
+        and the ``last`` of the job). Collective on logged steps."""
         step_time = time.perf_counter() - self._started
         data_wait = self._data_ready - self._started
-        if step % self.cfg.train.log_every and step != self.cfg.train.steps:
+        if step % self.cfg.train.log_every and not last:
             return {}
         memory = float(peak_memory_bytes(self.topology.device))
         # One MAX reduction gives both extremes: min(x) = -max(-x).

@@ -8,13 +8,21 @@ decisions, plugin-specific validation) is collected, so the user sees all of the
 from __future__ import annotations
 
 import os
+import secrets
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from pathlib import Path
+from typing import Any, Iterable, Iterator
 
 import torch
-from hydra import compose, initialize_config_module
+from hydra import version
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import create_config_search_path
+from hydra.core.config_search_path import SearchPathQuery
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from plait.config import (
@@ -55,7 +63,7 @@ CORE_RANGES = {
     "train": {"steps": AT_LEAST_1, "batch_size": AT_LEAST_1, "grad_accum_steps": AT_LEAST_1,
               "seq_len": AT_LEAST_1, "grad_clip": Range(0, meaning="0 turns clipping off"),
               "log_every": AT_LEAST_1, "eval_every": Range(0, meaning="0: no evaluation"),
-              "eval_batches": AT_LEAST_1, "peak_flops": POSITIVE},
+              "eval_batches": AT_LEAST_1, "peak_flops": POSITIVE, "stop_at": AT_LEAST_1},
     "parallel": {"tp": AT_LEAST_1, "pp": AT_LEAST_1},
     "launcher": {"nproc_per_node": AT_LEAST_1, "nnodes": AT_LEAST_1, "timeout_s": AT_LEAST_1},
     "": {"seed": Range(0, 2**32 - 1)},  # numpy's seeds
@@ -72,12 +80,17 @@ def job_id() -> str | None:
 
 
 def default_run_name() -> str:
-    """A run name every rank agrees on: the external launcher's job id, else the time."""
+    """A run name every rank agrees on: the external launcher's job id, else the time and a
+    random suffix (runs started in the same second, e.g. parallel trials, do not collide).
+
+    The resolver caches its value per config: a sweep's jobs, composed from the sweep's config,
+    share the name the sweep directory was given.
+    """
     value = job_id()
-    return f"job-{value}" if value else time.strftime("%Y%m%d-%H%M%S")
+    return f"job-{value}" if value else f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-OmegaConf.register_new_resolver("plait_run_name", default_run_name, replace=True)
+OmegaConf.register_new_resolver("plait_run_name", default_run_name, replace=True, use_cache=True)
 
 
 @dataclass
@@ -95,20 +108,54 @@ class Plan:
         return self
 
 
-def compose_config(overrides: Iterable[str], pm: PlaitPluginManager) -> DictConfig:
-    """Compose ``plait.conf/config.yaml`` with the user's overrides (Hydra's compose API)."""
+CONFIG_NAME = "config"
+
+
+@contextmanager
+def hydra_app(pm: PlaitPluginManager, config_dir: str | None = None) -> Iterator[Hydra]:
+    """Hydra set up as ``@hydra.main`` would set it up for plait: the plugins' schemas in the
+    ConfigStore, ``plait.conf`` (and ``--config-dir``) on the search path. Both a single run
+    (composed here) and ``plait train -m`` (``Hydra.multirun``) start from this."""
     cs = ConfigStore.instance()
     store_core_schemas(cs)
     pm.hook.plait_register_configs(config_store=cs)
-    with initialize_config_module(config_module="plait.conf", version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    version.setbase("1.3")
+    search_path = create_config_search_path("pkg://plait.conf")
+    if config_dir is not None:
+        directory = Path(config_dir).absolute()
+        if not directory.is_dir():
+            raise ValueError(f"--config-dir {config_dir}: no such directory")
+        search_path.prepend("command-line", f"file://{directory}",
+                            anchor=SearchPathQuery(provider="schema"))
+    try:
+        yield Hydra.create_main_hydra2(task_name="plait", config_search_path=search_path)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def compose_config(overrides: Iterable[str], pm: PlaitPluginManager) -> DictConfig:
+    """Compose ``plait.conf/config.yaml`` with the user's overrides, as Hydra's compose API does
+    (no output directory, no logging set-up, no ``hydra`` node)."""
+    with hydra_app(pm) as hydra:
+        cfg = hydra.compose_config(CONFIG_NAME, list(overrides), run_mode=RunMode.RUN,
+                                   from_shell=False, with_log_configuration=False)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
 
 
 def make_plan(overrides: Iterable[str] = (), objects: Iterable[Any] = ()) -> Plan:
     """Compose, select plugins, let them configure, and collect every problem."""
     objects = list(objects)
     available = make_plugin_manager(objects=objects)
-    cfg = compose_config(overrides, available)
+    return plan_config(compose_config(overrides, available), objects, available)
+
+
+def plan_config(cfg: DictConfig, objects: Iterable[Any] = (),
+                available: PlaitPluginManager | None = None) -> Plan:
+    """The plan for an already composed config (one job of a sweep, composed by Hydra)."""
+    objects = list(objects)
+    available = available or make_plugin_manager(objects=objects)
     pm = keep_selected(make_plugin_manager(cfg, objects), cfg)
     with open_dict(cfg):
         pm.hook.plait_configure(cfg=cfg)

@@ -35,10 +35,10 @@ def compose(overrides: Iterable[str] = (), plugins: Iterable[Any] = ()) -> DictC
 
 def run_training(run_dir: str | Path, overrides: Iterable[str] = (),
                  plugins: Iterable[Any] = ()) -> Path:
-    """Run ``plait train`` for real (worker processes included) into ``run_dir``."""
+    """Run ``plait train`` for real (worker processes included) into ``run_dir``; return it."""
     run_dir = Path(run_dir)
     return api.train([*TEST_OVERRIDES, f"run.root={run_dir.parent}", f"run.name={run_dir.name}",
-                      *overrides], plugins)
+                      *overrides], plugins).run_dir
 
 
 def run_losses(run_dir: str | Path, overrides: Iterable[str] = (),
@@ -92,7 +92,8 @@ def _spawned(rank: int, fn, world_size: int, nproc_per_node: int, port: int,
 
 
 def read_wandb_run(run_dir: str | Path) -> dict[str, Any]:
-    """Read back an offline W&B run written under ``run_dir/wandb``: its id, config and history.
+    """Read back an offline W&B run written under ``run_dir/wandb``: its id, name, group,
+    job type, notes, config and history (of the newest run there).
 
     The ``.wandb`` file is a LevelDB-style log (a 7-byte ``:W&B`` header, then 32 KiB blocks of
     records, each a 7-byte header — crc32c, little-endian length, chunk type — and a chunk of a
@@ -102,7 +103,8 @@ def read_wandb_run(run_dir: str | Path) -> dict[str, Any]:
 
     [path] = sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))[-1:]
     data, block, pos, pending = path.read_bytes(), 32768, 7, b""
-    run: dict[str, Any] = {"id": None, "config": {}, "history": [], "path": path}
+    run: dict[str, Any] = {"id": None, "name": None, "group": None, "job_type": None,
+                           "notes": None, "config": {}, "history": [], "path": path}
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # too little room for a header: the block is padded
             pos += block - pos % block
@@ -124,6 +126,8 @@ def _collect(record, run: dict[str, Any]) -> None:
     kind = record.WhichOneof("record_type")
     if kind == "run":
         run["id"] = record.run.run_id
+        run.update(name=record.run.display_name, group=record.run.run_group,
+                   job_type=record.run.job_type, notes=record.run.notes)
         for item in record.run.config.update:
             run["config"][item.key] = json.loads(item.value_json)
     elif kind == "config":

@@ -29,7 +29,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
+def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
     hook = pm.hook
     topology = hook.plait_build_topology(cfg=cfg) or Topology.initialize(
         cfg, assign_roles=lambda world_size: hook.plait_assign_roles(cfg=cfg, world_size=world_size))
@@ -62,11 +62,13 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
         loader.load_state_dict(state.data)
     logging = topology.is_logging_rank
     batches = iter(loader)
+    last_step = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)  # of this job
+    checkpoint = None
     status = "failed"
     try:
         if logging:
             hook.plait_on_run_start(cfg=cfg, state=state, topology=topology)
-        while state.step < cfg.train.steps:
+        while state.step < last_step:
             lr = lr_at(state.step)
             meter.start()
             micro_batches = next(batches)
@@ -78,15 +80,17 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
             state.step += 1
             state.tokens_seen += meter.tokens_per_step
             state.data = loader.state_dict()
-            metrics = meter.stop(state.step, out, lr)  # a collective on logged steps
-            if val_data is not None and state.step % cfg.train.eval_every == 0:
+            final = state.step == last_step
+            metrics = meter.stop(state.step, out, lr, final)  # a collective on logged steps
+            if val_data is not None and (state.step % cfg.train.eval_every == 0 or final):
                 metrics["eval/loss"] = evaluate(cfg, engine, val_data, topology)
             if logging:
                 hook.plait_on_step_end(step=state.step, output=out, state=state)
                 if metrics:
+                    state.metrics.update(metrics)
                     hook.plait_log_metrics(step=state.step, metrics=metrics, state=state)
-            hook.plait_save_checkpoint(cfg=cfg, engine=engine, state=state, topology=topology,
-                                       final=state.step == cfg.train.steps)
+            checkpoint = hook.plait_save_checkpoint(cfg=cfg, engine=engine, state=state,
+                                                    topology=topology, final=final) or checkpoint
         status = "finished"
     except BaseException as error:
         hook.plait_on_failure(cfg=cfg, error=error, state=state)
@@ -95,15 +99,16 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> TrainState:
         batches.close()  # stops the loader's background work before the process exits
         if logging:
             hook.plait_on_run_end(state=state, status=status)
-    return state
+    if not logging:
+        return None
+    return {"metrics": state.metrics, "checkpoint": str(checkpoint) if checkpoint else None}
 
 
-def run_role(cfg: DictConfig, pm: PlaitPluginManager, topology: Topology) -> TrainState:
+def run_role(cfg: DictConfig, pm: PlaitPluginManager, topology: Topology) -> None:
     """A rank that is not a trainer runs its plugin's loop (e.g. a parameter server)."""
     if not pm.hook.plait_run_role(cfg=cfg, topology=topology, hook=pm.hook):
         raise RuntimeError(f"rank {topology.rank} has role {topology.role!r}, which no active "
                            "plugin runs (plait_run_role)")
-    return TrainState()
 
 
 def evaluate(cfg: DictConfig, engine: Engine, data: TokenDataset, topology: Topology) -> float:

@@ -76,15 +76,22 @@ class TrainState:
     tokens_seen: int = 0
     data: dict[str, Any] = field(default_factory=dict)
     tracker_run_id: str | None = None
+    run_name: str | None = None  # the run that wrote the checkpoint
+    # The run this one was started from, when it resumed another run's checkpoint (a PBT child,
+    # a fine-tune): its ``run_name``, ``tracker_run_id`` and ``step``.
+    parent: dict[str, Any] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # last logged value of each metric
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data,
-                "tracker_run_id": self.tracker_run_id}
+                "tracker_run_id": self.tracker_run_id, "run_name": self.run_name,
+                "parent": self.parent, "metrics": self.metrics}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TrainState:
         return cls(step=d["step"], tokens_seen=d["tokens_seen"], data=dict(d["data"]),
-                   tracker_run_id=d.get("tracker_run_id"))
+                   tracker_run_id=d.get("tracker_run_id"), run_name=d.get("run_name"),
+                   parent=d.get("parent"), metrics=dict(d.get("metrics") or {}))
 
 
 @dataclass(frozen=True)

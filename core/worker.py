@@ -11,12 +11,16 @@ from plait.plugin_manager import keep_selected, make_plugin_manager
 from plait.train import train
 
 
-def run_worker(config: dict[str, Any], objects: tuple[Any, ...] = ()) -> None:
-    """Entry point of one worker; ``config`` is the resolved config as a plain dict (picklable)."""
+def run_worker(config: dict[str, Any], objects: tuple[Any, ...] = ()) -> dict | None:
+    """Entry point of one worker; ``config`` is the resolved config as a plain dict (picklable).
+
+    :return: on the logging rank the run's summary (``metrics``: the last logged values,
+        ``checkpoint``: the last checkpoint written), elsewhere None.
+    """
     cfg = OmegaConf.create(config)
     pm = keep_selected(make_plugin_manager(cfg, objects), cfg)
     try:
-        train(cfg, pm)
+        return train(cfg, pm)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -436,3 +436,25 @@ def assert_steps_2_and_3_skipped(run_dir, scales: list[float]) -> None:
                           weights_only=True) for s in range(1, 5)]
     changed = [any(not torch.equal(a[k], b[k]) for k in a) for a, b in zip(weights, weights[1:])]
     assert changed == [False, False, True]  # by steps 2, 3 and 4
+
+
+class OptimizerSettingsAfterLoad:
+    """Writes the settings of every param group of the optimizer that steps, right after the
+    checkpoint is loaded, to ``run.dir/optimizer_after_load.json`` (rank 0)."""
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="optimizer_settings_after_load")
+
+    @hookimpl(wrapper=True)
+    def plait_load_checkpoint(self, cfg, engine, topology):
+        import json
+        from pathlib import Path
+
+        state = yield
+        optimizer = engine.ds.optimizer if hasattr(engine, "ds") else engine.optimizer
+        groups = [{k: v for k, v in g.items() if k in ("lr", "betas", "weight_decay", "eps")}
+                  for g in optimizer.param_groups]
+        if topology.rank == 0:
+            Path(cfg.run.dir, "optimizer_after_load.json").write_text(json.dumps(groups))
+        return state

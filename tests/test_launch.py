@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from plait.plugins.launch import torch_env_from_slurm
+from plait.plugins.launch.slurm import first_host, tasks_on_node, torch_env_from_slurm
 from plait.testing import TEST_OVERRIDES, free_port, read_metrics, run_losses
 
 pytestmark = pytest.mark.slow
@@ -36,8 +36,8 @@ def test_srun_environment_is_translated_for_torch(tmp_path):
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
         env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
-                   SLURM_TASKS_PER_NODE="2",
-                   SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_LAUNCH_NODE_IPADDR="127.0.0.1",
+                   SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_STEP_ID="0",
+                   SLURM_JOB_NODELIST="localhost", SLURM_TASKS_PER_NODE="2",
                    MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "plait", "train", *TEST_OVERRIDES, *STEPS,
@@ -50,9 +50,29 @@ def test_srun_environment_is_translated_for_torch(tmp_path):
 
 
 def test_slurm_variables_map_to_torch_env():
-    env = torch_env_from_slurm({"SLURM_PROCID": "4", "SLURM_NTASKS": "7", "SLURM_LOCALID": "1",
-                                "SLURM_TASKS_PER_NODE": "3,2(x2)", "SLURM_NODEID": "1",
-                                "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.1"}, master_port=0)
-    assert env == {"RANK": "4", "WORLD_SIZE": "7", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                   "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
-    assert torch_env_from_slurm({"RANK": "0", "SLURM_PROCID": "0"}, 0) == {}
+    task = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+            "SLURM_NTASKS_PER_NODE": "4", "SLURM_NODEID": "1", "SLURM_JOB_ID": "1234",
+            "SLURM_JOB_NODELIST": "gpu[007-008]", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.99"}
+    env = torch_env_from_slurm(task, master_port=0)
+    # the master is where rank 0 runs (the job's first host), not the node that ran srun;
+    # the local world size is this node's tasks, not the job's
+    assert env == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                   "GROUP_RANK": "1", "MASTER_ADDR": "gpu007", "MASTER_PORT": str(20000 + 1234)}
+    assert torch_env_from_slurm({**task, "RANK": "0"}, 0) == {}  # torchrun inside srun
+    # the batch step of an sbatch script: SLURM_PROCID=0 and the job's task count, but no step
+    batch_step = {k: v for k, v in task.items() if k != "SLURM_STEP_ID"}
+    assert torch_env_from_slurm(batch_step, 0) == {}
+
+
+def test_slurm_host_lists_and_tasks_per_node():
+    assert first_host("gpu[003-004,010],cpu1") == "gpu003"
+    assert first_host("node7,node8") == "node7"
+    assert first_host("a[09-12]-ib") == "a09-ib"
+    assert tasks_on_node({"SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NTASKS": "7",
+                          "SLURM_NODEID": "3"}) == "1"
+    assert tasks_on_node({"SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NTASKS": "7",
+                          "SLURM_NODEID": "2"}) == "2"
+    # a step of 3 tasks inside that job: its own layout wins
+    assert tasks_on_node({"SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NTASKS_PER_NODE": "2",
+                          "SLURM_STEP_TASKS_PER_NODE": "1(x3)", "SLURM_NODEID": "2",
+                          "SLURM_NTASKS": "3"}) == "1"

@@ -19,13 +19,13 @@ CASES = [
     # the core's settings
     ("train.steps=0 train.batch_size=0 train.grad_accum_steps=0 train.seq_len=0 "
      "train.grad_clip=-1 train.log_every=0 train.eval_every=-5 train.eval_batches=0 "
-     "train.peak_flops=0",
+     "train.peak_flops=0 train.stop_at=0",
      ["train.steps=0 is out of range: set train.steps >= 1", "set train.batch_size >= 1",
       "set train.grad_accum_steps >= 1", "set train.seq_len >= 1",
       "train.grad_clip=-1.0 is out of range: set train.grad_clip >= 0 (0 turns clipping off)",
       "set train.log_every >= 1", "set train.eval_every >= 0 (0: no evaluation)",
       "set train.eval_batches >= 1", "train.peak_flops=0.0 is out of range: set "
-      "train.peak_flops > 0"]),
+      "train.peak_flops > 0", "train.stop_at=0 is out of range: set train.stop_at >= 1"]),
     ("parallel.tp=0 parallel.pp=-2 launcher.nproc_per_node=0 launcher.nnodes=0 "
      "launcher.timeout_s=0 seed=-1",
      ["parallel.tp=0 is out of range: set parallel.tp >= 1", "set parallel.pp >= 1",

@@ -14,6 +14,10 @@ matches its files is ever loaded; a damaged or partial one is skipped with a mes
 newest complete one is used. ``latest`` never names a missing checkpoint: re-saving a step that
 exists (after resuming from an older one) first points ``latest`` elsewhere. Stale ``.partial``
 directories of crashed writes are removed by the next save.
+
+``resume=`` a checkpoint outside this run's directory (another run's, or a copy a PBT sweeper
+made) starts a new run from it: weights, optimizer state and data position are loaded, the
+other run's tracker id is not (``TrainState.parent`` names that run instead).
 """
 
 from __future__ import annotations
@@ -258,8 +262,19 @@ def plait_load_checkpoint(cfg, engine, topology) -> TrainState | None:
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=True))
     state = TrainState.from_dict(json.loads((path / TRAINER_STATE).read_text()))
+    if not path.resolve().is_relative_to(checkpoint_root(cfg).resolve()):
+        state = fork(state, path)
     if topology.is_logging_rank:
         print(f"plait: resumed from {path} at step {state.step}", flush=True)
+    return state
+
+
+def fork(state: TrainState, path: Path) -> TrainState:
+    """Another run's checkpoint starts a new run: its weights, optimizer and data position are
+    taken, its tracker run is not (the new run gets its own and names the other as parent)."""
+    state.parent = {"run_name": state.run_name, "tracker_run_id": state.tracker_run_id,
+                    "step": state.step, "checkpoint": str(path)}
+    state.tracker_run_id, state.run_name, state.metrics = None, None, {}
     return state
 
 
@@ -284,6 +299,7 @@ def plait_save_checkpoint(cfg, engine, state, topology, final) -> Path | None:
             fsync_path(file)
     barrier(topology)
     if topology.is_logging_rank:
+        state.run_name = cfg.run.name
         atomic_write_text(partial / TRAINER_STATE, json.dumps(state.to_dict()))
         publish(root, partial, name)
         prune(root, cfg.fault.keep_last)

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from plait import hookimpl
 from plait.config import StrategyConfig
 from plait.plugins.optim.clip_grads import clip_grad_norm_
+from plait.plugins.optim.hyperparameters import keep_hyperparameters
 from plait.plugins.optim.mixed_precision import autocast, grad_scaler
 from plait.types import Batch, GradReducer, PluginInfo, StepOutput
 
@@ -168,7 +169,8 @@ class DDPEngine:
         state = torch.load(directory / self.checkpoint_name, map_location=self.device,
                            weights_only=True)
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        with keep_hyperparameters(self.optimizer):
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         self.skipped_steps = state["skipped_steps"]
 

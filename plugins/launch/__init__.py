@@ -1,6 +1,7 @@
 """``launcher=local``: start ``launcher.nproc_per_node`` workers with torch's elastic launcher
 (the machinery behind ``torchrun``), or, when an external launcher already started this process
-(``torchrun``, ``srun``), run the worker in place.
+(``torchrun``, a task of ``srun``), run the worker in place. In the batch step of an ``sbatch``
+script (no ``srun``) it starts its workers as on any machine.
 
 Multi-node: run the same command on every node with ``launcher.nnodes=N
 launcher.master_addr=<node 0's address> launcher.master_port=<port> launcher.node_rank=<i>
@@ -14,10 +15,11 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from plait import hookimpl
 from plait.config import AT_LEAST_0, LauncherConfig, Range, range_problems
+from plait.plugins.launch.slurm import in_srun_task, task_count_problems, torch_env_from_slurm
 from plait.types import PluginInfo
 
 
@@ -36,38 +38,9 @@ RANGES = {"node_rank": AT_LEAST_0, "max_restarts": AT_LEAST_0,
 
 
 def started_externally() -> bool:
-    return "LOCAL_RANK" in os.environ or "SLURM_PROCID" in os.environ
-
-
-def tasks_on_node(tasks_per_node: str, node: int) -> int:
-    """Tasks on node ``node`` from SLURM's compressed list, e.g. ``"4(x2),2"`` = 4, 4, 2."""
-    counts = []
-    for part in tasks_per_node.split(","):
-        count, _, repeat = part.partition("(x")
-        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
-    return counts[node]
-
-
-def torch_env_from_slurm(environ: dict[str, str], master_port: int) -> dict[str, str]:
-    """The ``env://`` variables torch needs, derived from what ``srun`` sets (the processes on
-    this node from ``SLURM_STEP_TASKS_PER_NODE``/``SLURM_TASKS_PER_NODE`` at ``SLURM_NODEID``)."""
-    if "RANK" in environ or "SLURM_PROCID" not in environ:
-        return {}
-    node = environ.get("SLURM_NODEID", "0")
-    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE", environ.get("SLURM_TASKS_PER_NODE"))
-    if per_node is None:
-        raise ValueError("srun set neither SLURM_STEP_TASKS_PER_NODE nor SLURM_TASKS_PER_NODE: "
-                         "plait cannot tell how many processes share this node")
-    return {
-        "RANK": environ["SLURM_PROCID"],
-        "WORLD_SIZE": environ["SLURM_NTASKS"],
-        "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
-        "LOCAL_WORLD_SIZE": str(tasks_on_node(per_node, int(node))),
-        "GROUP_RANK": node,
-        "MASTER_ADDR": environ.get("MASTER_ADDR", environ.get("SLURM_LAUNCH_NODE_IPADDR",
-                                                              "127.0.0.1")),
-        "MASTER_PORT": environ.get("MASTER_PORT", str(master_port or 29500)),
-    }
+    """Under ``torchrun`` or as a task of ``srun`` (not the batch step of an sbatch script,
+    which starts the workers itself)."""
+    return "LOCAL_RANK" in os.environ or in_srun_task(os.environ)
 
 
 @hookimpl
@@ -93,7 +66,7 @@ def plait_validate(cfg) -> list[str]:
         problems.append(f"launcher.nnodes={launcher.nnodes} needs launcher.master_port=<port>: "
                         "the port node 0 listens on for the rendezvous, the same on every node "
                         "(e.g. 29500)")
-    return problems + gpu_problems(cfg)
+    return problems + gpu_problems(cfg) + task_count_problems(cfg, os.environ)
 
 
 def gpu_problems(cfg) -> list[str]:
@@ -116,12 +89,11 @@ def gpu_problems(cfg) -> list[str]:
 
 
 @hookimpl
-def plait_launch(cfg, entrypoint, args) -> bool:
+def plait_launch(cfg, entrypoint, args) -> dict[int, Any]:
     launcher = cfg.launcher
     if started_externally():
-        os.environ.update(torch_env_from_slurm(dict(os.environ), launcher.master_port))
-        entrypoint(*args)
-        return True
+        os.environ.update(torch_env_from_slurm(os.environ, launcher.master_port))
+        return {int(os.environ["RANK"]): entrypoint(*args)}
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -147,5 +119,4 @@ def plait_launch(cfg, entrypoint, args) -> bool:
         monitor_interval=0.1,
         local_addr=launcher.local_addr,
     )
-    elastic_launch(config, entrypoint=entrypoint)(*args)
-    return True
+    return elastic_launch(config, entrypoint=entrypoint)(*args)

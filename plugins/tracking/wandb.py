@@ -2,7 +2,9 @@
 
 Offline unless ``tracker.mode=online``; the run files land in ``run.dir/wandb``. The run config is
 the resolved plait config. The run id is kept in the trainer state, so every checkpoint carries
-it and a resumed job continues the same W&B run.
+it and a resumed job continues the same W&B run. A run started from another run's checkpoint
+(``TrainState.parent``) is a new W&B run whose config and notes name its parent. The jobs of a
+sweep (``plait train -m``) are grouped by the sweep (``group``), with ``job_type`` "trial".
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ class WandbConfig(TrackerConfig):
     project: str = "plait"
     entity: Optional[str] = None
     mode: str = "offline"  # offline | online | disabled
-    group: Optional[str] = None
+    group: Optional[str] = None  # None: the sweep this run is a job of (run.sweep)
+    job_type: Optional[str] = None  # None: "trial" in a sweep
     tags: list[str] = field(default_factory=list)
 
 
@@ -51,10 +54,18 @@ class WandbTracker:
         import wandb
 
         t = cfg.tracker
+        config = OmegaConf.to_container(cfg, resolve=True)
+        notes = None
+        if state.parent:  # started from another run's checkpoint: a new run naming its parent
+            config["parent"] = state.parent
+            notes = (f"continues {state.parent['run_name']} (W&B run "
+                     f"{state.parent['tracker_run_id']}) from its step {state.parent['step']}")
+        in_sweep = cfg.run.sweep is not None
         self.run = wandb.init(
-            project=t.project, entity=t.entity, group=t.group, tags=list(t.tags), mode=t.mode,
-            dir=cfg.run.dir, name=cfg.run.name, id=state.tracker_run_id, resume="allow",
-            config=OmegaConf.to_container(cfg, resolve=True),
+            project=t.project, entity=t.entity, group=t.group or cfg.run.sweep,
+            job_type=t.job_type or ("trial" if in_sweep else None), tags=list(t.tags),
+            mode=t.mode, dir=cfg.run.dir, name=cfg.run.name, notes=notes,
+            id=state.tracker_run_id, resume="allow", config=config,
         )
         state.tracker_run_id = self.run.id
 

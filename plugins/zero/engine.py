@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from plait.plugins.optim.hyperparameters import keep_hyperparameters
 from plait.types import Batch, StepOutput
 
 TAG = "deepspeed"  # DeepSpeed's checkpoint tag: files go to <checkpoint dir>/deepspeed/
@@ -232,8 +233,9 @@ class ZeroEngine:
         self.ds.save_checkpoint(str(directory), tag=TAG, save_latest=False)
 
     def load_state(self, directory: Path) -> None:
-        path, _ = self.ds.load_checkpoint(str(directory), tag=TAG, load_optimizer_states=True,
-                                          load_lr_scheduler_states=False)
+        with keep_hyperparameters(self.ds.optimizer):
+            path, _ = self.ds.load_checkpoint(str(directory), tag=TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
         if path is None:
             raise ValueError(f"{directory}: no DeepSpeed checkpoint (tag {TAG!r}) in it; it was "
                              "not written by strategy=zero*")

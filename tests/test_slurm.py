@@ -1,0 +1,179 @@
+"""A real SLURM on this machine: Debian's slurm-wlm and munge, one controller and one node daemon
+on localhost, started by the fixture (installed with apt when absent; skipped, with the reason,
+where they cannot run). ``plait train launcher=slurm`` submits through Hydra's submitit
+launcher; ``plait train`` in the batch step of an sbatch script starts its own workers."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from plait.testing import TEST_OVERRIDES, free_port, read_metrics, run_losses
+
+pytestmark = pytest.mark.slow
+
+STEPS = ["train.steps=3", "optimizer.decay_steps=3"]
+DAEMONS = ("munged", "slurmctld", "slurmd")
+
+
+def install_slurm() -> str | None:
+    """Install slurm-wlm and munge with apt where they are missing; the reason if impossible."""
+    if all(shutil.which(d) or Path(f"/usr/sbin/{d}").exists() for d in DAEMONS):
+        return None
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return "slurm-wlm and munge are not installed and apt-get cannot run as root here"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"],
+                ["apt-get", "install", "-y", "-qq", "slurm-wlm", "munge"]):
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode:
+            return f"{' '.join(cmd)} failed: {done.stderr[-500:]}"
+    return None
+
+
+def slurm_conf(root: Path, host: str, cpus: int) -> str:
+    return f"""\
+ClusterName=plaittest
+SlurmctldHost={host}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
+AuthType=auth/munge
+AuthInfo=socket={root}/munge.socket
+CredType=cred/munge
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+MinJobAge=600
+NodeName={host} CPUs={cpus} RealMemory=2000 State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A running single-host SLURM; yields the environment that points its commands at it."""
+    reason = install_slurm()
+    if reason:
+        pytest.skip(f"no SLURM: {reason}")
+    root = tmp_path_factory.mktemp("slurm")
+    root.chmod(0o755)  # munged wants its socket's directories searchable by everyone
+    for sub in ("state", "spool"):
+        (root / sub).mkdir()
+    key = root / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o600)
+    host = socket.gethostname()
+    conf = root / "slurm.conf"
+    conf.write_text(slurm_conf(root, host, os.cpu_count() or 2))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    started = []
+    try:
+        for cmd in ([_sbin("munged"), "--force", f"--key-file={key}",
+                     f"--socket={root}/munge.socket", f"--pid-file={root}/munged.pid",
+                     f"--log-file={root}/munged.log", f"--seed-file={root}/munge.seed"],
+                    [_sbin("slurmctld"), "-f", str(conf)],
+                    [_sbin("slurmd"), "-f", str(conf)]):
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+            if done.returncode:
+                pytest.skip(f"no SLURM: {Path(cmd[0]).name} did not start: {done.stderr[-500:]}")
+            started.append(Path(cmd[0]).name)
+        if not _node_idle(env):
+            logs = "".join(p.read_text()[-400:] for p in root.glob("slurm*.log"))
+            pytest.skip(f"no SLURM: the node did not come up within 60 s: {logs}")
+        yield env
+    finally:
+        if "slurmd" in started:  # let jobs end before their daemons go
+            subprocess.run(["scancel", "--full", "--user=root"], env=env, timeout=30)
+            deadline = time.time() + 60
+            while time.time() < deadline and subprocess.run(
+                    ["squeue", "-h"], env=env, capture_output=True, text=True).stdout.strip():
+                time.sleep(1)
+        for name in reversed(started):
+            pid_file = root / f"{name}.pid"
+            if pid_file.exists():
+                os.kill(int(pid_file.read_text()), signal.SIGTERM)
+
+
+def _sbin(name: str) -> str:
+    return shutil.which(name) or f"/usr/sbin/{name}"
+
+
+def _node_idle(env) -> bool:
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        state = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
+                               text=True).stdout.strip()
+        if state.startswith("idle") or state.startswith("mixed"):
+            return True
+        time.sleep(1)
+    return False
+
+
+def final_state(env, job_id: str) -> str:
+    """The job's state once it has left the queue's running states (submitit returns as soon as
+    the tasks wrote their results, while SLURM is still ending the job)."""
+    deadline = time.time() + 120
+    while True:
+        shown = subprocess.run(["scontrol", "show", "job", job_id], env=env,
+                               capture_output=True, text=True).stdout
+        state = re.search(r"JobState=(\w+)", shown)[1]
+        if state not in ("PENDING", "RUNNING", "COMPLETING") or time.time() > deadline:
+            return state
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Losses of the same run started locally with 2 worker processes."""
+    return run_losses(tmp_path_factory.mktemp("ref") / "local", [*STEPS,
+                                                                 "launcher.nproc_per_node=2"])
+
+
+def test_launcher_slurm_submits_and_each_task_joins_the_job(slurm, reference, tmp_path):
+    cmd = [sys.executable, "-m", "plait", "train", "launcher=slurm",
+           "launcher.tasks_per_node=2", "launcher.time=10", *TEST_OVERRIDES, *STEPS,
+           f"run.root={tmp_path}", "run.name=sub"]
+    done = subprocess.run(cmd, env=slurm, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # one SLURM job (submitit's folder is named by its id) that completed
+    [job_dir] = [p for p in (tmp_path / "sub" / ".submitit").iterdir() if p.is_dir()]
+    assert final_state(slurm, job_dir.name) == "COMPLETED"
+    # its two tasks were the two ranks of one torch job: the losses of the local 2-process run
+    losses = [m["loss"] for m in read_metrics(tmp_path / "sub" / "0")]
+    assert losses == pytest.approx(reference, rel=1e-6)
+
+
+def test_plait_in_an_sbatch_batch_step_starts_its_own_workers(slurm, reference, tmp_path):
+    # The batch step has SLURM_PROCID=0 and SLURM_NTASKS=2 but is one process: taking it for a
+    # task of srun would wait for a second rank that never comes.
+    train = " ".join([sys.executable, "-m", "plait", "train", "launcher.nproc_per_node=2",
+                      *TEST_OVERRIDES, *STEPS, f"run.root={tmp_path}", "run.name=batch"])
+    done = subprocess.run(["sbatch", "--wait", "--ntasks=2", f"--output={tmp_path}/batch.out",
+                           f"--wrap={train}"], env=slurm, capture_output=True, text=True,
+                          timeout=600)
+    output = (tmp_path / "batch.out").read_text() if (tmp_path / "batch.out").exists() else ""
+    assert done.returncode == 0, done.stderr + output[-3000:]
+    losses = [m["loss"] for m in read_metrics(tmp_path / "batch")]
+    assert losses == pytest.approx(reference, rel=1e-6)
