@@ -6,6 +6,7 @@ Examples::
     plait train -m strategy=ddp,zero2 optimizer.lr=1e-3,3e-3     # a Hydra multirun: 4 runs
     plait train --cfg job strategy=zero2                          # print the composed config
     plait plan parallel.tp=2 launcher.nproc_per_node=4
+    plait plan --search world_size=8 model=gpt2_small --memory-gb 80   # the layout planner
     plait plugins
 """
 
@@ -128,7 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         listing = "\n".join(f"  {name:{width}s}  {help}" for name, (_, help) in table.items())
         print(USAGE.format(commands=listing), file=sys.stderr if argv else sys.stdout)
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    command, overrides = table[argv[0]][0], argv[1:]
+    # A plugin may add a flag to a command, registered as "<command> --<flag>" (e.g. the
+    # planner's "plan --search"): it receives the flag and the rest of the line.
+    flagged = f"{argv[0]} {argv[1].split('=', 1)[0]}" if len(argv) > 1 else None
+    if flagged in table:
+        command, overrides = table[flagged][0], argv[1:]
+    else:
+        command, overrides = table[argv[0]][0], argv[1:]
     try:
         return command(overrides) or 0
     except (PlanError, HydraException, OmegaConfBaseException, ValueError) as e:

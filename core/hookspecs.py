@@ -73,7 +73,9 @@ def plait_register_commands(register: Callable[..., None]) -> None:
     """Add sub-commands to the ``plait`` CLI.
 
     :param register: call ``register(name, function, help)``; ``function(overrides: list[str])``
-        runs the command with the Hydra overrides the user typed after it.
+        runs the command with the Hydra overrides the user typed after it. A name of the form
+        ``"<command> --<flag>"`` (e.g. ``"plan --search"``) adds a flag to a command: the
+        function then receives the flag and everything after it.
     """
 
 

@@ -15,6 +15,7 @@ import torch
 from hydra.utils import instantiate
 
 from plait import hookimpl
+from plait.plan import meta_device
 from plait.types import PluginInfo
 
 
@@ -28,7 +29,7 @@ def plait_validate(cfg, hook) -> list[str]:
     """Build the model on the meta device, so that a ``_target_`` or arguments it cannot be built
     with are refused here rather than in every worker."""
     try:
-        with torch.device("meta"):
+        with meta_device():
             hook.plait_build_model(cfg=cfg)
     except Exception as e:
         cause = e.__cause__ or e  # the model's own error, not Hydra's wrapper

@@ -45,22 +45,28 @@ class Estimate:
     offload_params: bool = False
 
 
+def model_states(strategy: str, per_rank_params: int, dp: int, precision: str) -> ModelStates:
+    """The paper's per-rank bytes for ``strategy=ddp|zero0..zero3`` (offload not counted)."""
+    if strategy == "ddp":
+        return ddp_formula(per_rank_params)
+    if strategy not in zero_config.STAGES:
+        raise ValueError(f"strategy={strategy}: plait estimate knows ddp and zero0..zero3")
+    return zero_formula(per_rank_params, zero_config.STAGES[strategy], dp, precision)
+
+
 def estimate_model_states(plan) -> Estimate:
     """Per-rank model-state bytes for the planned model, strategy, dp size and precision."""
     cfg, dims = plan.cfg, plan.dims
     strategy = cfg.strategy.name
     n_params, largest = count_params(meta_model(plan.pm.hook, plan.cfg))
     per_rank_params = n_params // (dims.tp * dims.pp)  # tp/pp split the weights (approximately)
+    states = model_states(strategy, per_rank_params, dims.dp, cfg.precision)
     if strategy == "ddp":
-        return Estimate(n_params, per_rank_params, ddp_formula(per_rank_params),
-                        None)
-    if strategy not in zero_config.STAGES:
-        raise ValueError(f"strategy={strategy}: plait estimate knows ddp and zero0..zero3")
+        return Estimate(n_params, per_rank_params, states, None)
     stage = zero_config.stage_of(cfg)
     offload_opt = cfg.strategy.offload_optimizer != "none"
     offload_params = cfg.strategy.offload_params != "none"
-    return Estimate(n_params, per_rank_params,
-                    zero_formula(per_rank_params, stage, dims.dp, cfg.precision),
+    return Estimate(n_params, per_rank_params, states,
                     deepspeed_estimate(per_rank_params, largest, stage, dims.dp, offload_opt,
                                        offload_params),
                     offload_opt, offload_params)

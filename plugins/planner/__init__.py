@@ -1,0 +1,114 @@
+"""``plait plan --search world_size=N``: the layout planner.
+
+    plait plan --search world_size=8 model=gpt2_small precision=bf16 train.seq_len=1024
+    plait plan --search world_size=8 model=gpt2_small --memory-gb 40 --bandwidth-gbs 25
+    plait plan --search world_size=4 --memory-gb 2 train.peak_flops=1e11 --confirm 2
+
+Enumerates the layouts of ``N`` ranks (dp × tp × pp, ZeRO stage or ddp, micro-batch, activation
+checkpointing: :mod:`.search`), estimates memory per rank and step time for each (:mod:`.cost`,
+the formulas are there), keeps those within the memory budget, checks them fastest first
+through the plan every run gets (a layout any plugin refuses is dropped; how many and the most
+common reason are printed) and prints the ranking. ``--confirm K`` trains the top K for a few
+steps as one Hydra multirun and prints measured against estimated (:mod:`.confirm`).
+
+Budgets: ``--memory-gb`` per rank, else the CUDA device's memory. On a CPU there is no per-rank
+figure to take: the ranks of a node share its RAM with each other and the OS, so the planner asks
+for ``--memory-gb`` rather than guess. The peak is ``train.peak_flops``, else the known peak of
+the CUDA device (:data:`plait.metrics.PEAK_BF16_FLOPS`); a CPU has none, so set it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from omegaconf import OmegaConf
+
+from plait import hookimpl
+from plait.metrics import device_peak_flops
+from plait.plan import compose_config, meta_model
+from plait.plugin_manager import make_plugin_manager
+from plait.types import PluginInfo
+
+DEFAULT_BANDWIDTH_GBS = 50.0  # GB/s per rank: one 400 Gb/s InfiniBand link per GPU
+
+
+@hookimpl
+def plait_declare() -> PluginInfo:
+    return PluginInfo(name="planner", description="plait plan --search: rank parallel layouts")
+
+
+@hookimpl
+def plait_register_commands(register) -> None:
+    register("plan --search", cmd_plan_search,
+             "rank the layouts of N ranks by estimated step time (world_size=N [--memory-gb G] "
+             "[--confirm K])")
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="plait plan --search", description=__doc__.split("\n")[0])
+    parser.add_argument("--search", required=True, metavar="world_size=N")
+    parser.add_argument("--memory-gb", type=float, help="memory budget per rank, GiB")
+    parser.add_argument("--bandwidth-gbs", type=float, default=DEFAULT_BANDWIDTH_GBS,
+                        help="bytes/s per rank for dp/tp/pp traffic, GB/s (default %(default)s)")
+    parser.add_argument("--top", type=int, default=10, help="layouts to print (0: all)")
+    parser.add_argument("--confirm", type=int, default=0, metavar="K",
+                        help="train the top K for a few steps and print measured vs estimated")
+    args, overrides = parser.parse_known_args(argv)
+    key, _, value = args.search.partition("=")
+    if key != "world_size" or not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--search {args.search}: give --search world_size=N with N >= 1")
+    return args, overrides
+
+
+def memory_budget(memory_gb: float | None) -> float:
+    if memory_gb is not None:
+        return memory_gb * 2**30
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    raise ValueError("plait plan --search needs --memory-gb G (per rank) on a machine without "
+                     "CUDA: the ranks of a node share its RAM, so there is no per-rank figure to "
+                     "take")
+
+
+def peak_flops(cfg) -> float:
+    peak = cfg.train.peak_flops or (device_peak_flops(torch.device("cuda", 0))
+                                    if torch.cuda.is_available() else None)
+    if not peak:
+        raise ValueError("plait plan --search needs train.peak_flops=<dense FLOP/s of one "
+                         "device>: this device has no known peak")
+    return float(peak)
+
+
+def cmd_plan_search(argv: list[str]) -> int:
+    from plait.plugins.planner.cost import Workload
+    from plait.plugins.planner.search import search, split_overrides
+    from plait.plugins.planner.table import format_search
+
+    args, overrides = parse_args(argv)
+    world_size = int(args.search.partition("=")[2])
+    fixed, overrides = split_overrides(overrides)
+    pm = make_plugin_manager()
+    cfg = compose_config(overrides, pm)
+    if world_size % cfg.launcher.nnodes:
+        raise ValueError(f"world_size={world_size} is not a multiple of launcher.nnodes="
+                         f"{cfg.launcher.nnodes}")
+    overrides = overrides + [f"launcher.nproc_per_node={world_size // cfg.launcher.nnodes}"]
+    budget = memory_budget(args.memory_gb)
+    model = meta_model(pm.hook, cfg)
+    if model is None:
+        raise ValueError(f"model._target_={cfg.model._target_} cannot be built with these "
+                         "settings: `plait plan` with the same overrides says why")
+    work = Workload(model, cfg.train.batch_size, cfg.train.seq_len, cfg.precision,
+                    peak_flops(cfg), args.bandwidth_gbs * 1e9,
+                    OmegaConf.select(cfg, "pipeline.schedule", default="1f1b"))
+    top = args.top and max(args.top, args.confirm)
+    result = search(pm, overrides, world_size, budget, work, fixed, top)
+    print(format_search(result, world_size, budget, work, overrides))
+    if not result.accepted:
+        return 1
+    if args.confirm:
+        from plait.plugins.planner.confirm import confirm
+
+        print(confirm(result.accepted[:args.confirm], overrides, cfg))
+    return 0

@@ -1,0 +1,136 @@
+"""The planner's cost model: memory per rank and time per optimizer step of one layout.
+
+Notation (Megatron's): ``N`` parameters, ``L`` layers, hidden size ``h``, sequence length ``s``,
+global batch ``B`` sequences, micro-batch ``b``, ``m = B / (dp·b)`` micro-batches per step
+(gradient-accumulation steps; under ``pp > 1`` the pipeline's micro-batches), ``v`` bytes per
+activation value (the precision's), peak ``F`` FLOP/s of one device, bandwidth ``W`` bytes/s per
+rank.
+
+Memory per rank::
+
+    states       = the ZeRO paper's formula for the strategy on Ψ = N / (tp·pp) parameters
+                   (plait.plugins.zero.estimate; ddp keeps fp32 parameters and gradients)
+    activations  = A(b, s, v, recompute) / tp / pp · in_flight
+    in_flight    = 1 without pipeline, min(m, pp) under 1F1B (the first stage holds pp
+                   micro-batches), m under GPipe
+
+``A`` is the model's own ``activation_bytes(b, s, v, recompute=mode)`` for the whole model (what
+``plait estimate`` prints); ``/tp`` as ``plait estimate`` divides it, ``/pp`` for the stage's
+share of the layers.
+
+Time per step (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters", sec. 2-3)::
+
+    compute  = (f(s) + r) · B · s / (dp·tp·pp) / F
+    bubble   = compute · (pp − 1) / m          (bubble fraction of the step: (pp−1)/(m+pp−1))
+    comm     = bytes / W
+    step     = compute + bubble + comm         (no overlap of communication with compute)
+
+``f(s)`` is the model's ``flops_per_token(s)`` (6·N plus attention; 6·N for a model without
+one). ``r`` is the recompute per token: one more forward, ``f(s)/3``, under ``full``; the
+attention core's forward, ``(f(s) − f(0))/3``, under ``selective``. Bytes each rank sends per
+step, with ring collectives (an all-reduce of ``M`` bytes over ``n`` ranks sends ``2(n−1)/n·M``,
+a reduce-scatter or all-gather ``(n−1)/n·M``) and ``g`` bytes per gradient element (4 under ddp,
+whose parameters stay fp32; ``v`` under ZeRO)::
+
+    dp, ddp / zero0-2:  2(dp−1)/dp · Ψ · g     (all-reduce; ZeRO-2: reduce-scatter + all-gather)
+    dp, zero3:          3(dp−1)/dp · Ψ · g     (parameters gathered in forward and backward)
+    tp:  k · 2(tp−1)/tp · s·b·h·v · L/pp · m   (k = 4 all-reduces per layer, 2 forward and 2
+                                               backward; 6 when full recompute repeats the
+                                               forward's)
+    pp:  2 · s·b·h·v · m                       (activations forward, gradients backward)
+
+Without ``h`` and ``L`` on the model (``n_embd``, ``n_layer``) the tp and pp terms are 0. The
+figures rank layouts; ``plait plan --search ... --confirm K`` runs the top K and prints what they
+really take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plait.metrics import flops_per_token
+from plait.plugins.zero.command import model_states
+from plait.plugins.zero.estimate import BYTES
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: the settings a run of it gets."""
+
+    strategy: str
+    dp: int
+    tp: int
+    pp: int
+    micro_batch_size: int
+    microbatches: int  # per optimizer step: train.grad_accum_steps (and pipeline.microbatches)
+    activation_checkpointing: str
+
+    def overrides(self) -> list[str]:
+        settings = [f"strategy={self.strategy}", f"parallel.dp={self.dp}",
+                    f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
+                    f"train.grad_accum_steps={self.microbatches}",
+                    f"train.activation_checkpointing={self.activation_checkpointing}"]
+        if self.pp > 1:
+            settings.append(f"pipeline.microbatches={self.microbatches}")
+        return settings
+
+
+@dataclass(frozen=True)
+class Cost:
+    memory_bytes: int
+    compute_s: float
+    bubble_s: float
+    comm_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.bubble_s + self.comm_s
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is fixed across layouts: the model (on the meta device), batch, precision, hardware."""
+
+    model: torch.nn.Module
+    batch_size: int
+    seq_len: int
+    precision: str
+    peak_flops: float
+    bandwidth: float  # bytes/s per rank
+    schedule: str = "1f1b"
+
+
+def cost(layout: Layout, work: Workload) -> Cost:
+    model, s, v = work.model, work.seq_len, BYTES[work.precision]
+    dp, tp, pp, b, m = layout.dp, layout.tp, layout.pp, layout.micro_batch_size, layout.microbatches
+    n_params = sum(p.numel() for p in model.parameters())
+    psi = n_params // (tp * pp)
+
+    states = model_states(layout.strategy, psi, dp, work.precision)
+    recompute = layout.activation_checkpointing
+    count = getattr(model, "activation_bytes", None)
+    activations = 0
+    if callable(count):
+        in_flight = 1 if pp == 1 else (m if work.schedule == "gpipe" else min(m, pp))
+        kwargs = {} if recompute == "none" else {"recompute": recompute}
+        activations = count(b, s, v, **kwargs) // tp // pp * in_flight
+
+    f = flops_per_token(model, s)
+    attention = f - flops_per_token(model, 0)
+    r = {"none": 0.0, "full": f / 3, "selective": attention / 3}[recompute]
+    compute = (f + r) * work.batch_size * s / (dp * tp * pp) / work.peak_flops
+    bubble = compute * (pp - 1) / m
+
+    g = 4 if layout.strategy == "ddp" else v
+    dp_factor = 3 if layout.strategy == "zero3" else 2
+    sent = dp_factor * (dp - 1) / dp * psi * g
+    h, n_layer = getattr(model, "n_embd", 0), getattr(model, "n_layer", 0)
+    activation_msg = s * b * h * v
+    all_reduces = 6 if recompute == "full" else 4
+    sent += all_reduces * 2 * (tp - 1) / tp * activation_msg * n_layer / pp * m
+    if pp > 1:
+        sent += 2 * activation_msg * m
+    return Cost(states.total + activations, compute, bubble, sent / work.bandwidth)
