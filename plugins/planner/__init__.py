@@ -80,7 +80,8 @@ def peak_flops(cfg) -> float:
     return float(peak)
 
 
-def cmd_plan_search(argv: list[str]) -> int:
+def search_layouts(argv: list[str]):
+    """Run the search ``argv`` asks for: ``(result, printed table, overrides, args, cfg)``."""
     from plait.plugins.planner.cost import Workload
     from plait.plugins.planner.search import search, split_overrides
     from plait.plugins.planner.table import format_search
@@ -104,7 +105,12 @@ def cmd_plan_search(argv: list[str]) -> int:
                     OmegaConf.select(cfg, "pipeline.schedule", default="1f1b"))
     top = args.top and max(args.top, args.confirm)
     result = search(pm, overrides, world_size, budget, work, fixed, top)
-    print(format_search(result, world_size, budget, work, overrides))
+    return result, format_search(result, world_size, budget, work, overrides), overrides, args, cfg
+
+
+def cmd_plan_search(argv: list[str]) -> int:
+    result, table, overrides, args, cfg = search_layouts(argv)
+    print(table, flush=True)
     if not result.accepted:
         return 1
     if args.confirm:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from plait import api
 from plait.plan import default_run_name
@@ -29,9 +29,7 @@ def layout_yaml(index: int, layout: Layout, estimate: Cost) -> str:
              f"# layout {index} of plait plan --search: estimated {estimate.step_s * 1e3:.2f} ms "
              f"per step, {estimate.memory_bytes / 2**30:.3f} GiB per rank",
              "defaults:", f"  - override /strategy: {layout.strategy}"]
-    lines += [f"{key}: {value}" for key, _, value in
-              (o.partition("=") for o in layout.overrides()[1:])]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + OmegaConf.to_yaml(OmegaConf.from_dotlist(layout.overrides()[1:]))
 
 
 def confirm(top: list[tuple[Layout, Cost]], overrides: list[str], cfg: DictConfig) -> str:
@@ -40,21 +38,21 @@ def confirm(top: list[tuple[Layout, Cost]], overrides: list[str], cfg: DictConfi
     config_dir = Path(cfg.run.root) / name / "layouts"
     (config_dir / "layout").mkdir(parents=True, exist_ok=True)
     for i, (layout, estimate) in enumerate(top):
-        (config_dir / "layout" / f"{i}.yaml").write_text(layout_yaml(i, layout, estimate))
+        (config_dir / "layout" / f"top{i + 1}.yaml").write_text(layout_yaml(i + 1, layout,
+                                                                            estimate))
     sweep = [o for o in overrides if not o.startswith("run.name=")] + [f"run.name={name}"]
     if "train.steps" not in keys:
         sweep.append(f"train.steps={CONFIRM_STEPS}")
-    sweep.append("+layout=" + ",".join(map(str, range(len(top)))))
+    sweep.append("+layout=" + ",".join(f"top{i + 1}" for i in range(len(top))))
     print(f"plait train -m --config-dir {config_dir} {' '.join(sweep)}", flush=True)
     jobs = api.job_returns(api.multirun(sweep, config_dir=str(config_dir)))
     lines = [f"{'#':>3} {'layout':50} {'est. step ms':>12} {'measured':>9} "
              f"{'est. mem GiB':>12} {'measured':>9}"]
     for job in jobs:
-        index = int(next(o for o in job.overrides if o.startswith("+layout="))[len("+layout="):])
+        index = int(next(o for o in job.overrides if o.startswith("+layout=top"))[11:]) - 1
         layout, estimate = top[index]
         metrics = job.return_value.metrics
-        described = " ".join(o.split(".")[-1] for o in layout.overrides())
-        lines.append(f"{index + 1:>3} {described:50} {estimate.step_s * 1e3:>12.2f} "
+        lines.append(f"{index + 1:>3} {layout.describe():50} {estimate.step_s * 1e3:>12.2f} "
                      f"{metrics['step_time_s/max'] * 1e3:>9.2f} "
                      f"{estimate.memory_bytes / 2**30:>12.3f} "
                      f"{metrics['peak_memory_bytes/max'] / 2**30:>9.3f}")

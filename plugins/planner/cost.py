@@ -68,6 +68,10 @@ class Layout:
     microbatches: int  # per optimizer step: train.grad_accum_steps (and pipeline.microbatches)
     activation_checkpointing: str
 
+    def describe(self) -> str:
+        return (f"{self.strategy} dp{self.dp} tp{self.tp} pp{self.pp} micro {self.micro_batch_size}"
+                f"x{self.microbatches} recompute {self.activation_checkpointing}")
+
     def overrides(self) -> list[str]:
         settings = [f"strategy={self.strategy}", f"parallel.dp={self.dp}",
                     f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",

@@ -83,6 +83,7 @@ class SearchResult:
     over_budget: int
     checked: int
     accepted: list[tuple[Layout, Cost]] = field(default_factory=list)
+    estimates: list[tuple[Layout, Cost]] = field(default_factory=list)  # every layout's
     refusals: Counter = field(default_factory=Counter)  # reason, digits as N -> count
     examples: dict[str, str] = field(default_factory=dict)  # one real text per reason
 
@@ -112,7 +113,7 @@ def search(pm: PlaitPluginManager, overrides: list[str], world_size: int, memory
     layouts = enumerate_layouts(world_size, work.batch_size, fixed)
     costs = [(layout, cost(layout, work)) for layout in layouts]
     fitting = sorted((lc for lc in costs if lc[1].memory_bytes <= memory_bytes), key=rank_key)
-    result = SearchResult(len(layouts), len(layouts) - len(fitting), 0)
+    result = SearchResult(len(layouts), len(layouts) - len(fitting), 0, estimates=costs)
     bases: dict[str, DictConfig] = {}
     settled = set()  # (strategy, dp, tp, pp) accepted, or refused whatever its variant
     for layout, estimate in fitting:
