@@ -29,7 +29,8 @@ def layout_yaml(index: int, layout: Layout, estimate: Cost) -> str:
              f"# layout {index} of plait plan --search: estimated {estimate.step_s * 1e3:.2f} ms "
              f"per step, {estimate.memory_bytes / 2**30:.3f} GiB per rank",
              "defaults:", f"  - override /strategy: {layout.strategy}"]
-    return "\n".join(lines) + "\n" + OmegaConf.to_yaml(OmegaConf.from_dotlist(layout.overrides()[1:]))
+    settings = OmegaConf.from_dotlist(layout.overrides()[1:])  # the strategy is a default above
+    return "\n".join(lines) + "\n" + OmegaConf.to_yaml(settings)
 
 
 def confirm(top: list[tuple[Layout, Cost]], overrides: list[str], cfg: DictConfig) -> str:
