@@ -131,11 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     # A plugin may add a flag to a command, registered as "<command> --<flag>" (e.g. the
     # planner's "plan --search"): it receives the flag and the rest of the line.
-    flagged = f"{argv[0]} {argv[1].split('=', 1)[0]}" if len(argv) > 1 else None
-    if flagged in table:
-        command, overrides = table[flagged][0], argv[1:]
-    else:
-        command, overrides = table[argv[0]][0], argv[1:]
+    flagged = f"{argv[0]} {argv[1].split('=', 1)[0]}" if len(argv) > 1 else argv[0]
+    command, overrides = table.get(flagged, table[argv[0]])[0], argv[1:]
     try:
         return command(overrides) or 0
     except (PlanError, HydraException, OmegaConfBaseException, ValueError) as e:
