@@ -23,7 +23,7 @@ import inhouse
 STEPS = 8
 RUN = [f"train.steps={STEPS}", "optimizer.decay_steps=8", "fault.checkpoint_every=3",
        "launcher.nproc_per_node=2", "fault.keep_last=0"]
-ZERO2 = ["strategy=zero2"]
+LAYOUTS = {"ddp": [], "zero2": ["strategy=zero2"], "pp2": ["parallel.pp=2"]}
 KILL_STEP = random.Random().randint(4, 7)  # a random step; printed in a failure's report
 
 
@@ -55,25 +55,25 @@ def assert_same_bytes(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """``uninterrupted(strategy)``: settings, per-step losses and final checkpoint tensors of a
-    run that never failed; each strategy runs once per module."""
+    """``uninterrupted(layout)``: settings, per-step losses and final checkpoint tensors of a run
+    that never failed; each layout (``LAYOUTS``) runs once per module."""
     runs = {}
 
-    def get(strategy: str):
-        if strategy not in runs:
-            settings = [*RUN, *(ZERO2 if strategy == "zero2" else [])]
-            run_dir = tmp_path_factory.mktemp("fault") / f"straight_{strategy}"
-            runs[strategy] = settings, run_losses(run_dir, settings), final_state(run_dir)
-        return runs[strategy]
+    def get(layout: str):
+        if layout not in runs:
+            settings = [*RUN, *LAYOUTS[layout]]
+            run_dir = tmp_path_factory.mktemp("fault") / f"straight_{layout}"
+            runs[layout] = settings, run_losses(run_dir, settings), final_state(run_dir)
+        return runs[layout]
 
     return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_sigkilled_worker_is_restarted_and_the_run_matches_the_uninterrupted_one(
-        uninterrupted, strategy, tmp_path):
-    settings, losses, state = uninterrupted(strategy)
+        uninterrupted, layout, tmp_path):
+    settings, losses, state = uninterrupted(layout)
     run_dir = tmp_path / "killed"
     run_training(run_dir, [*settings, "launcher.max_restarts=1"],
                  plugins=[inhouse.KillAt(KILL_STEP)])
@@ -86,16 +86,23 @@ def test_sigkilled_worker_is_restarted_and_the_run_matches_the_uninterrupted_one
     assert_same_bytes(final_state(run_dir), state)
 
 
+# What is made NaN, on which rank: DDP's loss; under ZeRO and in a pipeline a gradient (the
+# guard sits in DeepSpeed's norm computation; pp rank 0's grads are NaN, its peer's are not).
+POISON = {"ddp": {"what": "loss", "rank": 1}, "zero2": {"what": "grad", "rank": 1},
+          "pp2": {"what": "grad", "rank": 0}}
+
+
 @pytest.mark.slow
-def test_nan_on_one_rank_skips_the_step_everywhere_and_k_in_a_row_roll_back(uninterrupted,
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nan_on_one_rank_skips_the_step_everywhere_and_k_in_a_row_roll_back(uninterrupted, layout,
                                                                            tmp_path):
     """fault.max_bad_steps=2: the first NaN step is skipped on both ranks with parameters and
     optimizer state unchanged; the second in a row ends the attempt, and the restart resumes
     from the step-3 checkpoint with the uninterrupted losses."""
-    straight = uninterrupted("ddp")[1]
+    settings, straight, _ = uninterrupted(layout)
     run_dir = tmp_path / "nan"
-    run_training(run_dir, [*RUN, "launcher.max_restarts=1", "fault.max_bad_steps=2"],
-                 plugins=[inhouse.NanLoss(tmp_path, first=5, count=2)])
+    run_training(run_dir, [*settings, "launcher.max_restarts=1", "fault.max_bad_steps=2"],
+                 plugins=[inhouse.NanLoss(tmp_path, first=5, count=2, **POISON[layout])])
     for rank in (0, 1):
         record = json.loads((tmp_path / f"skip_rank{rank}_call5.json").read_text())
         assert record == {"skipped": True, "unchanged": True}, f"rank {rank}"
