@@ -176,7 +176,7 @@ class NanLoss:
     def plait_declare(self):
         return PluginInfo(name="nan_loss")
 
-    @hookimpl(wrapper=True)
+    @hookimpl(wrapper=True, tryfirst=True)  # outermost: around the pipeline engine too
     def plait_build_engine(self, topology):
         import itertools
 

@@ -23,7 +23,7 @@ import inhouse
 STEPS = 8
 RUN = [f"train.steps={STEPS}", "optimizer.decay_steps=8", "fault.checkpoint_every=3",
        "launcher.nproc_per_node=2", "fault.keep_last=0"]
-LAYOUTS = {"ddp": [], "zero2": ["strategy=zero2"], "pp2": ["parallel.pp=2"]}
+LAYOUTS = {"ddp": [], "zero2": ["strategy=zero2"], "pp2": ["parallel.pp=2", "pipeline.microbatches=2"]}
 KILL_STEP = random.Random().randint(4, 7)  # a random step; printed in a failure's report
 
 

@@ -139,7 +139,8 @@ class ZeroEngine:
         if not self.reports_grad_norm:
             self.ds.clip_fp32_gradients = self._clip_fp32_gradients
         # plait_check_step is asked inside DeepSpeed's step, where DeepSpeed checks for overflow
-        self.guard = DeepSpeedStepGuard(self.ds.optimizer, check_step, lambda: self.stage0_norm)
+        self.guard = DeepSpeedStepGuard(self.ds.optimizer, check_step, lambda: self.stage0_norm,
+                                        loss_scaled=self.ds.fp16_enabled())
         self.device = self.ds.device
         self.model_state_bytes: dict[str, int] | None = None
 
@@ -183,7 +184,7 @@ class ZeroEngine:
             metrics["skipped_steps"] = float(self.ds.skipped_steps)
         mean_loss = total.item() / (len(micro_batches) * self.dp_size)
         return StepOutput(loss=mean_loss, grad_norm=grad_norm, metrics=metrics,
-                          skipped=self.guard.skipped)
+                          skipped=self.guard.settle())
 
     def step_after_backward(self, loss: float, local_loss: torch.Tensor) -> StepOutput:
         """The optimizer step after a backward that ran outside DeepSpeed (the pipeline
@@ -197,7 +198,7 @@ class ZeroEngine:
         self.guard.arm(local_loss)
         self.ds.step()
         return StepOutput(loss=loss, grad_norm=float(self.ds.get_global_grad_norm()),
-                          metrics=self._model_state_metrics(), skipped=self.guard.skipped)
+                          metrics=self._model_state_metrics(), skipped=self.guard.settle())
 
     def _measure_model_states(self) -> None:
         """Once, after a backward of the second step (every rank calls it at the same point)."""

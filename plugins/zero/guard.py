@@ -10,9 +10,17 @@ answers "skip" the optimizer's ``overflow`` flag is raised, so DeepSpeed skips t
 path. No second pass over the gradients; the norm is the same on every rank (DeepSpeed all-reduces
 it) and the step guard agrees on its answer over the trainer group, so every rank skips together.
 
+Under fp16 the guards judge the loss alone, as under DDP: a gradient overflow is the loss
+scaler's (DeepSpeed checks it before the norm, skips the step and lowers the scale). When
+DeepSpeed skipped on such an overflow before computing the norm, the guards are asked after its
+step, with the loss alone (:meth:`DeepSpeedStepGuard.settle`), so a NaN loss still counts
+towards ``fault.max_bad_steps``. A forced skip under fp16 lowers the scale too, as every overflow
+does in DeepSpeed.
+
 Stage 0 in fp32 steps the torch optimizer directly: its ``step`` is wrapped instead, after
-DeepSpeed (or plait, without clipping) measured the norm. A forced skip under fp16 also lowers the
-dynamic loss scale, as every overflow does in DeepSpeed.
+DeepSpeed (or plait, without clipping) measured the norm. Stage 0 in bf16/fp16 steps DeepSpeed's
+``BF16_Optimizer``/``FP16_Optimizer``, which compute the norm with a module function and skip a
+non-finite one themselves; the guards are not asked there (the step counter advances).
 """
 
 from __future__ import annotations
@@ -28,11 +36,12 @@ class DeepSpeedStepGuard:
     optimizer step of ``optimizer`` (DeepSpeed's), and makes DeepSpeed skip the step when any
     answer is True. ``stage0_norm()`` gives the norm where DeepSpeed steps a torch optimizer."""
 
-    def __init__(self, optimizer, check: Callable[..., list], stage0_norm: Callable[[], float]):
+    def __init__(self, optimizer, check: Callable[..., list], stage0_norm: Callable[[], float],
+                 loss_scaled: bool):
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-        self.check = check
+        self.check, self.loss_scaled = check, loss_scaled
         self.loss: torch.Tensor | None = None
         self.skipped = False
         if isinstance(optimizer, DeepSpeedZeroOptimizer):
@@ -42,10 +51,8 @@ class DeepSpeedStepGuard:
         elif isinstance(optimizer, torch.optim.Optimizer):  # stage 0, fp32: the torch optimizer
             self.stage0_norm = stage0_norm
             self._wrap(optimizer, "step", self._step_stage_0)
-        else:
-            raise ValueError(f"{type(optimizer).__name__}: DeepSpeed's stage-0 bf16/fp16 optimizer "
-                             "has no point where plait_check_step can skip the step; use "
-                             "strategy=zero1..zero3 or precision=fp32 with strategy=zero0")
+        else:  # stage 0 in bf16/fp16: DeepSpeed's own optimizers skip non-finite norms alone
+            self.arm = lambda loss: None
 
     @staticmethod
     def _wrap(optimizer, name: str, wrapper: Callable) -> None:
@@ -55,9 +62,18 @@ class DeepSpeedStepGuard:
         """Before DeepSpeed's step: the step's mean loss on this rank (a 0-d tensor)."""
         self.loss, self.skipped = loss, False
 
+    def settle(self) -> bool:
+        """After DeepSpeed's step: True when the guards skipped it. Asks them, with the loss
+        alone, if DeepSpeed's own overflow check skipped the step before they were asked."""
+        if self.loss is not None:
+            self._ask(torch.zeros(()))
+        return self.skipped
+
     def _ask(self, grad_norm: torch.Tensor) -> bool:
         if self.loss is None:  # a step plait did not arm: not a train step of its loop
             return False
+        if self.loss_scaled:  # fp16: gradient overflows are the loss scaler's
+            grad_norm = torch.zeros(())
         self.skipped = any(self.check(loss=self.loss, grad_norm=grad_norm))
         self.loss = None
         return self.skipped
