@@ -96,7 +96,6 @@ def raw_rank(rank: int, world_size: int, ds_config: dict, model_cfg: dict, steps
     """The loop a DeepSpeed user writes by hand (DeepSpeed's getting-started shape)."""
     import deepspeed
 
-    from plait.plugins.fault import StepGuard
     from plait.plugins.optim import param_groups
 
     torch.manual_seed(1337)

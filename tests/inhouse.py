@@ -211,11 +211,14 @@ class NanLoss:
 
 
 def snapshot(engine) -> dict:
-    """Parameters, the optimizer's own parameters (DeepSpeed's fp32 master partitions under
-    ZeRO) and optimizer state, as flat ``name -> tensor`` copies."""
+    """Parameters (this rank's partition under ZeRO-3, ``ds_tensor``), buffers, the optimizer's
+    own parameters (DeepSpeed's fp32 master partitions under ZeRO) and optimizer state, as flat
+    ``name -> tensor`` copies."""
     import torch
 
-    flat = {f"model.{k}": v.detach().clone() for k, v in engine.model.state_dict().items()}
+    model = engine.model
+    flat = {f"model.{k}": getattr(v, "ds_tensor", v).detach().clone()
+            for k, v in [*model.named_parameters(), *model.named_buffers()]}
     optimizer = engine.optimizer
     for g, group in enumerate(optimizer.param_groups):
         for i, param in enumerate(group["params"]):

@@ -23,7 +23,8 @@ import inhouse
 STEPS = 8
 RUN = [f"train.steps={STEPS}", "optimizer.decay_steps=8", "fault.checkpoint_every=3",
        "launcher.nproc_per_node=2", "fault.keep_last=0"]
-LAYOUTS = {"ddp": [], "zero2": ["strategy=zero2"], "pp2": ["parallel.pp=2", "pipeline.microbatches=2"]}
+LAYOUTS = {"ddp": [], "zero2": ["strategy=zero2"],
+           "pp2": ["parallel.pp=2", "pipeline.microbatches=2"]}
 KILL_STEP = random.Random().randint(4, 7)  # a random step; printed in a failure's report
 
 
@@ -238,3 +239,60 @@ def test_a_damaged_checkpoint_is_skipped_with_a_message(tmp_path, capsys):
             "complete.json says") in capsys.readouterr().err
     with pytest.raises(ValueError, match="not a complete checkpoint: model.pt has 1000 bytes"):
         checkpoint.resolve_resume(cfg, str(root / "step_00000004"))
+
+
+def _zero_stages_skip_a_nan_step(rank, world_size, out_file):
+    """One process: a ZeroEngine per stage 0, 1 and 3 (zero2 runs in the tests above), one good
+    step, one with a NaN loss, one good step again; records what each did."""
+    from omegaconf import OmegaConf
+
+    from plait.plugins.fault import StepGuard
+    from plait.plugins.models.gpt import GPT
+    from plait.plugins.optim import param_groups
+    from plait.plugins.zero.config import engine_config
+    from plait.plugins.zero.engine import ZeroEngine
+    from plait.topology import Topology
+    from plait.train import cross_entropy
+
+    results = {}
+    topology = Topology.initialize(compose(["launcher.nproc_per_node=1"]))
+    for stage in (0, 1, 3):
+        cfg = compose([f"strategy=zero{stage}", "launcher.nproc_per_node=1"])
+        model_cfg = {k: v for k, v in OmegaConf.to_container(cfg.model).items()
+                     if k != "_target_"}
+        torch.manual_seed(0)
+        model = GPT(**model_cfg)
+        optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
+        guard = StepGuard()
+        def check_step(**step):
+            return [guard.plait_check_step(cfg=cfg, topology=topology, **step)]
+
+        engine = ZeroEngine(model, optimizer, cross_entropy, topology,
+                            engine_config(cfg, 1, optimizer), check_step)
+        tokens = torch.randint(0, model_cfg["vocab_size"], (2, cfg.train.seq_len + 1))
+        batches = [(tokens[:, :-1], tokens[:, 1:])]
+        first = engine.train_step(batches, lr=1e-3).skipped
+        engine.loss_fn = lambda y, t: cross_entropy(y, t) * float("nan")
+        before = inhouse.snapshot(engine)
+        nan = engine.train_step(batches, lr=1e-3).skipped
+        after = inhouse.snapshot(engine)
+        engine.loss_fn = cross_entropy
+        again = engine.train_step(batches, lr=1e-3).skipped
+        moved = inhouse.snapshot(engine)
+        results[stage] = {
+            "skipped": [first, nan, again],
+            "unchanged": all(inhouse.torch_equal(before[k], after[k]) for k in before),
+            "finite_after": all(bool(torch.isfinite(v.float()).all()) for v in moved.values()),
+            "moved_after": any(not inhouse.torch_equal(after[k], moved[k]) for k in after)}
+    Path(out_file).write_text(json.dumps(results))
+
+
+@pytest.mark.slow
+def test_zero_stages_0_1_3_skip_a_nan_step_through_deepspeeds_overflow_path(tmp_path):
+    from plait.testing import spawn
+
+    out = tmp_path / "stages.json"
+    spawn(_zero_stages_skip_a_nan_step, 1, str(out))
+    for stage, result in json.loads(out.read_text()).items():
+        assert result == {"skipped": [False, True, False], "unchanged": True,
+                          "finite_after": True, "moved_after": True}, f"zero{stage}"

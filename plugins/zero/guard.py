@@ -41,7 +41,7 @@ class DeepSpeedStepGuard:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-        self.check, self.loss_scaled = check, loss_scaled
+        self.optimizer, self.check, self.loss_scaled = optimizer, check, loss_scaled
         self.loss: torch.Tensor | None = None
         self.skipped = False
         if isinstance(optimizer, DeepSpeedZeroOptimizer):
@@ -65,8 +65,9 @@ class DeepSpeedStepGuard:
     def settle(self) -> bool:
         """After DeepSpeed's step: True when the guards skipped it. Asks them, with the loss
         alone, if DeepSpeed's own overflow check skipped the step before they were asked."""
-        if self.loss is not None:
+        if self.loss is not None and getattr(self.optimizer, "overflow", False):
             self._ask(torch.zeros(()))
+        self.loss = None
         return self.skipped
 
     def _ask(self, grad_norm: torch.Tensor) -> bool:
