@@ -143,6 +143,7 @@ def engine_ab_rank(rank: int, world_size: int, overrides: list[str], blocks: int
     import deepspeed
     import torch.distributed as dist
 
+    from plait.plugins.fault import StepGuard
     from plait.plugins.optim import param_groups
     from plait.plugins.zero.config import engine_config
     from plait.plugins.zero.engine import ZeroEngine
@@ -160,7 +161,12 @@ def engine_ab_rank(rank: int, world_size: int, overrides: list[str], blocks: int
                                   betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,
                                   weight_decay=weight_decay)
     ds_config = engine_config(cfg, topology.dims.dp, optimizer)
-    plait_engine = ZeroEngine(model, optimizer, cross_entropy, topology, ds_config)
+    guard = StepGuard()  # fault=checkpoint's, on by default: its agreement is plait's overhead
+
+    def check_step(**step):
+        return [guard.plait_check_step(cfg=cfg, topology=topology, **step)]
+
+    plait_engine = ZeroEngine(model, optimizer, cross_entropy, topology, ds_config, check_step)
     model = GPT(**model_cfg)
     raw, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
                                    config=ds_config, dist_init_required=False)

@@ -160,19 +160,23 @@ kill_rank1_at_5 = KillAt(5)
 
 
 class NanLoss:
-    """Makes the loss NaN on global rank ``rank`` for the engine's optimizer-step calls
+    """Makes the loss (``what="loss"``) or the gradient of this rank's first parameter
+    (``what="grad"``) NaN on global rank ``rank`` for the engine's optimizer-step calls
     ``first .. first+count-1`` of the first attempt. Every rank records, for each poisoned call,
     whether the engine skipped it and whether parameters and optimizer state stayed the same
-    bytes: ``directory/skip_rank<r>_call<n>.json``."""
+    bytes: ``directory/skip_rank<r>_call<n>.json``. Works under every engine: the loss through
+    ``engine.loss_fn`` (DDP, ZeRO), the gradient through a tensor hook (also inside a pipeline
+    schedule, which holds its own loss function)."""
 
-    def __init__(self, directory, first: int, count: int, rank: int = 1):
+    def __init__(self, directory, first: int, count: int, rank: int = 1, what: str = "loss"):
         self.directory, self.first, self.count, self.rank = str(directory), first, count, rank
+        self.what = what
 
     @hookimpl
     def plait_declare(self):
         return PluginInfo(name="nan_loss")
 
-    @hookimpl(wrapper=True)
+    @hookimpl(wrapper=True, tryfirst=True)  # outermost: around the pipeline engine too
     def plait_build_engine(self, topology):
         import itertools
 
@@ -180,12 +184,18 @@ class NanLoss:
         if attempt() > 0:
             return engine
         calls, inner_step, inner_loss = itertools.count(1), engine.train_step, engine.loss_fn
+        nan = [False]
+        if self.what == "grad":
+            first_param = next(engine.model.parameters())
+            first_param.register_hook(lambda g: g * float("nan") if nan[0] else g)
 
         def train_step(micro_batches, lr):
             n = next(calls)
             poisoned = self.first <= n < self.first + self.count
-            nan = poisoned and topology.rank == self.rank
-            engine.loss_fn = (lambda y, t: inner_loss(y, t) * float("nan")) if nan else inner_loss
+            nan[0] = poisoned and topology.rank == self.rank
+            if self.what == "loss":
+                engine.loss_fn = ((lambda y, t: inner_loss(y, t) * float("nan")) if nan[0]
+                                  else inner_loss)
             before = snapshot(engine) if poisoned else None
             out = inner_step(micro_batches, lr)
             if poisoned:
@@ -201,13 +211,21 @@ class NanLoss:
 
 
 def snapshot(engine) -> dict:
-    """Parameters and optimizer state as flat ``name -> tensor`` copies."""
+    """Parameters (this rank's partition under ZeRO-3, ``ds_tensor``), buffers, the optimizer's
+    own parameters (DeepSpeed's fp32 master partitions under ZeRO) and optimizer state, as flat
+    ``name -> tensor`` copies."""
     import torch
 
-    flat = {f"model.{k}": v.detach().clone() for k, v in engine.model.state_dict().items()}
-    for pid, state in engine.optimizer.state_dict()["state"].items():
-        for k, v in state.items():
-            flat[f"optim.{pid}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
+    model = engine.model
+    flat = {f"model.{k}": getattr(v, "ds_tensor", v).detach().clone()
+            for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    optimizer = engine.optimizer
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            flat[f"optim.{g}.{i}"] = param.detach().clone()
+            for k, v in optimizer.state.get(param, {}).items():
+                flat[f"optim.{g}.{i}.{k}"] = (v.clone() if isinstance(v, torch.Tensor)
+                                              else torch.tensor(v))
     return flat
 
 

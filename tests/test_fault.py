@@ -23,7 +23,8 @@ import inhouse
 STEPS = 8
 RUN = [f"train.steps={STEPS}", "optimizer.decay_steps=8", "fault.checkpoint_every=3",
        "launcher.nproc_per_node=2", "fault.keep_last=0"]
-ZERO2 = ["strategy=zero2"]
+LAYOUTS = {"ddp": [], "zero2": ["strategy=zero2"],
+           "pp2": ["parallel.pp=2", "pipeline.microbatches=2"]}
 KILL_STEP = random.Random().randint(4, 7)  # a random step; printed in a failure's report
 
 
@@ -55,25 +56,25 @@ def assert_same_bytes(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """``uninterrupted(strategy)``: settings, per-step losses and final checkpoint tensors of a
-    run that never failed; each strategy runs once per module."""
+    """``uninterrupted(layout)``: settings, per-step losses and final checkpoint tensors of a run
+    that never failed; each layout (``LAYOUTS``) runs once per module."""
     runs = {}
 
-    def get(strategy: str):
-        if strategy not in runs:
-            settings = [*RUN, *(ZERO2 if strategy == "zero2" else [])]
-            run_dir = tmp_path_factory.mktemp("fault") / f"straight_{strategy}"
-            runs[strategy] = settings, run_losses(run_dir, settings), final_state(run_dir)
-        return runs[strategy]
+    def get(layout: str):
+        if layout not in runs:
+            settings = [*RUN, *LAYOUTS[layout]]
+            run_dir = tmp_path_factory.mktemp("fault") / f"straight_{layout}"
+            runs[layout] = settings, run_losses(run_dir, settings), final_state(run_dir)
+        return runs[layout]
 
     return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_sigkilled_worker_is_restarted_and_the_run_matches_the_uninterrupted_one(
-        uninterrupted, strategy, tmp_path):
-    settings, losses, state = uninterrupted(strategy)
+        uninterrupted, layout, tmp_path):
+    settings, losses, state = uninterrupted(layout)
     run_dir = tmp_path / "killed"
     run_training(run_dir, [*settings, "launcher.max_restarts=1"],
                  plugins=[inhouse.KillAt(KILL_STEP)])
@@ -86,16 +87,23 @@ def test_sigkilled_worker_is_restarted_and_the_run_matches_the_uninterrupted_one
     assert_same_bytes(final_state(run_dir), state)
 
 
+# What is made NaN, on which rank: DDP's loss; under ZeRO and in a pipeline a gradient (the
+# guard sits in DeepSpeed's norm computation; pp rank 0's grads are NaN, its peer's are not).
+POISON = {"ddp": {"what": "loss", "rank": 1}, "zero2": {"what": "grad", "rank": 1},
+          "pp2": {"what": "grad", "rank": 0}}
+
+
 @pytest.mark.slow
-def test_nan_on_one_rank_skips_the_step_everywhere_and_k_in_a_row_roll_back(uninterrupted,
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nan_on_one_rank_skips_the_step_everywhere_and_k_in_a_row_roll_back(uninterrupted, layout,
                                                                            tmp_path):
     """fault.max_bad_steps=2: the first NaN step is skipped on both ranks with parameters and
     optimizer state unchanged; the second in a row ends the attempt, and the restart resumes
     from the step-3 checkpoint with the uninterrupted losses."""
-    straight = uninterrupted("ddp")[1]
+    settings, straight, _ = uninterrupted(layout)
     run_dir = tmp_path / "nan"
-    run_training(run_dir, [*RUN, "launcher.max_restarts=1", "fault.max_bad_steps=2"],
-                 plugins=[inhouse.NanLoss(tmp_path, first=5, count=2)])
+    run_training(run_dir, [*settings, "launcher.max_restarts=1", "fault.max_bad_steps=2"],
+                 plugins=[inhouse.NanLoss(tmp_path, first=5, count=2, **POISON[layout])])
     for rank in (0, 1):
         record = json.loads((tmp_path / f"skip_rank{rank}_call5.json").read_text())
         assert record == {"skipped": True, "unchanged": True}, f"rank {rank}"
@@ -231,3 +239,60 @@ def test_a_damaged_checkpoint_is_skipped_with_a_message(tmp_path, capsys):
             "complete.json says") in capsys.readouterr().err
     with pytest.raises(ValueError, match="not a complete checkpoint: model.pt has 1000 bytes"):
         checkpoint.resolve_resume(cfg, str(root / "step_00000004"))
+
+
+def _zero_stages_skip_a_nan_step(rank, world_size, out_file):
+    """One process: a ZeroEngine per stage 0, 1 and 3 (zero2 runs in the tests above), one good
+    step, one with a NaN loss, one good step again; records what each did."""
+    from omegaconf import OmegaConf
+
+    from plait.plugins.fault import StepGuard
+    from plait.plugins.models.gpt import GPT
+    from plait.plugins.optim import param_groups
+    from plait.plugins.zero.config import engine_config
+    from plait.plugins.zero.engine import ZeroEngine
+    from plait.topology import Topology
+    from plait.train import cross_entropy
+
+    results = {}
+    topology = Topology.initialize(compose(["launcher.nproc_per_node=1"]))
+    for stage in (0, 1, 3):
+        cfg = compose([f"strategy=zero{stage}", "launcher.nproc_per_node=1"])
+        model_cfg = {k: v for k, v in OmegaConf.to_container(cfg.model).items()
+                     if k != "_target_"}
+        torch.manual_seed(0)
+        model = GPT(**model_cfg)
+        optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
+        guard = StepGuard()
+        def check_step(**step):
+            return [guard.plait_check_step(cfg=cfg, topology=topology, **step)]
+
+        engine = ZeroEngine(model, optimizer, cross_entropy, topology,
+                            engine_config(cfg, 1, optimizer), check_step)
+        tokens = torch.randint(0, model_cfg["vocab_size"], (2, cfg.train.seq_len + 1))
+        batches = [(tokens[:, :-1], tokens[:, 1:])]
+        first = engine.train_step(batches, lr=1e-3).skipped
+        engine.loss_fn = lambda y, t: cross_entropy(y, t) * float("nan")
+        before = inhouse.snapshot(engine)
+        nan = engine.train_step(batches, lr=1e-3).skipped
+        after = inhouse.snapshot(engine)
+        engine.loss_fn = cross_entropy
+        again = engine.train_step(batches, lr=1e-3).skipped
+        moved = inhouse.snapshot(engine)
+        results[stage] = {
+            "skipped": [first, nan, again],
+            "unchanged": all(inhouse.torch_equal(before[k], after[k]) for k in before),
+            "finite_after": all(bool(torch.isfinite(v.float()).all()) for v in moved.values()),
+            "moved_after": any(not inhouse.torch_equal(after[k], moved[k]) for k in after)}
+    Path(out_file).write_text(json.dumps(results))
+
+
+@pytest.mark.slow
+def test_zero_stages_0_1_3_skip_a_nan_step_through_deepspeeds_overflow_path(tmp_path):
+    from plait.testing import spawn
+
+    out = tmp_path / "stages.json"
+    spawn(_zero_stages_skip_a_nan_step, 1, str(out))
+    for stage, result in json.loads(out.read_text()).items():
+        assert result == {"skipped": [False, True, False], "unchanged": True,
+                          "finite_after": True, "moved_after": True}, f"zero{stage}"

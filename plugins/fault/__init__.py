@@ -3,7 +3,7 @@
 
 A step is bad when the loss or the gradient norm is not finite on any rank. The engines ask
 ``plait_check_step`` between backward and the optimizer step; the answer is agreed by one
-all-reduce over every rank, so the whole job skips the same step and nothing hangs. The
+all-reduce over the trainer ranks, so the whole job skips the same step and nothing hangs. The
 parameters and optimizer state stay as they were, bit for bit, and the step counter does not
 advance; the batch is spent (the next step takes the next one). ``fault.max_bad_steps``
 consecutive bad steps end the attempt with an error: the launcher's restart
@@ -65,8 +65,9 @@ class StepGuard:
     def plait_check_step(self, cfg, loss, grad_norm, topology) -> bool:
         bad = torch.tensor([0.0 if torch.isfinite(loss) else 1.0,
                             0.0 if torch.isfinite(grad_norm) else 1.0], device=loss.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        group = topology.trainer_group  # None: every rank trains
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
         if not bad.any():
             self.bad_in_a_row = 0
             return False

@@ -103,7 +103,7 @@ class PipelineEngine:
         local_loss = torch.stack(losses).mean() if self.has_last else torch.zeros(())
         loss = self._reduce_loss(local_loss.clone())  # reduced in place
         if hasattr(self.inner, "step_after_backward"):  # the strategy reduces and steps (ZeRO)
-            return self.inner.step_after_backward(loss)
+            return self.inner.step_after_backward(loss, local_loss.detach())
         if self.dp_size > 1:
             average_gradients(self.model.parameters(), self.grad_reducer, self.dp_group)
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf

@@ -15,6 +15,7 @@ imported only inside the functions that run it, so ``plait plan`` stays fast.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from plait import hookimpl
@@ -70,14 +71,16 @@ def plait_backend_config(cfg, dims, hook) -> dict:
 
 
 @hookimpl
-def plait_build_engine(cfg, model, optimizer, loss_fn, grad_reducer, topology):
+def plait_build_engine(cfg, model, optimizer, loss_fn, grad_reducer, topology, hook):
     """DeepSpeed reduces the gradients itself: the comm plugin's reducer is not called, its
-    spec is mapped onto DeepSpeed's settings (``comm.py``)."""
+    spec is mapped onto DeepSpeed's settings (``comm.py``). The step guards
+    (``plait_check_step``) are asked inside DeepSpeed's step (``guard.py``)."""
     from plait.plugins.zero.engine import ZeroEngine
 
     comm = grad_reducer.spec if grad_reducer is not None else None
     ds_config = zero_config.engine_config(cfg, topology.dims.dp, optimizer, comm)
-    return ZeroEngine(model, optimizer, loss_fn, topology, ds_config)
+    check_step = functools.partial(hook.plait_check_step, cfg=cfg, topology=topology)
+    return ZeroEngine(model, optimizer, loss_fn, topology, ds_config, check_step)
 
 
 @hookimpl

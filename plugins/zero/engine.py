@@ -110,8 +110,11 @@ def optimizer_param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, A
 
 class ZeroEngine:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: Callable, topology, ds_config: dict[str, Any]):
+                 loss_fn: Callable, topology, ds_config: dict[str, Any],
+                 check_step: Callable[..., list]):
         import deepspeed
+
+        from plait.plugins.zero.guard import DeepSpeedStepGuard
 
         self.loss_fn = loss_fn
         self.topology = topology
@@ -135,6 +138,9 @@ class ZeroEngine:
         self.stage0_norm: float | None = None
         if not self.reports_grad_norm:
             self.ds.clip_fp32_gradients = self._clip_fp32_gradients
+        # plait_check_step is asked inside DeepSpeed's step, where DeepSpeed checks for overflow
+        self.guard = DeepSpeedStepGuard(self.ds.optimizer, check_step, lambda: self.stage0_norm,
+                                        loss_scaled=self.ds.fp16_enabled())
         self.device = self.ds.device
         self.model_state_bytes: dict[str, int] | None = None
 
@@ -165,6 +171,7 @@ class ZeroEngine:
             if last:
                 if not self.reports_grad_norm and self.ds.gradient_clipping() == 0:
                     self._clip_fp32_gradients(max_norm=math.inf)  # only measures: DeepSpeed won't
+                self.guard.arm(total / len(micro_batches))  # before the sum over dp below
                 # Sum the loss over dp while the optimizer steps (gloo has no AVG).
                 loss_reduced = self._start_sum_over_dp(total)
             self.ds.step()
@@ -176,19 +183,22 @@ class ZeroEngine:
             metrics["loss_scale"] = float(getattr(self.ds.optimizer, "loss_scale", float("nan")))
             metrics["skipped_steps"] = float(self.ds.skipped_steps)
         mean_loss = total.item() / (len(micro_batches) * self.dp_size)
-        return StepOutput(loss=mean_loss, grad_norm=grad_norm, metrics=metrics)
+        return StepOutput(loss=mean_loss, grad_norm=grad_norm, metrics=metrics,
+                          skipped=self.guard.settle())
 
-    def step_after_backward(self, loss: float) -> StepOutput:
+    def step_after_backward(self, loss: float, local_loss: torch.Tensor) -> StepOutput:
         """The optimizer step after a backward that ran outside DeepSpeed (the pipeline
         schedule's), as DeepSpeed's own pipeline engine does it: ZeRO-1 averages the gradients
         over dp into each rank's partition, clips by the global norm, steps its partition of the
-        optimizer states and all-gathers the parameters. Reports the pre-clipping norm."""
+        optimizer states and all-gathers the parameters. Reports the pre-clipping norm.
+        ``loss`` is the global mean, ``local_loss`` this rank's (what the step guard sees)."""
         self._measure_model_states()
         self.ds.set_gradient_accumulation_boundary(True)
         self.ds.optimizer.reduce_gradients(pipeline_parallel=True)
+        self.guard.arm(local_loss)
         self.ds.step()
         return StepOutput(loss=loss, grad_norm=float(self.ds.get_global_grad_norm()),
-                          metrics=self._model_state_metrics())
+                          metrics=self._model_state_metrics(), skipped=self.guard.settle())
 
     def _measure_model_states(self) -> None:
         """Once, after a backward of the second step (every rank calls it at the same point)."""
