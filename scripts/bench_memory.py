@@ -42,6 +42,7 @@ prints its parameter count and the ratio against ddp.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import tempfile
 from pathlib import Path
@@ -93,7 +94,7 @@ def n_params(model: dict, n_layer: int | None = None) -> int:
 
 
 def measure(root: Path, name: str, overrides: list[str], steps: int, warmup: int) -> dict:
-    run = run_training(root / name.replace(" ", "_").replace(",", ""),
+    run = run_training(root / re.sub(r"\W+", "_", name),
                        [*overrides, f"train.steps={steps}"], plugins=[MemoryProbe()])
     metrics = read_metrics(run)
     last = metrics[-1]
