@@ -150,6 +150,33 @@ class StepClock:
             f.write(f"{time.perf_counter()}\n")
 
 
+class MemoryProbe:
+    """A plugin for benchmarks: each worker's resident memory just before its model is built
+    (interpreter, torch, the plugins' imports, process groups and data: what no layout saves),
+    logged by the logging rank as ``memory/rss_before_model_bytes``. Peak memory is plait's own
+    ``peak_memory_bytes/max``."""
+
+    rss_before_model = 0
+
+    @hookimpl(wrapper=True)
+    def plait_build_model(self):
+        import torch
+
+        if torch.get_default_device().type != "meta":  # plan checks build on the meta device
+            self.rss_before_model = resident_bytes()
+        return (yield)
+
+    @hookimpl(tryfirst=True)  # before the trackers write the step
+    def plait_log_metrics(self, metrics):
+        metrics["memory/rss_before_model_bytes"] = float(self.rss_before_model)
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now (Linux ``/proc/self/statm``)."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 class SlowRank:
     """A plugin for tests and benchmarks: a straggler. Global rank ``rank`` sleeps ``seconds``
     before each forward pass of its model (registered on every rank; only that one sleeps).
