@@ -18,6 +18,8 @@ from plait.plugins.parameter_server.sharding import shard_by_bytes
 from plait.testing import SlowRank, read_metrics, run_training
 from plait.topology import Roles
 
+import inhouse
+
 REL = 1e-5
 STEPS = ("train.steps=5",)
 # 2 workers x 2 micro-batches of 2 = 1 process x 4 micro-batches: the same global batch of 8.
@@ -90,18 +92,60 @@ def one_process(tmp_path_factory):
     return losses_and_norms(run)
 
 
+def sync_overrides(servers: int) -> list[str]:
+    return [*STEPS, *TWO, "strategy=parameter_server", f"strategy.servers={servers}",
+            f"launcher.nproc_per_node={servers + 2}", "fault.checkpoint_every=2"]
+
+
+@pytest.fixture(scope="module")
+def sync_runs(tmp_path_factory):
+    """Uninterrupted sync runs by number of servers, made once per module when first asked."""
+    runs = {}
+
+    def run(servers: int) -> Path:
+        if servers not in runs:
+            runs[servers] = tmp_path_factory.mktemp(f"sync{servers}") / "r"
+            run_training(runs[servers], sync_overrides(servers))
+        return runs[servers]
+    return run
+
+
+def server_log(run: Path, server: int) -> list[dict]:
+    return [json.loads(line) for line in (run / f"ps_server{server}.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("servers", [1, 2])
-def test_sync_parameter_servers_match_one_process(tmp_path, one_process, servers):
-    run = tmp_path / "ps"
-    run_training(run, [*STEPS, *TWO, "strategy=parameter_server", f"strategy.servers={servers}",
-                       f"launcher.nproc_per_node={servers + 2}"])
+def test_sync_parameter_servers_match_one_process(one_process, sync_runs, servers):
+    run = sync_runs(servers)
     assert losses_and_norms(run) == pytest.approx(one_process, rel=REL)
     # the first trainer logged (rank `servers`), and every server applied every step
     for s in range(servers):
-        log = [json.loads(line) for line in (run / f"ps_server{s}.jsonl").read_text().splitlines()]
+        log = server_log(run, s)
         assert [e["version"] for e in log if e["worker"] == servers] == [1, 2, 3, 4, 5]
         assert {e["staleness"] for e in log} == {0}
+
+
+@pytest.mark.slow
+def test_sync_run_killed_and_restarted_continues_as_if_uninterrupted(tmp_path, sync_runs):
+    """2 servers, 2 workers; the second worker (rank 3) is SIGKILLed after step 3; torch
+    elastic restarts every process, the servers load their shards, optimizer state and version
+    from the step-2 checkpoint, the workers their step, data position and RNG."""
+    straight, run = sync_runs(2), tmp_path / "killed"
+    run_training(run, [*sync_overrides(2), "launcher.max_restarts=1"],
+                 plugins=[inhouse.KillAt(step=3, rank=3)])
+    logged = read_metrics(run)
+    assert logged[-1]["restarts"] == 1
+    # step 3 may be logged twice (before the kill and after the restart): the last one wins
+    resumed = {m["step"]: (m["loss"], m["grad_norm"]) for m in logged}
+    expected = {m["step"]: (m["loss"], m["grad_norm"]) for m in read_metrics(straight)}
+    assert resumed == expected  # exactly: the same state, data and summation order
+    for s in range(2):  # each server's log continues from the checkpoint's, version by version
+        assert [e["version"] for e in server_log(run, s) if e["worker"] == 2] == [1, 2, 3, 4, 5]
+        final = [torch.load(r / "checkpoints" / "step_00000005" / f"ps_server{s}.pt",
+                            weights_only=True) for r in (straight, run)]
+        assert all(torch.equal(a, b) for a, b in zip(final[0]["params"], final[1]["params"]))
+        assert final[0]["version"] == final[1]["version"] == 5
 
 
 # ---------------------------------------------------------------------------------------------
