@@ -15,7 +15,7 @@ import torch
 
 from plait.plan import format_plan, make_plan
 from plait.plugins.parameter_server.sharding import shard_by_bytes
-from plait.testing import SlowRank, read_metrics, run_training
+from plait.testing import SlowRank, read_metrics, run_training, spawn
 from plait.topology import Roles
 
 import inhouse
@@ -239,3 +239,63 @@ def test_replicas_meet_every_h_steps_and_learn_with_adamw(tmp_path, name):
         assert identical(*replicas(run, step)) == (step % 3 == 0), step
     metrics = read_metrics(run)
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3
+
+
+def _replicas_by_node(rank: int, world_size: int, configs: list[dict], out: str) -> None:
+    """4 processes posing as 2 nodes x 2: local SGD, each replica on its own data; for each
+    config, rank 0 records after every step whether the replicas are equal inside each node and
+    across the nodes."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from plait.plugins.local_sgd.engine import LocalSGDEngine
+    from plait.topology import Topology
+
+    schedules = []
+    for config in configs:
+        cfg = OmegaConf.create(config)
+        topology = Topology.initialize(cfg)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        engine = LocalSGDEngine(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                torch.nn.functional.mse_loss, topology)
+        data = torch.Generator().manual_seed(rank)
+        schedule = []
+        for _ in range(8):
+            engine.train_step([(torch.randn(8, 4, generator=data),
+                                torch.randn(8, 1, generator=data))], lr=0.1)
+            mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            every = [torch.empty_like(mine) for _ in range(world_size)]
+            dist.all_gather(every, mine)
+            schedule.append([torch.equal(every[0], every[1]) and torch.equal(every[2], every[3]),
+                             torch.equal(every[0], every[2])])
+        schedules.append(schedule)
+    if rank == 0:
+        Path(out).write_text(json.dumps(schedules))
+
+
+@pytest.mark.slow
+def test_hierarchical_local_sgd_averages_in_the_node_every_k_and_across_nodes_every_h(tmp_path):
+    """H=4 with ``strategy.node_sync_every=1``: replicas equal inside each node after every step,
+    across nodes only after steps 4 and 8; with K=2, inside the nodes after even steps."""
+    from omegaconf import OmegaConf
+
+    from plait.testing import compose
+
+    configs = [OmegaConf.to_container(compose(
+        ["strategy=local_sgd", "strategy.sync_every=4", f"strategy.node_sync_every={k}",
+         "launcher.nproc_per_node=4", "optimizer=sgd", "train.grad_clip=0"]), resolve=True)
+        for k in (1, 2)]
+    spawn(_replicas_by_node, 4, configs, str(tmp_path / "schedules.json"), nproc_per_node=2)
+    across = [step % 4 == 0 for step in range(1, 9)]
+    expected = [[[a or b, b] for a, b in zip(in_node, across)]
+                for in_node in ([True] * 8, [False, True] * 4)]
+    assert json.loads((tmp_path / "schedules.json").read_text()) == expected
+
+
+def test_node_sync_every_must_be_below_sync_every():
+    assert ("strategy.node_sync_every=4 must be below strategy.sync_every=4"
+            in problems("strategy=local_sgd", "strategy.sync_every=4",
+                        "strategy.node_sync_every=4"))
+    assert "strategy.node_sync_every=-1 is out of range" in problems(
+        "strategy=local_sgd", "strategy.node_sync_every=-1")
