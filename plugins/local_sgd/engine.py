@@ -124,6 +124,11 @@ class LocalSGDEngine:
     def load(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        # torch's Optimizer.load_state_dict replaces its param_groups list, while
+        # PostLocalSGDOptimizer keeps the list it took when built: the learning rate set on it
+        # each step would never reach the optimizer again (a resumed run kept the lr it resumed
+        # with). Point it at the loaded groups.
+        self.optimizer.param_groups = getattr(self.optimizer, "optim", self.optimizer).param_groups
         self.steps = state["steps"]
 
     def save_state(self, directory: Path) -> None:
