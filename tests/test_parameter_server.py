@@ -15,8 +15,10 @@ import torch
 
 from plait.plan import format_plan, make_plan
 from plait.plugins.parameter_server.sharding import shard_by_bytes
-from plait.testing import SlowRank, read_metrics, run_training
+from plait.testing import SlowRank, read_metrics, run_training, spawn
 from plait.topology import Roles
+
+import inhouse
 
 REL = 1e-5
 STEPS = ("train.steps=5",)
@@ -90,18 +92,60 @@ def one_process(tmp_path_factory):
     return losses_and_norms(run)
 
 
+def sync_overrides(servers: int) -> list[str]:
+    return [*STEPS, *TWO, "strategy=parameter_server", f"strategy.servers={servers}",
+            f"launcher.nproc_per_node={servers + 2}", "fault.checkpoint_every=2"]
+
+
+@pytest.fixture(scope="module")
+def sync_runs(tmp_path_factory):
+    """Uninterrupted sync runs by number of servers, made once per module when first asked."""
+    runs = {}
+
+    def run(servers: int) -> Path:
+        if servers not in runs:
+            runs[servers] = tmp_path_factory.mktemp(f"sync{servers}") / "r"
+            run_training(runs[servers], sync_overrides(servers))
+        return runs[servers]
+    return run
+
+
+def server_log(run: Path, server: int) -> list[dict]:
+    return [json.loads(line) for line in (run / f"ps_server{server}.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("servers", [1, 2])
-def test_sync_parameter_servers_match_one_process(tmp_path, one_process, servers):
-    run = tmp_path / "ps"
-    run_training(run, [*STEPS, *TWO, "strategy=parameter_server", f"strategy.servers={servers}",
-                       f"launcher.nproc_per_node={servers + 2}"])
+def test_sync_parameter_servers_match_one_process(one_process, sync_runs, servers):
+    run = sync_runs(servers)
     assert losses_and_norms(run) == pytest.approx(one_process, rel=REL)
     # the first trainer logged (rank `servers`), and every server applied every step
     for s in range(servers):
-        log = [json.loads(line) for line in (run / f"ps_server{s}.jsonl").read_text().splitlines()]
+        log = server_log(run, s)
         assert [e["version"] for e in log if e["worker"] == servers] == [1, 2, 3, 4, 5]
         assert {e["staleness"] for e in log} == {0}
+
+
+@pytest.mark.slow
+def test_sync_run_killed_and_restarted_continues_as_if_uninterrupted(tmp_path, sync_runs):
+    """2 servers, 2 workers; the second worker (rank 3) is SIGKILLed after step 3; torch
+    elastic restarts every process, the servers load their shards, optimizer state and version
+    from the step-2 checkpoint, the workers their step, data position and RNG."""
+    straight, run = sync_runs(2), tmp_path / "killed"
+    run_training(run, [*sync_overrides(2), "launcher.max_restarts=1"],
+                 plugins=[inhouse.KillAt(step=3, rank=3)])
+    logged = read_metrics(run)
+    assert logged[-1]["restarts"] == 1
+    # step 3 may be logged twice (before the kill and after the restart): the last one wins
+    resumed = {m["step"]: (m["loss"], m["grad_norm"]) for m in logged}
+    expected = {m["step"]: (m["loss"], m["grad_norm"]) for m in read_metrics(straight)}
+    assert resumed == expected  # exactly: the same state, data and summation order
+    for s in range(2):  # each server's log continues from the checkpoint's, version by version
+        assert [e["version"] for e in server_log(run, s) if e["worker"] == 2] == [1, 2, 3, 4, 5]
+        final = [torch.load(r / "checkpoints" / "step_00000005" / f"ps_server{s}.pt",
+                            weights_only=True) for r in (straight, run)]
+        assert all(torch.equal(a, b) for a, b in zip(final[0]["params"], final[1]["params"]))
+        assert final[0]["version"] == final[1]["version"] == 5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,14 +228,106 @@ def identical(a: dict, b: dict) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+def replica_overrides(name: str) -> list[str]:
+    extra = ("strategy.outer_lr=0.7", "strategy.outer_momentum=0.9")[: 2 * (name == "diloco")]
+    return ["train.steps=6", *TWO, f"strategy={name}", "strategy.sync_every=3", *extra,
+            "fault.keep_last=0"]
+
+
+@pytest.fixture(scope="module")
+def replica_runs(tmp_path_factory):
+    """Uninterrupted local SGD / DiLoCo runs (AdamW inside, H=3, a checkpoint every step), made
+    once per module when first asked."""
+    runs = {}
+
+    def run(name: str) -> Path:
+        if name not in runs:
+            runs[name] = tmp_path_factory.mktemp(name) / "r"
+            run_training(runs[name], [*replica_overrides(name), "fault.checkpoint_every=1"])
+        return runs[name]
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["local_sgd", "diloco"])
-def test_replicas_meet_every_h_steps_and_learn_with_adamw(tmp_path, name):
-    run = tmp_path / name
-    extra = ("strategy.outer_lr=0.7", "strategy.outer_momentum=0.9")[: 2 * (name == "diloco")]
-    run_training(run, ["train.steps=6", *TWO, f"strategy={name}", "strategy.sync_every=3", *extra,
-                       "fault.checkpoint_every=1", "fault.keep_last=0"])
+def test_replicas_meet_every_h_steps_and_learn_with_adamw(replica_runs, name):
+    run = replica_runs(name)
     for step in range(1, 7):
         assert identical(*replicas(run, step)) == (step % 3 == 0), step
     metrics = read_metrics(run)
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3
+
+
+@pytest.mark.slow
+def test_local_sgd_resumes_diverged_replicas_as_if_uninterrupted(tmp_path, replica_runs):
+    """The step-4 checkpoint holds replicas that differ (H=3); rank 1 is SIGKILLed after step 5,
+    torch elastic restarts both, each replica resumes from its own file."""
+    straight, run = replica_runs("local_sgd"), tmp_path / "killed"
+    run_training(run, [*replica_overrides("local_sgd"), "fault.checkpoint_every=2",
+                       "launcher.max_restarts=1"], plugins=[inhouse.KillAt(step=5, rank=1)])
+    assert not identical(*replicas(run, 4))
+    logged = read_metrics(run)
+    assert logged[-1]["restarts"] == 1
+    resumed = {m["step"]: m["loss"] for m in logged}  # step 5 may be logged twice: last wins
+    assert resumed == {m["step"]: m["loss"] for m in read_metrics(straight)}
+    assert all(identical(a, b) for a, b in zip(replicas(straight, 6), replicas(run, 6)))
+
+
+def _replicas_by_node(rank: int, world_size: int, configs: list[dict], out: str) -> None:
+    """4 processes posing as 2 nodes x 2: local SGD, each replica on its own data; for each
+    config, rank 0 records after every step whether the replicas are equal inside each node and
+    across the nodes."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from plait.plugins.local_sgd.engine import LocalSGDEngine
+    from plait.topology import Topology
+
+    schedules = []
+    for config in configs:
+        cfg = OmegaConf.create(config)
+        topology = Topology.initialize(cfg)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        engine = LocalSGDEngine(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                torch.nn.functional.mse_loss, topology)
+        data = torch.Generator().manual_seed(rank)
+        schedule = []
+        for _ in range(8):
+            engine.train_step([(torch.randn(8, 4, generator=data),
+                                torch.randn(8, 1, generator=data))], lr=0.1)
+            mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            every = [torch.empty_like(mine) for _ in range(world_size)]
+            dist.all_gather(every, mine)
+            schedule.append([torch.equal(every[0], every[1]) and torch.equal(every[2], every[3]),
+                             torch.equal(every[0], every[2])])
+        schedules.append(schedule)
+    if rank == 0:
+        Path(out).write_text(json.dumps(schedules))
+
+
+@pytest.mark.slow
+def test_hierarchical_local_sgd_averages_in_the_node_every_k_and_across_nodes_every_h(tmp_path):
+    """H=4 with ``strategy.node_sync_every=1``: replicas equal inside each node after every step,
+    across nodes only after steps 4 and 8; with K=2, inside the nodes after even steps."""
+    from omegaconf import OmegaConf
+
+    from plait.testing import compose
+
+    configs = [OmegaConf.to_container(compose(
+        ["strategy=local_sgd", "strategy.sync_every=4", f"strategy.node_sync_every={k}",
+         "launcher.nproc_per_node=4", "optimizer=sgd", "train.grad_clip=0"]), resolve=True)
+        for k in (1, 2)]
+    spawn(_replicas_by_node, 4, configs, str(tmp_path / "schedules.json"), nproc_per_node=2)
+    across = [step % 4 == 0 for step in range(1, 9)]
+    expected = [[[a or b, b] for a, b in zip(in_node, across)]
+                for in_node in ([True] * 8, [False, True] * 4)]
+    assert json.loads((tmp_path / "schedules.json").read_text()) == expected
+
+
+def test_node_sync_every_must_be_below_sync_every():
+    assert ("strategy.node_sync_every=4 must be below strategy.sync_every=4"
+            in problems("strategy=local_sgd", "strategy.sync_every=4",
+                        "strategy.node_sync_every=4"))
+    assert "strategy.node_sync_every=-1 is out of range" in problems(
+        "strategy=local_sgd", "strategy.node_sync_every=-1")

@@ -7,6 +7,13 @@ averages the parameters after every H-th step. torch's averager averages when it
 minus ``warmup_steps`` is a multiple of the period; a warm-up of H-1 makes that after steps
 H, 2H, ... (this engine runs no DDP, so nothing else happens during that "warm-up").
 
+With ``strategy.node_sync_every=K`` the averager is torch's ``HierarchicalModelAverager``
+instead: the replicas on each node are averaged every K steps and all replicas every H steps
+(at a step that is a multiple of both, only the wider average runs: it includes the narrower).
+It splits the data-parallel group into consecutive blocks of one node's size, so every node must
+hold the same number of replicas, in rank order (what the launcher gives); its count starts at 1
+so that it averages after steps K, 2K, ... and H, 2H, ...
+
 Figures: the loss is the mean over replicas on averaging steps and this replica's own in between,
 and the grad norm is this replica's own, so no collective runs between averagings. Gradient
 clipping clips each replica's own gradient. Checkpoints hold every replica
@@ -16,15 +23,19 @@ clipping clips each replica's own gradient. Checkpoints hold every replica
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+    HierarchicalModelAverager)
 from torch.distributed.optim import PostLocalSGDOptimizer
 
 from plait.plugins.optim.accumulate import accumulate_gradients
 from plait.plugins.optim.mixed_precision import autocast
+from plait.topology import split_by_node
 from plait.types import Batch, StepOutput
 
 
@@ -40,12 +51,33 @@ class LocalSGDEngine:
         self.checkpoint_name = f"replica_dp{topology.dp_rank}.pt"
         self.sync_every = cfg.strategy.sync_every
         self.steps = 0
+        self.node_of = topology.node_of
         self.optimizer = self.wrap(optimizer, cfg)
 
     def wrap(self, optimizer: torch.optim.Optimizer, cfg) -> torch.optim.Optimizer:
-        averager = PeriodicModelAverager(period=self.sync_every, warmup_steps=self.sync_every - 1,
-                                         process_group=self.dp_group)
+        if cfg.strategy.node_sync_every:
+            averager = self.hierarchical_averager(cfg.strategy.node_sync_every)
+        else:
+            averager = PeriodicModelAverager(period=self.sync_every,
+                                             warmup_steps=self.sync_every - 1,
+                                             process_group=self.dp_group)
         return PostLocalSGDOptimizer(optimizer, averager)
+
+    def hierarchical_averager(self, node_sync_every: int) -> HierarchicalModelAverager:
+        ranks = dist.get_process_group_ranks(self.dp_group)
+        nodes = split_by_node(ranks, self.node_of)
+        size = len(nodes[0]) if nodes else 0
+        if nodes is None or nodes != [ranks[i: i + size] for i in range(0, len(ranks), size)]:
+            raise ValueError(
+                f"strategy.node_sync_every={node_sync_every} averages the replicas of each node, "
+                f"but the nodes hold unequal or interleaved shares of them ({nodes or ranks}): "
+                "launch the same launcher.nproc_per_node on every node, or set "
+                "strategy.node_sync_every=0")
+        averager = HierarchicalModelAverager(
+            OrderedDict([(node_sync_every, size), (self.sync_every, len(ranks))]),
+            process_group=self.dp_group)
+        averager.step = 1  # the step just taken when it is called (see the module docstring)
+        return averager
 
     def optimizer_step(self) -> None:
         self.optimizer.step()  # PostLocalSGDOptimizer: the local step, then the averager
@@ -92,6 +124,11 @@ class LocalSGDEngine:
     def load(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        # torch's Optimizer.load_state_dict replaces its param_groups list, while
+        # PostLocalSGDOptimizer keeps the list it took when built: the learning rate set on it
+        # each step would never reach the optimizer again (a resumed run kept the lr it resumed
+        # with). Point it at the loaded groups.
+        self.optimizer.param_groups = getattr(self.optimizer, "optim", self.optimizer).param_groups
         self.steps = state["steps"]
 
     def save_state(self, directory: Path) -> None:

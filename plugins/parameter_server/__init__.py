@@ -25,6 +25,7 @@ from plait.types import PluginInfo
 
 MODES = ("sync", "async")
 SERVER = "server"
+_run: dict = {}  # what the first worker's plait_on_run_end needs of its run (set at its start)
 
 
 @dataclass
@@ -72,9 +73,6 @@ def plait_validate(cfg) -> list[str]:
     if settings.mode not in MODES:
         problems.append(f"strategy.mode={settings.mode}: choose sync (every step averages every "
                         "worker's gradient) or async (workers go at their own pace)")
-    if cfg.resume not in (None, "auto"):  # auto: a new run finds nothing to resume
-        problems.append(f"resume={cfg.resume} with strategy=parameter_server: the servers' "
-                        "optimizer shards are not checkpointed yet; start a new run (resume=null)")
     return problems
 
 
@@ -86,6 +84,22 @@ def plait_run_role(cfg, topology, hook) -> bool | None:
 
     Server(cfg, topology, hook).serve()
     return True
+
+
+@hookimpl
+def plait_on_run_start(cfg) -> None:
+    _run["servers"] = cfg.strategy.servers
+
+
+@hookimpl
+def plait_on_run_end() -> None:
+    """The first worker's run ended (its final checkpoint written): the servers may stop once
+    they have served every push."""
+    from plait.plugins.parameter_server.store import inbox, job_store
+
+    store = job_store()
+    for server in range(_run["servers"]):
+        store.queue_push(inbox(server), "end")
 
 
 @hookimpl

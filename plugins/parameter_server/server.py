@@ -10,7 +10,7 @@ global gradient norm.
   alike), clip by the global norm (squared norms summed over the servers), step, reply to all.
   That is 1 process on the global batch: the mean of the workers' mean gradients is the global
   batch's mean gradient.
-- ``async``: serve pushes in arrival order (the store's inbox queue). A push computed on version
+- ``async``: serve pushes in arrival order. A push computed on version
   ``v`` arrives at version ``V``: staleness ``V - v`` updates. Within ``strategy.max_staleness``
   it is applied (the worker clipped it), beyond it is dropped and the worker gets the fresh
   parameters: a hard bound, which the convergence analyses of bounded-delay asynchronous SGD
@@ -19,6 +19,14 @@ global gradient norm.
 
 Every push is logged to ``run.dir/ps_server<s>.jsonl``: the worker, the version it computed on,
 the server's version after it, the staleness, and whether it was applied.
+
+A server reads its work from its inbox, a queue in the job's store (:mod:`.store`), in order:
+``grad <worker>`` (a push is on its way), ``checkpoint <step> <directory>`` (the first worker saves
+a checkpoint: write this shard, its optimizer state, version and log into ``directory``, then say
+so in the store) and ``end`` (the first worker's run ended). It stops once every push of the run
+is served and the end is announced: a final checkpoint may follow the last step. On start it
+loads its shard from the checkpoint the run resumes from (``plait_find_checkpoint``: the same
+one the workers load), so a resumed run continues with the servers' exact state.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from plait.plugins.parameter_server.sharding import flat, shards_of, unflatten_into
-from plait.plugins.parameter_server.store import inbox, job_store, publish
+from plait.plugins.parameter_server.store import inbox, job_store, publish, saved_key
 
 from plait.plugins.parameter_server import SERVER
 
@@ -51,12 +59,33 @@ class Server:
         self.version = 0
         self.log: list[dict] = []
         self.staleness: dict[str, int] = {}  # applied updates by staleness: the histogram
+        self.step = 0  # the workers' step this state belongs to (the last checkpoint's, or 0)
         self.busy_s = 0.0
         self.started = time.perf_counter()
         self.store = job_store()
         # The servers' own group, for the global gradient norm; only servers create it.
         self.group = (dist.new_group(self.servers, use_local_synchronization=True)
                       if len(self.servers) > 1 else None)
+        self.checkpoint_name = f"ps_server{self.index}.pt"
+        resume_from = hook.plait_find_checkpoint(cfg=cfg, path=cfg.resume)
+        if resume_from is not None:
+            self.load(Path(resume_from))
+
+    def save(self, directory: Path, step: int) -> None:
+        torch.save({"params": [p.detach() for p in self.params],
+                    "optimizer": self.optimizer.state_dict(), "version": self.version,
+                    "step": step, "log": self.log, "staleness": self.staleness},
+                   directory / self.checkpoint_name)
+
+    def load(self, directory: Path) -> None:
+        state = torch.load(directory / self.checkpoint_name, map_location=self.params[0].device,
+                           weights_only=True)
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["params"], strict=True):
+                p.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version, self.step = state["version"], state["step"]
+        self.log, self.staleness = state["log"], state["staleness"]
 
     def message(self, grad_norm: float) -> torch.Tensor:
         return flat(self.params, self.version, grad_norm)
@@ -89,46 +118,51 @@ class Server:
             self.staleness[str(staleness)] = self.staleness.get(str(staleness), 0) + 1
 
     def serve(self) -> None:
-        for worker in self.workers:  # version 0: every worker starts from the servers' weights
+        for worker in self.workers:  # every worker starts from the servers' weights
             dist.send(self.message(0.0), dst=worker)
+        steps_left = self.cfg.train.steps - self.step  # each worker's, from the checkpoint on
         if self.cfg.strategy.mode == "sync":
-            self.serve_sync()
+            rounds = SyncRounds(self, steps_left)
         else:
-            self.serve_async()
+            rounds = AsyncPushes(self, steps_left * len(self.workers))
+        ended = False
+        while not (ended and rounds.done):
+            kind, _, detail = self.store.queue_pop(inbox(self.index)).decode().partition(" ")
+            if kind == "grad":
+                rounds.receive(int(detail))
+            elif kind == "checkpoint":
+                step, _, directory = detail.partition(" ")
+                self.save(Path(directory), int(step))
+                self.store.set(saved_key(int(step), self.index), directory)
+            else:  # "end"
+                ended = True
         self.write_log()
 
-    def serve_sync(self) -> None:
-        pushes = [torch.empty(self.size + 2) for _ in self.workers]
-        for _ in range(self.cfg.train.steps):
-            for work in [dist.irecv(buf, src=w) for buf, w in zip(pushes, self.workers)]:
-                work.wait()
-            begun = time.perf_counter()
-            grad = torch.stack([buf[: self.size] for buf in pushes]).sum(0) / len(self.workers)
-            worker_version, lr = int(pushes[0][self.size]), float(pushes[0][self.size + 1])
-            grad_norm = self.apply(grad, lr, clip=True)
-            for w in self.workers:
-                self.record(w, worker_version, applied=True)
-            reply = self.message(grad_norm)
-            for work in [dist.isend(reply, dst=w) for w in self.workers]:
-                work.wait()
-            self.busy_s += time.perf_counter() - begun
-            self.publish()
+    def serve_round(self, pushes: list[torch.Tensor]) -> None:
+        """sync: one step with every worker's push (``pushes`` in worker order)."""
+        begun = time.perf_counter()
+        grad = torch.stack([buf[: self.size] for buf in pushes]).sum(0) / len(self.workers)
+        worker_version, lr = int(pushes[0][self.size]), float(pushes[0][self.size + 1])
+        grad_norm = self.apply(grad, lr, clip=True)
+        for w in self.workers:
+            self.record(w, worker_version, applied=True)
+        reply = self.message(grad_norm)
+        for work in [dist.isend(reply, dst=w) for w in self.workers]:
+            work.wait()
+        self.busy_s += time.perf_counter() - begun
+        self.publish()
 
-    def serve_async(self) -> None:
-        push = torch.empty(self.size + 2)
-        bound = self.cfg.strategy.max_staleness
-        for _ in range(self.cfg.train.steps * len(self.workers)):
-            worker = int(self.store.queue_pop(inbox(self.index)))
-            dist.recv(push, src=worker)
-            begun = time.perf_counter()
-            worker_version, lr = int(push[self.size]), float(push[self.size + 1])
-            applied = self.version - worker_version <= bound
-            if applied:
-                self.apply(push[: self.size], lr, clip=False)  # the worker clipped its own
-            self.record(worker, worker_version, applied)
-            dist.send(self.message(math.nan), dst=worker)
-            self.busy_s += time.perf_counter() - begun
-            self.publish()
+    def serve_push(self, worker: int, push: torch.Tensor) -> None:
+        """async: one worker's push on its own, applied within the staleness bound."""
+        begun = time.perf_counter()
+        worker_version, lr = int(push[self.size]), float(push[self.size + 1])
+        applied = self.version - worker_version <= self.cfg.strategy.max_staleness
+        if applied:
+            self.apply(push[: self.size], lr, clip=False)  # the worker clipped its own
+        self.record(worker, worker_version, applied)
+        dist.send(self.message(math.nan), dst=worker)
+        self.busy_s += time.perf_counter() - begun
+        self.publish()
 
     def publish(self) -> None:
         """This server's load and staleness histogram, for the logging worker to log."""
@@ -141,3 +175,41 @@ class Server:
     def write_log(self) -> None:
         path = Path(self.cfg.run.dir) / f"ps_server{self.index}.jsonl"
         path.write_text("".join(json.dumps(entry) + "\n" for entry in self.log))
+
+
+class SyncRounds:
+    """sync: collect one push from every worker, then serve the round; ``rounds`` of them."""
+
+    def __init__(self, server: Server, rounds: int):
+        self.server, self.left = server, rounds
+        self.pushes = {w: torch.empty(server.size + 2) for w in server.workers}
+        self.arrived: set[int] = set()
+
+    @property
+    def done(self) -> bool:
+        return self.left == 0
+
+    def receive(self, worker: int) -> None:
+        dist.recv(self.pushes[worker], src=worker)
+        self.arrived.add(worker)
+        if len(self.arrived) == len(self.pushes):
+            self.server.serve_round([self.pushes[w] for w in self.server.workers])
+            self.arrived.clear()
+            self.left -= 1
+
+
+class AsyncPushes:
+    """async: serve each push as it arrives; ``pushes`` of them."""
+
+    def __init__(self, server: Server, pushes: int):
+        self.server, self.left = server, pushes
+        self.push = torch.empty(server.size + 2)
+
+    @property
+    def done(self) -> bool:
+        return self.left == 0
+
+    def receive(self, worker: int) -> None:
+        dist.recv(self.push, src=worker)
+        self.server.serve_push(worker, self.push)
+        self.left -= 1

@@ -1,6 +1,6 @@
 """Coordination through the job's ``TCPStore`` (the rendezvous store torch elastic already runs):
-the asynchronous servers' inboxes (a queue of the worker ranks whose gradients wait) and the
-figures servers and workers publish for the logging rank (W&B: worker throughput, staleness
+the servers' inboxes (a queue of what waits for each server: a worker's push, a checkpoint to
+write, the end of the run), the servers' answers to checkpoints, and the figures servers and workers publish for the logging rank (W&B: worker throughput, staleness
 histogram, server load). Tensors themselves travel point to point (``isend``/``irecv``)."""
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ def job_store() -> dist.Store:
 
 def inbox(server: int) -> str:
     return f"inbox/{server}"
+
+
+def saved_key(step: int, server: int) -> str:
+    """Set by server ``server`` once its part of step ``step``'s checkpoint is written."""
+    return f"saved/{step}/{server}"
 
 
 def publish(store: dist.Store, who: str, figures: dict) -> None:

@@ -2,9 +2,15 @@
 gradient of this worker's share of the batch, push it to the servers, take their reply.
 
 The replies' receives are posted before the gradients go out, so a server's answer never waits
-for its worker. In ``async`` mode each worker clips its own gradient (each push is one update)
-and announces its push in the server's inbox queue; in ``sync`` mode the servers clip the
-averaged gradient and the loss is averaged over the workers.
+for its worker. Each push is announced in the server's inbox queue. In ``async`` mode each worker
+clips its own gradient (each push is one update); in ``sync`` mode the servers clip the averaged
+gradient and the loss is averaged over the workers.
+
+Checkpoints: the first worker writes the model it last pulled (for ``plait export``) and its step
+count, and asks every server to write its shard, optimizer state and version into the same
+checkpoint directory, waiting for their answers before the checkpoint is completed. Every worker
+takes its step count back on resume; the parameters come from the servers, which resume from the
+same checkpoint.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from plait.plugins.optim.accumulate import accumulate_gradients
 from plait.plugins.optim.mixed_precision import autocast
 from plait.plugins.parameter_server import SERVER
 from plait.plugins.parameter_server.sharding import flat, shards_of, unflatten_into
-from plait.plugins.parameter_server.store import inbox, job_store, publish, read_figures
+from plait.plugins.parameter_server.store import (inbox, job_store, publish, read_figures,
+                                                  saved_key)
 from plait.types import Batch, StepOutput
 
 
@@ -42,6 +49,7 @@ class WorkerEngine:
         self.saves_checkpoint = topology.is_logging_rank
         self.store = job_store()
         self.steps, self.started = 0, time.perf_counter()
+        self.first_step = 0  # the step this process started at (a resumed run's checkpoint)
         # figures from the start: a straggler yet to finish its first step reads as 0 steps
         publish(self.store, f"worker{self.rank}", {"steps": 0, "samples_per_s": 0.0})
         self.replies = [flat(shard, 0, 0) for shard in self.shards]
@@ -80,8 +88,7 @@ class WorkerEngine:
         for i, (shard, server) in enumerate(zip(self.shards, self.servers)):
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in shard]
             pushes.append(dist.isend(flat(grads, self.versions[i], lr), dst=server))
-            if not self.sync:
-                self.store.queue_push(inbox(i), str(self.rank))
+            self.store.queue_push(inbox(i), f"grad {self.rank}")
         for work in pushes:
             work.wait()
         server_norm = self._receive(replies)
@@ -95,8 +102,9 @@ class WorkerEngine:
         """Publish this worker's throughput; on the logging rank's logged steps, gather every
         worker's and server's figures (W&B: worker throughput, staleness histogram, load)."""
         wall = time.perf_counter() - self.started
+        samples = (self.steps - self.first_step) * self.samples_per_step
         publish(self.store, f"worker{self.rank}",
-                {"steps": self.steps, "samples_per_s": self.steps * self.samples_per_step / wall})
+                {"steps": self.steps, "samples_per_s": samples / wall})
         if not self.saves_checkpoint or self.steps % self.log_every:
             return {}
         names = [f"worker{w}" for w in self.workers] + [f"server{s}" for s in range(len(self.servers))]
@@ -119,10 +127,16 @@ class WorkerEngine:
 
     def save_state(self, directory: Path) -> None:
         """The model as this worker last pulled it (in sync mode, the servers' parameters after
-        the step). The servers' optimizer state is not saved: resume is refused."""
-        if self.saves_checkpoint:
-            torch.save({"model": self.model.state_dict()}, directory / "model_pp0_tp0.pt")
+        the step) and the step count; every server writes its shard beside them."""
+        if not self.saves_checkpoint:
+            return
+        torch.save({"model": self.model.state_dict(), "steps": self.steps},
+                   directory / "model_pp0_tp0.pt")
+        for i in range(len(self.servers)):
+            self.store.queue_push(inbox(i), f"checkpoint {self.steps} {directory}")
+        self.store.wait([saved_key(self.steps, i) for i in range(len(self.servers))])
 
     def load_state(self, directory: Path) -> None:
-        raise NotImplementedError("strategy=parameter_server cannot resume yet (refused before "
-                                  "launch)")
+        """The step count; the parameters came from the servers, resumed from ``directory``."""
+        state = torch.load(directory / "model_pp0_tp0.pt", weights_only=True)
+        self.steps = self.first_step = state["steps"]
