@@ -7,6 +7,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 from plait import hookimpl
 from plait.types import PluginInfo
@@ -221,6 +222,7 @@ class Rank0:
     is_logging_rank = True
     trainer_group = None
     local_rank = local_trainer_rank = 0
+    dims = SimpleNamespace(dp=1, tp=1, pp=1)
 
 
 class HoldWriteThenKill:
