@@ -147,7 +147,8 @@ def test_a_layout_free_checkpoint_of_another_model_is_refused(tmp_path, capsys):
     other = fake_checkpoint(tmp_path, DDP_DP2, model={"embed.tok.weight": torch.zeros(3, 4)})
     err = refusal(tmp_path, capsys, [f"resume={other}", "launcher.nproc_per_node=1"])
     assert (f"resume: checkpoint {other} holds another model (embed.tok.weight: (3, 4) in the "
-            "checkpoint, (256, 64) in the model; 27 parameters missing, e.g. ") in err
+            "checkpoint, (256, 64) in the model; ") in err
+    assert "parameters missing, e.g. ['blocks.0." in err
 
 
 def test_async_save_with_a_strategy_that_cannot_write_it_is_refused(tmp_path, capsys):
