@@ -86,7 +86,7 @@ def test_ddp_checkpoint_resumes_under_another_strategy_or_tp(origins, name, over
 def test_zero1_checkpoint_resumes_as_a_ddp_pipeline(origins):
     root, runs = origins
     resumed = resume(root, runs["zero1"], "zero1_to_pp2",
-                     ["strategy=ddp", "parallel.pp=2", *DP2])
+                     ["strategy=ddp", "parallel.pp=2", "pipeline.microbatches=2", *DP2])
     assert_next_losses_match(runs["zero1"], resumed)
 
 
