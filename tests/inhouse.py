@@ -9,6 +9,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -242,6 +243,7 @@ class Rank0:
     is_logging_rank = True
     trainer_group = None
     local_rank = local_trainer_rank = 0
+    dims = SimpleNamespace(dp=1, tp=1, pp=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,3 +478,39 @@ class OptimizerSettingsAfterLoad:
         if topology.rank == 0:
             Path(cfg.run.dir, "optimizer_after_load.json").write_text(json.dumps(groups))
         return state
+
+
+class HoldWriteThenKill:
+    """For ``fault.async_save``, in the first attempt only: the background write of step
+    ``held_step``'s checkpoint is held (a sleep injected into DCP's file writer on rank 0, so
+    the kill surely lands inside the write), and rank 0 SIGKILLs itself at the end of step
+    ``kill_step``, while that write is still running."""
+
+    def __init__(self, held_step: int, kill_step: int):
+        self.held_step, self.kill_step = held_step, kill_step
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="hold_write_then_kill")
+
+    @hookimpl
+    def plait_on_run_start(self):  # the logging rank: rank 0
+        import time
+
+        from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+        if attempt() > 0:
+            return
+        real, held = _FileSystemWriter.write_data, f"step_{self.held_step:08d}"
+
+        def write_data(writer, plan, planner):
+            if held in str(writer.path):
+                time.sleep(300)
+            return real(writer, plan, planner)
+
+        _FileSystemWriter.write_data = write_data
+
+    @hookimpl
+    def plait_on_step_end(self, step):
+        if attempt() == 0 and step == self.kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -36,12 +36,18 @@ import torch.distributed as dist
 
 from plait import hookimpl
 from plait.config import FaultConfig, Range, range_problems
+from plait.plan import meta_model
+from plait.plugins.checkpoint import layout_free
+from plait.plugins.checkpoint.background import BackgroundWrites
 from plait.types import PluginInfo, TrainState
 
 LATEST = "latest"
 AUTO = "auto"
 TRAINER_STATE = "trainer_state.json"
 COMPLETE = "complete.json"
+LAYOUT = "layout.json"
+RESHARDABLE = "engine:layout_free_state"
+background = BackgroundWrites()
 
 
 @dataclass
@@ -53,6 +59,8 @@ class CheckpointConfig(FaultConfig):
     # The step guard (plait.plugins.fault) of this option:
     max_bad_steps: int = 3  # consecutive skipped (non-finite) steps that end the attempt
     spike_factor: float = 0.0  # flag a loss above this x the running median; 0: off
+    # copy to CPU memory, write in the background (DCP async_save); publish when written
+    async_save: bool = False
 
 
 RANGES = {"checkpoint_every": Range(0, meaning="0: only at the end"),
@@ -224,8 +232,75 @@ def plait_register_configs(config_store) -> None:
 
 
 @hookimpl
-def plait_validate(cfg) -> list[str]:
-    return range_problems("fault", cfg.fault, RANGES) + resume_problems(cfg)
+def plait_validate(cfg, dims, hook) -> list[str]:
+    problems = range_problems("fault", cfg.fault, RANGES) + resume_problems(cfg)
+    reshardable = any(RESHARDABLE in info.provides for info in hook.plait_declare())
+    if cfg.fault.async_save and not reshardable:
+        problems.append(f"fault.async_save=true: strategy={cfg.strategy.name} cannot write the "
+                        "layout-free (DCP) state that is saved in the background; use "
+                        "strategy=ddp or zero0..zero3, or fault.async_save=false")
+    if not problems:
+        problems += reshard_problems(cfg, dims, hook, reshardable)
+    return problems
+
+
+def current_layout(cfg, dims) -> dict:
+    return {"strategy": cfg.strategy.name, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp}
+
+
+def describe(layout: dict) -> str:
+    return (f"strategy={layout['strategy']} parallel.dp={layout['dp']} parallel.tp="
+            f"{layout['tp']} parallel.pp={layout['pp']}")
+
+
+def saved_layout(path: Path) -> dict | None:
+    """What wrote the checkpoint: its layout and which formats it holds (None: written before
+    plait recorded it, engine files only)."""
+    try:
+        return json.loads((path / LAYOUT).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def needs_conversion(saved: dict | None, layout: dict) -> bool:
+    """The engine's own files cannot be loaded: another layout wrote them, or there are none."""
+    if saved is None:
+        return False
+    return not saved["engine_files"] or {k: saved[k] for k in layout} != layout
+
+
+def reshard_problems(cfg, dims, hook, reshardable: bool) -> list[str]:
+    """A resume that needs a conversion the checkpoint or the strategy cannot do."""
+    if dims is None:
+        return []
+    path = resolve_resume(cfg, cfg.resume)
+    layout = current_layout(cfg, dims)
+    saved = saved_layout(path) if path is not None else None
+    if not needs_conversion(saved, layout):
+        return []
+    was = describe(saved)
+    if not saved["layout_free"]:
+        return [f"resume: checkpoint {path} was written with {was}, which saves no layout-free "
+                f"copy, so it cannot be converted to {describe(layout)}: resume with {was}"]
+    if not reshardable:
+        return [f"resume: checkpoint {path} was written with {was}; strategy="
+                f"{cfg.strategy.name} cannot load another layout's checkpoint: resume with {was}, "
+                "or with strategy=ddp or zero0..zero3 at any parallel.dp/tp/pp"]
+    model = meta_model(hook, cfg)
+    if model is None:
+        return []
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    stored = layout_free.saved_shapes(path)
+    missing = sorted(shapes.keys() - stored.keys())
+    resized = [f"{k}: {stored[k]} in the checkpoint, {shapes[k]} in the model"
+               for k in sorted(shapes.keys() & stored.keys()) if shapes[k] != stored[k]]
+    if missing or resized:
+        what = "; ".join(resized[:3] + ([f"{len(missing)} parameters missing, e.g. "
+                                         f"{missing[:3]}"] if missing else []))
+        return [f"resume: checkpoint {path} holds another model ({what}): resume with the "
+                "model._target_ and settings that wrote it, or start fresh with resume=null "
+                "and another run.name"]
+    return []
 
 
 def resume_problems(cfg) -> list[str]:
@@ -257,7 +332,14 @@ def plait_load_checkpoint(cfg, engine, topology) -> TrainState | None:
     path = resolve_resume(cfg, cfg.resume)
     if path is None:
         return None
-    engine.load_state(path)
+    saved, layout = saved_layout(path), current_layout(cfg, topology.dims)
+    if needs_conversion(saved, layout):
+        if topology.is_logging_rank:
+            print(f"plait: converting checkpoint {path} from {describe(saved)} to "
+                  f"{describe(layout)} (layout-free DCP copy)", flush=True)
+        layout_free.load(engine, topology, path, topology.trainer_group)
+    else:
+        engine.load_state(path)
     rng_file = path / f"rng_rank{topology.rank}.pt"
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=True))
@@ -282,27 +364,56 @@ def fork(state: TrainState, path: Path) -> TrainState:
 def plait_save_checkpoint(cfg, engine, state, topology, final) -> Path | None:
     every = cfg.fault.checkpoint_every
     due = (final and cfg.fault.save_final) or (every > 0 and state.step % every == 0)
-    if not due:
-        return None
+    complete = save(cfg, engine, state, topology) if due else None
+    if final:
+        background.wait()  # the run ends with its last checkpoint published
+    return complete
+
+
+def save(cfg, engine, state, topology) -> Path:
+    """Every rank writes its part into ``.step_<n>.partial``; rank 0 publishes it when all
+    parts are durable: now, or with ``fault.async_save`` when the background write is done."""
+    background.wait()  # the previous write is published before its .partial could be removed
     root = checkpoint_root(cfg)
     name = f"step_{state.step:08d}"
     partial, complete = root / f".{name}.partial", root / name
+    reshardable = hasattr(engine, "layout_free_state")
+    in_background = cfg.fault.async_save and reshardable
     if topology.is_logging_rank:
         remove_leftovers(root)
         partial.mkdir(parents=True)
     barrier(topology)
-    engine.save_state(partial)
+    if not in_background:
+        engine.save_state(partial)
     torch.save(rng_state(), partial / f"rng_rank{topology.rank}.pt")
+    record = {**current_layout(cfg, topology.dims), "engine_files": not in_background,
+              "layout_free": reshardable}
+    state.run_name = cfg.run.name  # a run resumed elsewhere (a PBT copy) names its source
+    trainer_state = json.dumps(state.to_dict())
+
+    def publish_on_rank0() -> None:
+        if in_background:  # the writer fsynced its own files; the RNG states were not
+            for file in partial.glob("rng_rank*.pt"):
+                fsync_path(file)
+        atomic_write_text(partial / LAYOUT, json.dumps(record))
+        atomic_write_text(partial / TRAINER_STATE, trainer_state)
+        publish(root, partial, name)
+        prune(root, cfg.fault.keep_last)
+
+    publisher = publish_on_rank0 if topology.is_logging_rank else None
+    if in_background:
+        background.start(lambda stager: layout_free.save(
+            engine, topology, partial, background.process_group(topology), stager), publisher)
+        return complete
+    if reshardable:
+        layout_free.save(engine, topology, partial, topology.trainer_group)
     barrier(topology)
     if topology.local_trainer_rank == 0:  # one process per node makes its node's writes durable
         for file in partial.rglob("*"):
             fsync_path(file)
     barrier(topology)
-    if topology.is_logging_rank:
-        state.run_name = cfg.run.name
-        atomic_write_text(partial / TRAINER_STATE, json.dumps(state.to_dict()))
-        publish(root, partial, name)
-        prune(root, cfg.fault.keep_last)
+    if publisher is not None:
+        publisher()
     barrier(topology)
     return complete
 

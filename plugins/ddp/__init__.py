@@ -174,13 +174,30 @@ class DDPEngine:
         self.scaler.load_state_dict(state["scaler"])
         self.skipped_steps = state["skipped_steps"]
 
+    def layout_free_state(self) -> dict:
+        """Model and optimizer state by parameter name (DCP's ``get_state_dict``; see
+        :mod:`plait.plugins.checkpoint.layout_free`). A fresh optimizer's state is created
+        first, so a resumed engine's own state can be the template DCP loads into."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim["state"]}
+
+    def load_layout_free_state(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        _, current = get_state_dict(self.model, self.optimizer)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict={"state": state["optim"],
+                                         "param_groups": current["param_groups"]})
+
 
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="ddp", selected_by={"strategy.name": "ddp"},
         provides=frozenset({"engine:tensor_parallel", "engine:pipeline", "engine:grad_reducer",
-                            "engine:grad_comm"}),
+                            "engine:grad_comm", "engine:layout_free_state"}),
         description="torch DistributedDataParallel")
 
 

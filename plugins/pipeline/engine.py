@@ -145,3 +145,10 @@ class PipelineEngine:
 
     def load_state(self, directory: Path) -> None:
         self.inner.load_state(directory)
+
+    def layout_free_state(self) -> dict:
+        """The strategy engine's, over this rank's stages (named as in the unsplit model)."""
+        return self.inner.layout_free_state()
+
+    def load_layout_free_state(self, state: dict) -> None:
+        self.inner.load_layout_free_state(state)

@@ -24,6 +24,7 @@ from plait.plugins.optim.hyperparameters import keep_hyperparameters
 from plait.types import Batch, StepOutput
 
 TAG = "deepspeed"  # DeepSpeed's checkpoint tag: files go to <checkpoint dir>/deepspeed/
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 
 class TopologyMPU:
@@ -130,6 +131,7 @@ class ZeroEngine:
             dist_init_required=False,
         )
         self.model = self.ds.module
+        self.stage = ds_config.get("zero_optimization", {}).get("stage", 0)
         self.optimizer = self.ds.optimizer  # its param_groups are the stepping optimizer's
         # ZeRO's optimizers (and DeepSpeed's bf16/fp16 ones) keep the global norm they clipped
         # with; stage 0 in fp32 clips in ``engine.clip_fp32_gradients`` and drops the norm, so
@@ -249,3 +251,88 @@ class ZeroEngine:
         if path is None:
             raise ValueError(f"{directory}: no DeepSpeed checkpoint (tag {TAG!r}) in it; it was "
                              "not written by strategy=zero*")
+
+    def layout_free_state(self) -> dict:
+        """The fp32 master parameters and Adam states, full over the dp group, by parameter
+        name: DeepSpeed's ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``
+        (collectives on every rank); stage 0 keeps a plain torch optimizer, read with DCP's
+        ``get_state_dict`` as DDP's is. See :mod:`plait.plugins.checkpoint.layout_free`."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.stage == 0:
+            model, optim = get_state_dict(self.model, self.ds.optimizer)
+            return {"model": model, "optim": optim["state"]}
+        self._link_optimizer_states()
+        step = self._optimizer_step()
+        model, optim = {}, {}
+        for name, param in self.model.named_parameters():
+            model[name] = safe_get_full_fp32_param(param)
+            optim[name] = {key: safe_get_full_optimizer_state(param, key)
+                           for key in ADAM_STATES} | {"step": step}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if name not in model:  # a tied parameter's other names, as in DDP's state dict
+                model[name] = model[self._first_name(param)]
+        return {"model": model, "optim": optim}
+
+    def _first_name(self, param: torch.nn.Parameter) -> str:
+        return next(n for n, p in self.model.named_parameters() if p is param)
+
+    def load_layout_free_state(self, state: dict) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        if self.stage == 0:
+            _, current = get_state_dict(self.model, self.ds.optimizer)
+            set_state_dict(self.model, self.ds.optimizer, model_state_dict=state["model"],
+                           optim_state_dict={"state": state["optim"],
+                                             "param_groups": current["param_groups"]})
+            return
+        for name, param in self.model.named_parameters():
+            safe_set_full_fp32_param(param, state["model"][name])
+            for key in ADAM_STATES:
+                safe_set_full_optimizer_state(param, state["optim"][name][key], key)
+            with torch.no_grad():  # ZeRO-1/2 keep a full working copy of every parameter
+                param.copy_(state["model"][name])
+        self._set_optimizer_step(next(iter(state["optim"].values()))["step"])
+
+    def _link_optimizer_states(self) -> None:
+        """Give every parameter's fragment its optimizer states (what ``safe_get_full_
+        optimizer_state`` reads). A fresh engine has none yet: they are created as torch's
+        ``_init_optim_state`` does (one step with zero gradients at lr 0, which changes no
+        parameter), to be overwritten by a load. ZeRO-1/2 link them after the first param
+        group's first step, while the others have no states yet (DeepSpeed 0.19), so every
+        group is linked again here."""
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+        zero = self.ds.optimizer
+        inner = zero.optimizer
+        if not inner.state:
+            lrs = [group["lr"] for group in inner.param_groups]
+            for group in inner.param_groups:
+                group["lr"] = 0.0
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            inner.step()
+            for group, lr in zip(inner.param_groups, lrs):
+                group["lr"] = lr
+                for p in group["params"]:
+                    p.grad = None
+        if hasattr(zero, "single_partition_of_fp32_groups"):  # ZeRO-1/2
+            for lp, hp in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
+                lazy_init_hp_params_optimizer_state(lp, hp, inner.state)
+
+    def _inner_optimizer_states(self) -> list[dict]:
+        """The torch optimizer states behind ZeRO's flat partitions."""
+        inner = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
+        return list(inner.state.values())
+
+    def _optimizer_step(self) -> torch.Tensor:
+        steps = [s["step"] for s in self._inner_optimizer_states() if "step" in s]
+        value = steps[0] if steps else 0
+        return torch.as_tensor(value, dtype=torch.float32).clone()
+
+    def _set_optimizer_step(self, step: torch.Tensor) -> None:
+        for s in self._inner_optimizer_states():
+            if "step" in s:
+                s["step"] = step.clone() if isinstance(s["step"], torch.Tensor) else int(step)

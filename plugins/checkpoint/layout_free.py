@@ -1,0 +1,111 @@
+"""The layout-free copy of a checkpoint: model and optimizer state keyed by the unsplit model's
+parameter names, as full tensors, in PyTorch Distributed Checkpoint (DCP) format, so a
+checkpoint written at one layout (dp, tp, pp, ddp or ZeRO stage) loads at any other.
+
+An engine that can be resharded offers two methods (capability ``engine:layout_free_state``)::
+
+    layout_free_state() -> {"model": {fqn: tensor}, "optim": {fqn: {key: tensor}}}
+    load_layout_free_state(state)            # the same structure, this rank's tensors
+
+holding this rank's parameters under the unsplit model's names (a pipeline stage: its own
+names), full over data parallelism (ZeRO's partitions joined) but still this rank's
+tensor-parallel shard. This module turns tensor-parallel shards into full tensors and back,
+using the placement every shard carries (Megatron's attributes ``partition_dim`` and
+``partition_stride`` on the parameter), and hands the result to ``dcp.save`` / ``dcp.load``.
+Replicated entries (the same key on several ranks: dp replicas, tp-replicated parameters) are
+written once by DCP's planner; a rank loads only the keys it holds, so pipeline stages read
+their own parameters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from plait.plugins.tensor_parallel.layers import merge_tensors, split_tensor
+
+DIRECTORY = "layout_free"
+SHARD_ATTRS = ("partition_dim", "partition_stride")
+
+
+def tensor_parallel_placements(engine) -> dict[str, tuple[int, int]]:
+    """``{fqn: (dim, parts)}`` of the engine's tensor-parallel shards, under every name of a
+    shared (tied) parameter."""
+    return {name: (p.partition_dim, p.partition_stride)
+            for name, p in engine.model.named_parameters(remove_duplicate=False)
+            if getattr(p, "tensor_model_parallel", False)}
+
+
+def _map_entries(state: dict, placements: dict[str, tuple[int, int]], fn) -> dict:
+    """Apply ``fn(tensor, (dim, parts))`` to every entry of a sharded parameter of ``state``;
+    other entries (replicated parameters, scalars such as Adam's step) pass through."""
+    out: dict[str, Any] = {"model": {}, "optim": {}}
+    for name, value in state["model"].items():
+        out["model"][name] = fn(value, placements[name]) if name in placements else value
+    for name, entries in state["optim"].items():
+        out["optim"][name] = {
+            key: fn(v, placements[name]) if name in placements and v.dim() > 0 else v
+            for key, v in entries.items()}
+    return out
+
+
+def full_state(engine, topology) -> dict:
+    """The engine's layout-free state with every tensor-parallel shard joined over the tp group
+    (a collective on every rank)."""
+    placements = tensor_parallel_placements(engine)
+    state = engine.layout_free_state()
+    if not placements:
+        return state
+    group, size = topology.get_tensor_model_parallel_group(), topology.dims.tp
+
+    def gather(local: torch.Tensor, placement: tuple[int, int]) -> torch.Tensor:
+        shards = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(shards, local.contiguous(), group=group)
+        return merge_tensors(shards, *placement)
+
+    return _map_entries(state, placements, gather)
+
+
+def local_state(engine, topology, full: dict) -> dict:
+    """``full`` cut back into this rank's tensor-parallel shards."""
+    placements = tensor_parallel_placements(engine)
+    if not placements:
+        return full
+    rank, size = topology.tp_rank, topology.dims.tp
+    return _map_entries(full, placements,
+                        lambda t, placement: split_tensor(t, *placement, rank, size))
+
+
+def save(engine, topology, directory: Path, group, stager=None):
+    """Write the layout-free state into ``directory/layout_free``. With ``stager`` the state is
+    copied to CPU memory and written in the background (``dcp.async_save``): the result is the
+    future of the write; without, the write is done when this returns (None)."""
+    state = full_state(engine, topology)
+    target = directory / DIRECTORY
+    if stager is None:
+        dcp.save(state, checkpoint_id=target, process_group=group)
+        return None
+    response = dcp.async_save(state, checkpoint_id=target, process_group=group,
+                              async_stager=stager)
+    return getattr(response, "upload_completion", response)
+
+
+def load(engine, topology, directory: Path, group) -> None:
+    """Read ``directory/layout_free`` into the engine, whatever layout wrote it: the engine's own
+    state (full tensors) is the template DCP fills in place."""
+    template = full_state(engine, topology)
+    dcp.load(template, checkpoint_id=directory / DIRECTORY, process_group=group)
+    engine.load_layout_free_state(local_state(engine, topology, template))
+
+
+def saved_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """The model entries of a layout-free checkpoint and their full shapes, read from DCP's
+    metadata alone (no tensor is loaded)."""
+    metadata = dcp.FileSystemReader(str(directory / DIRECTORY)).read_metadata()
+    return {key.removeprefix("model."): tuple(meta.size)
+            for key, meta in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and hasattr(meta, "size")}
