@@ -179,8 +179,6 @@ class NanLoss:
 
     @hookimpl(wrapper=True, tryfirst=True)  # outermost: around the pipeline engine too
     def plait_build_engine(self, topology):
-        import itertools
-
         engine = yield
         if attempt() > 0:
             return engine
@@ -414,28 +412,40 @@ class DeepSpeedFp16OnThisCpu:
 class OverflowAtSteps:
     """Multiplies every loss of the given steps by 1e6: finite in fp32, but once the fp16 loss
     scaler has multiplied it by its scale the gradients overflow fp16 (largest value 65504): a
-    real overflow for the scaler to catch, from a loss spike rather than a planted inf."""
+    real overflow for the scaler to catch, from a loss spike rather than a planted inf. Steps
+    are the engine's ``train_step`` calls (a pipeline schedule may call the loss more often than
+    once per micro-batch, e.g. for its first step's shape inference)."""
 
     def __init__(self, *steps: int):
-        self.steps = steps
+        self.steps, self.step = steps, 0
 
     @hookimpl
     def plait_declare(self):
         return PluginInfo(name="overflow_at_steps")
 
     @hookimpl(wrapper=True)  # around whichever loss the run chose
-    def plait_build_loss(self, cfg):
+    def plait_build_loss(self):
         from plait.train import cross_entropy
 
         chosen = (yield) or cross_entropy
-        calls = itertools.count()
-        per_step = cfg.train.grad_accum_steps  # loss calls per optimizer step (no evaluation)
 
         def loss_fn(logits, targets):
             loss = chosen(logits, targets)
-            return loss * 1e6 if next(calls) // per_step + 1 in self.steps else loss
+            return loss * 1e6 if self.step in self.steps else loss
 
         return loss_fn
+
+    @hookimpl(wrapper=True, tryfirst=True)  # outermost: around the pipeline engine too
+    def plait_build_engine(self):
+        engine = yield
+        train_step = engine.train_step
+
+        def counted_train_step(micro_batches, lr):
+            self.step += 1
+            return train_step(micro_batches, lr)
+
+        engine.train_step = counted_train_step
+        return engine
 
 
 # A 4-step run for OverflowAtSteps(2, 3), a checkpoint after each step (all kept).

@@ -21,6 +21,7 @@ from plait.plugins.models.gpt import GPT
 from plait.plugins.pipeline.split import build_stage_modules, n_params, split_stages
 from plait.testing import read_metrics, run_training
 
+import inhouse
 from inhouse import TracePipelineActions
 
 TOLERANCE = 2e-5  # relative, fp32
@@ -127,7 +128,9 @@ def problems(*overrides: str) -> str:
      "pipeline.balance=[1, 2] must list 2 block counts"),
     (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.balance=speed"],
      "pipeline.balance=speed: choose one of layers, params, time"),
-    (["parallel.pp=2", "pipeline.microbatches=2", "precision=fp16"], "precision=fp16 with"),
+    (["parallel.pp=2", "pipeline.microbatches=2", "precision=fp16", "strategy=zero1"],
+     "strategy=zero1 precision=fp16 with parallel.pp=2: the pipeline schedule runs the backward "
+     "outside DeepSpeed"),
     (["parallel.pp=2", "pipeline.microbatches=2", "model.tie_embeddings=true"],
      "parallel.pp=2 with a parameter shared by the embedding and the head"),
     (["parallel.pp=2", "pipeline.microbatches=2", "model=llama_tiny"],
@@ -244,15 +247,29 @@ def test_pp2_schedule_matches_one_process(tmp_path, reference, schedule):
 
 
 @pytest.mark.slow
-def test_pp2_in_bf16_trains_close_to_fp32(tmp_path, reference):
-    """bf16 autocast inside the schedule (fp16 is refused under pp: no loss scaler there). The
-    first 10 steps of the fp32 schedule (``decay_steps`` keeps the LR the same)."""
-    run = tmp_path / "bf16"
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_pp2_in_mixed_precision_trains_close_to_fp32(tmp_path, reference, precision):
+    """bf16 or fp16 autocast inside the schedule (fp16 with the loss scaler the engine applies
+    through the schedule's loss). The first 10 steps of the fp32 schedule (``decay_steps`` keeps
+    the LR the same)."""
+    run = tmp_path / precision
     run_training(run, [*COMMON, *PP2, "train.steps=10", f"optimizer.decay_steps={STEPS}",
-                       "precision=bf16"])
+                       f"precision={precision}"])
     losses = figures(run)["loss"]
     assert losses == pytest.approx(reference["loss"][:10], rel=BF16_TOLERANCE)
     assert losses != reference["loss"][:10]  # autocast really ran
+
+
+@pytest.mark.slow
+def test_pp2_fp16_overflow_on_the_last_stage_skips_the_step_on_both(tmp_path):
+    """A loss spike at steps 2 and 3 (``inhouse.OverflowAtSteps``, on the last stage, where the
+    loss is) overflows fp16 gradients on both stages: both steps are skipped on every rank
+    (weights unchanged bit for bit), counted, and the scale halves each time."""
+    run = tmp_path / "fp16"
+    run_training(run, [*inhouse.OVERFLOW_RUN, "model.n_layer=4", "train.batch_size=8",
+                       "parallel.pp=2", "pipeline.microbatches=2", "train.grad_accum_steps=2",
+                       "precision=fp16"], plugins=[inhouse.OverflowAtSteps(2, 3)])
+    inhouse.assert_steps_2_and_3_skipped(run, scales=[1, 0.5, 0.25, 0.25])
 
 
 @pytest.mark.slow

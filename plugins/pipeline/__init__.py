@@ -143,9 +143,6 @@ def plait_validate(cfg, dims, hook) -> list[str]:
                         f"{pp}: the pipeline micro-batches are the step's accumulation micro-"
                         f"batches; leave train.grad_accum_steps unset (1) or equal to "
                         f"pipeline.microbatches={settings.microbatches}")
-    if cfg.precision == "fp16":
-        problems.append(f"precision=fp16 with parallel.pp={pp}: the schedules run the backward "
-                        "themselves, without a loss scaler; use precision=bf16 or fp32")
     if n_blocks is not None and shared_across_stages(model):
         problems.append(f"parallel.pp={pp} with a parameter shared by the embedding and the head "
                         "(tied embeddings): they live on different stages; untie them (for "

@@ -49,6 +49,12 @@ class PipelineEngine:
     finishes the step; otherwise this engine does, with the comm plugin's reducer. The gradient
     norm is the global one, ``sqrt(sum over stages (and tp shards) of |g|^2)``, and clipping
     scales every stage by the same factor.
+
+    fp16: the schedule differentiates the loss its ``loss_fn`` returns, so the strategy engine's
+    ``GradScaler`` scales it there, and the gradients are unscaled after the dp average. An
+    overflow on any stage makes the global norm non-finite, so every rank sees it at once: the
+    step is skipped everywhere and the scale backs off (given explicitly: the scaler's own
+    found-inf is per rank, and another stage's overflow is not in it).
     """
 
     def __init__(self, cfg, inner, loss_fn, grad_reducer, topology, hook):
@@ -78,8 +84,19 @@ class PipelineEngine:
                                        SCHEDULES[cfg.pipeline.schedule][2])
         self.pp_rank = topology.pp_rank
         self.has_first, self.has_last = 0 in self.chunks, n_stages - 1 in self.chunks
+        scaler = getattr(inner, "scaler", None)
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        if self.scaler:  # a stage without the loss never scales one: make the scale exist
+            self.scaler.scale(torch.ones((), device=self.device))
         self.schedule = make_schedule(cfg.pipeline.schedule, self.stages,
-                                      cfg.pipeline.microbatches, loss_fn)
+                                      cfg.pipeline.microbatches,
+                                      self._scaled(loss_fn) if self.scaler else loss_fn)
+
+    def _scaled(self, loss_fn):
+        def scaled_loss(output, target):
+            return self.scaler.scale(loss_fn(output, target))
+
+        return scaled_loss
 
     def _reduce_loss(self, loss: torch.Tensor) -> float:
         """The last stage's loss (zero on the others) to every rank, averaged over dp."""
@@ -97,24 +114,42 @@ class PipelineEngine:
         x = torch.cat([b[0].to(self.device, non_blocking=True) for b in micro_batches])
         y = torch.cat([b[1].to(self.device, non_blocking=True) for b in micro_batches])
         losses: list[torch.Tensor] = []
+        scale = self.scaler.get_scale() if self.scaler else 1.0
         with autocast(self.precision, self.device):
             self.schedule.step(*((x,) if self.has_first else ()), target=y, losses=losses,
                                return_outputs=False)
-        local_loss = torch.stack(losses).mean() if self.has_last else torch.zeros(())
+        local_loss = torch.stack(losses).mean() / scale if self.has_last else torch.zeros(())
         loss = self._reduce_loss(local_loss.clone())  # reduced in place
         if hasattr(self.inner, "step_after_backward"):  # the strategy reduces and steps (ZeRO)
             return self.inner.step_after_backward(loss, local_loss.detach())
         if self.dp_size > 1:
             average_gradients(self.model.parameters(), self.grad_reducer, self.dp_group)
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm,
                                     self.tp_group if self.tp_size > 1 else None, self.tp_rank,
                                     self.pp_group)
-        skipped = any(self.check_step(loss=local_loss.detach(), grad_norm=grad_norm))
-        if not skipped:
+        overflow = self.scaler is not None and not bool(torch.isfinite(grad_norm))
+        # fp16: an overflow is the scaler's to skip (as under DDP); the guard judges the loss
+        guarded_norm = torch.zeros_like(grad_norm) if self.scaler else grad_norm
+        skipped = any(self.check_step(loss=local_loss.detach(), grad_norm=guarded_norm))
+        if not (skipped or overflow):
             self.optimizer.step()
+        metrics = self._update_loss_scale(scale, overflow) if self.scaler else {}
         self.optimizer.zero_grad(set_to_none=True)
-        return StepOutput(loss=loss, grad_norm=grad_norm.item(), skipped=skipped)
+        return StepOutput(loss=loss, grad_norm=grad_norm.item(), skipped=skipped,
+                          metrics=metrics)
+
+    def _update_loss_scale(self, scale: float, overflow: bool) -> dict[str, float]:
+        """The same metrics as the DDP engine's; its ``skipped_steps`` is checkpointed."""
+        if overflow:
+            self.scaler.update(scale * self.scaler.get_backoff_factor())
+            self.inner.skipped_steps += 1
+        else:
+            self.scaler.update()
+        return {"loss_scale": self.scaler.get_scale(),
+                "skipped_steps": float(self.inner.skipped_steps)}
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> float:

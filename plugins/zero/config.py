@@ -258,6 +258,10 @@ def pipeline_problems(cfg: DictConfig, dims) -> list[str]:
     and partitions gradients inside each micro-batch's backward, which the pipeline schedule runs
     outside DeepSpeed, and ZeRO-3 also gathers parameters around every module's forward."""
     stage = stage_of(cfg)
+    if dims.pp > 1 and stage == 1 and cfg.precision == "fp16":
+        return [f"strategy=zero1 precision=fp16 with parallel.pp={dims.pp}: the pipeline "
+                "schedule runs the backward outside DeepSpeed, so DeepSpeed's loss scaler never "
+                "scales it; use precision=bf16 (or strategy=ddp, whose pipeline engine scales)"]
     if dims.pp == 1 or stage == 1:
         return []
     if stage == 0:
