@@ -35,7 +35,7 @@ import torch.distributed as dist
 from plait.plugins.models.gpt import GPT
 from plait.plugins.optim.clip_grads import clip_grad_norm_
 from plait.plugins.tensor_parallel.layers import VocabParallelCrossEntropy
-from plait.plugins.tensor_parallel.plan import GPT_PLAN, apply_plan
+from plait.plugins.tensor_parallel.plan import TensorParallelPlan, apply_plan
 from plait.testing import spawn
 from plait.train import cross_entropy
 
@@ -65,7 +65,8 @@ def measure(rank: int, world: int, sp: bool, args: dict, out: str) -> None:
     group, loss_fn = None, cross_entropy
     if world > 1:
         group = dist.group.WORLD
-        apply_plan(model, GPT_PLAN, group, rank, world, sp)
+        apply_plan(model, TensorParallelPlan(styles=dict(GPT.tensor_parallel_plan)), group,
+                   rank, world, sp)
         loss_fn = VocabParallelCrossEntropy(group, rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     idx = torch.randint(0, args["vocab"], (args["batch"], args["seq"]))
