@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 . .venv/bin/activate
 export DS_ACCELERATOR=cpu
-exec python -m pytest -q "$@"
+exec python -m pytest -q --durations=25 "$@"
