@@ -299,6 +299,13 @@ class CountCollectives:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **self.counter.take()}) + "\n")
 
+    @hookimpl(wrapper=True)
+    def plait_save_checkpoint(self):
+        result = yield
+        if hasattr(self, "counter"):  # rank 0: a checkpoint's collectives (the layout-free
+            self.counter.take()       # copy joins tp shards) are not the next step's
+        return result
+
     @hookimpl
     def plait_on_run_end(self):
         self.counter.__exit__(None, None, None)

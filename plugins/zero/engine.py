@@ -24,7 +24,6 @@ from plait.plugins.optim.hyperparameters import keep_hyperparameters
 from plait.types import Batch, StepOutput
 
 TAG = "deepspeed"  # DeepSpeed's checkpoint tag: files go to <checkpoint dir>/deepspeed/
-ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 
 class TopologyMPU:
@@ -266,14 +265,22 @@ class ZeroEngine:
         self._link_optimizer_states()
         step = self._optimizer_step()
         model, optim = {}, {}
+        keys = self._optimizer_state_keys()
         for name, param in self.model.named_parameters():
             model[name] = safe_get_full_fp32_param(param)
             optim[name] = {key: safe_get_full_optimizer_state(param, key)
-                           for key in ADAM_STATES} | {"step": step}
+                           for key in keys} | {"step": step}
         for name, param in self.model.named_parameters(remove_duplicate=False):
             if name not in model:  # a tied parameter's other names, as in DDP's state dict
                 model[name] = model[self._first_name(param)]
         return {"model": model, "optim": optim}
+
+    def _optimizer_state_keys(self) -> list[str]:
+        """The per-element states of the torch optimizer DeepSpeed steps (Adam's two moments;
+        an in-house client optimizer's own, or none): tensors of the flat partitions' state."""
+        inner = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
+        return sorted({key for state in inner.state.values() for key, value in state.items()
+                       if torch.is_tensor(value) and value.dim() > 0})
 
     def _first_name(self, param: torch.nn.Parameter) -> str:
         return next(n for n, p in self.model.named_parameters() if p is param)
@@ -290,8 +297,9 @@ class ZeroEngine:
             return
         for name, param in self.model.named_parameters():
             safe_set_full_fp32_param(param, state["model"][name])
-            for key in ADAM_STATES:
-                safe_set_full_optimizer_state(param, state["optim"][name][key], key)
+            for key, value in state["optim"][name].items():
+                if key != "step":
+                    safe_set_full_optimizer_state(param, value, key)
             with torch.no_grad():  # ZeRO-1/2 keep a full working copy of every parameter
                 param.copy_(state["model"][name])
         self._set_optimizer_step(next(iter(state["optim"].values()))["step"])
