@@ -25,6 +25,7 @@ from plait.config import StrategyConfig
 from plait.plugins.optim.clip_grads import clip_grad_norm_
 from plait.plugins.optim.hyperparameters import keep_hyperparameters
 from plait.plugins.optim.mixed_precision import autocast, grad_scaler
+from plait.plugins.optim.state_by_name import load_state_by_name, state_by_name
 from plait.types import Batch, GradReducer, PluginInfo, StepOutput
 
 
@@ -178,18 +179,10 @@ class DDPEngine:
         """Model and optimizer state by parameter name (DCP's ``get_state_dict``; see
         :mod:`plait.plugins.checkpoint.layout_free`). A fresh optimizer's state is created
         first, so a resumed engine's own state can be the template DCP loads into."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optim = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optim": optim["state"]}
+        return state_by_name(self.model, self.optimizer)
 
     def load_layout_free_state(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        _, current = get_state_dict(self.model, self.optimizer)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict={"state": state["optim"],
-                                         "param_groups": current["param_groups"]})
+        load_state_by_name(self.model, self.optimizer, state)
 
 
 @hookimpl

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from plait.plugins.optim.hyperparameters import keep_hyperparameters
+from plait.plugins.optim.state_by_name import load_state_by_name, state_by_name
 from plait.types import Batch, StepOutput
 
 TAG = "deepspeed"  # DeepSpeed's checkpoint tag: files go to <checkpoint dir>/deepspeed/
@@ -257,11 +258,9 @@ class ZeroEngine:
         (collectives on every rank); stage 0 keeps a plain torch optimizer, read with DCP's
         ``get_state_dict`` as DDP's is. See :mod:`plait.plugins.checkpoint.layout_free`."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         if self.stage == 0:
-            model, optim = get_state_dict(self.model, self.ds.optimizer)
-            return {"model": model, "optim": optim["state"]}
+            return state_by_name(self.model, self.ds.optimizer)
         self._link_optimizer_states()
         step = self._optimizer_step()
         model, optim = {}, {}
@@ -287,13 +286,9 @@ class ZeroEngine:
 
     def load_layout_free_state(self, state: dict) -> None:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         if self.stage == 0:
-            _, current = get_state_dict(self.model, self.ds.optimizer)
-            set_state_dict(self.model, self.ds.optimizer, model_state_dict=state["model"],
-                           optim_state_dict={"state": state["optim"],
-                                             "param_groups": current["param_groups"]})
+            load_state_by_name(self.model, self.ds.optimizer, state)
             return
         for name, param in self.model.named_parameters():
             safe_set_full_fp32_param(param, state["model"][name])
