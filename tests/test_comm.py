@@ -171,10 +171,13 @@ def _algorithms_on_two_nodes(rank: int, world_size: int) -> None:
             rank * 7919 + numel))
         expected = data.clone()
         dist.all_reduce(expected)
-        ring, hierarchical = data.clone(), data.clone()
+        ring, hierarchical, pipelined = data.clone(), data.clone(), data.clone()
         ring_all_reduce_(ring, group)
         hierarchical_all_reduce_(hierarchical, nodes.intra, nodes.inter)
+        # segments of 5 elements: up to 201 segments in flight through the three stages
+        hierarchical_all_reduce_(pipelined, nodes.intra, nodes.inter, segment_bytes=5 * 8)
         assert torch.equal(ring, expected) and torch.equal(hierarchical, expected), numel
+        assert torch.equal(pipelined, expected), numel
 
     # floats, through each plugin's reducer and every compression: the average, up to the
     # summation order (fp32) or the rounding of the wire format, the same on every rank

@@ -44,33 +44,37 @@ def owned_chunk(group: dist.ProcessGroup) -> int:
     return (group.rank() + 1) % group.size()
 
 
-def ring_reduce_scatter_(chunks: tuple[torch.Tensor, ...], group: dist.ProcessGroup) -> None:
+def ring_reduce_scatter_(chunks: tuple[torch.Tensor, ...], group: dist.ProcessGroup,
+                         tag: int = 0) -> None:
     """Sum ``chunks`` (one per rank of ``group``, views of one buffer) around the ring, so that
-    this rank ends with the full sum of chunk :func:`owned_chunk`; the others hold partial sums."""
+    this rank ends with the full sum of chunk :func:`owned_chunk`; the others hold partial sums.
+    ``tag`` keeps the messages apart from another thread's on the same group."""
     p, r = group.size(), group.rank()
     for s in range(p - 1):
         send, receive = (r - s) % p, (r - s - 1) % p
-        chunks[receive].add_(_pass_along(chunks, send, receive, group))
+        chunks[receive].add_(_pass_along(chunks, send, receive, group, tag))
 
 
-def ring_all_gather_(chunks: tuple[torch.Tensor, ...], group: dist.ProcessGroup) -> None:
+def ring_all_gather_(chunks: tuple[torch.Tensor, ...], group: dist.ProcessGroup,
+                     tag: int = 0) -> None:
     """Give every rank every rank's :func:`owned_chunk`, around the ring."""
     p, r = group.size(), group.rank()
     for s in range(p - 1):
         send, receive = (r + 1 - s) % p, (r - s) % p
-        chunks[receive].copy_(_pass_along(chunks, send, receive, group))
+        chunks[receive].copy_(_pass_along(chunks, send, receive, group, tag))
 
 
-def _pass_along(chunks, send: int, receive: int, group: dist.ProcessGroup) -> torch.Tensor:
+def _pass_along(chunks, send: int, receive: int, group: dist.ProcessGroup,
+                tag: int) -> torch.Tensor:
     """Send one chunk to the right neighbour, receive one from the left (a chunk of a buffer
     shorter than the ring is empty, and then is neither sent nor received)."""
     p, r = group.size(), group.rank()
     incoming = torch.empty_like(chunks[receive])
     work = None
     if chunks[send].numel():
-        work = dist.isend(chunks[send], group=group, group_dst=(r + 1) % p)
+        work = dist.isend(chunks[send], group=group, group_dst=(r + 1) % p, tag=tag)
     if incoming.numel():
-        dist.recv(incoming, group=group, group_src=(r - 1) % p)
+        dist.recv(incoming, group=group, group_src=(r - 1) % p, tag=tag)
     if work is not None:
         work.wait()
     return incoming
