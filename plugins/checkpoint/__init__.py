@@ -91,8 +91,10 @@ def visible_roots(cfg) -> list[Path]:
 
 
 def newest_visible(cfg) -> Path | None:
-    """The newest complete checkpoint on this machine that holds the run's own files (node 0's
-    part: ``layout.json``, ``trainer_state.json``)."""
+    """The newest complete checkpoint on this machine; node-local: one that holds the run's own
+    files (node 0's part: ``layout.json``, ``trainer_state.json``)."""
+    if cfg.fault.local_dir is None:
+        return latest_checkpoint(checkpoint_root(cfg), quiet=True)
     found = [c for root in visible_roots(cfg) if (c := latest_checkpoint(root, quiet=True))
              and (c / TRAINER_STATE).exists()]
     return max(found, key=lambda path: path.name, default=None)
