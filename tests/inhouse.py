@@ -160,6 +160,31 @@ class KillAt:
 kill_rank1_at_5 = KillAt(5)
 
 
+class KillNodeAt:
+    """SIGKILLs every process of node ``node`` (its agent and workers: the worker's process
+    group, which the test started as a session of its own) right after step ``step``'s
+    checkpoint, once per run directory: a whole node lost."""
+
+    def __init__(self, step: int, node: int = 1):
+        self.step, self.node = step, node
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="kill_node_at_step")
+
+    @hookimpl(wrapper=True)
+    def plait_save_checkpoint(self, cfg, state, topology):
+        result = yield
+        marker = Path(cfg.run.dir, "killed")
+        if state.step == self.step and topology.node_rank == self.node and not marker.exists():
+            marker.write_text(f"node {self.node} after step {self.step}")
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        return result
+
+
+kill_node1_at_3 = KillNodeAt(3)
+
+
 class NanLoss:
     """Makes the loss (``what="loss"``) or the gradient of this rank's first parameter
     (``what="grad"``) NaN on global rank ``rank`` for the engine's optimizer-step calls
@@ -240,7 +265,7 @@ class Rank0:
     rank = 0
     is_logging_rank = True
     trainer_group = None
-    local_rank = local_trainer_rank = 0
+    local_rank = local_trainer_rank = node_rank = 0
     dims = SimpleNamespace(dp=1, tp=1, pp=1)
 
 

@@ -52,6 +52,19 @@ CASES = [
       "tracker.mode=loud: choose offline, online or disabled"]),
     ("fault.max_bad_steps=0 fault.spike_factor=-1",
      ["set fault.max_bad_steps >= 1", "set fault.spike_factor >= 0 (0: off)"]),
+    # replication: node-local checkpoints and their peers
+    ("fault.replicas=-1", ["fault.replicas=-1 is out of range: set fault.replicas >= 0"]),
+    ("fault.replicas=1", ["fault.replicas=1 keeps each node's checkpoint part on peer nodes' own "
+                          "disks, but without fault.local_dir every node writes into the shared",
+                          "set fault.local_dir=<a directory on each node's own disk>",
+                          "fault.replicas=1 with 1 node(s): a node's part is kept on "
+                          "fault.replicas other nodes, so it must be below the node count: set "
+                          "fault.replicas=0 (launcher.nnodes=1 has no peer node)"]),
+    ("launcher.nnodes=2 launcher.master_port=29500 fault.local_dir={tmp}/local fault.replicas=2",
+     ["fault.replicas=2 with 2 node(s)", "set fault.replicas=1"]),
+    ("fault.local_dir={tmp}/local fault.async_save=true",
+     ["fault.async_save=true cannot write node-local checkpoints (fault.local_dir): set "
+      "fault.async_save=false, or unset fault.local_dir"]),
     ("launcher.node_rank=1", ["launcher.node_rank=1 with launcher.nnodes=1: give each node its "
                               "rank, 0 to 0"]),
     ("launcher.nnodes=2 run.name=r", ["launcher.nnodes=2 needs launcher.master_port=<port>"]),

@@ -15,6 +15,9 @@ newest complete one is used. ``latest`` never names a missing checkpoint: re-sav
 exists (after resuming from an older one) first points ``latest`` elsewhere. Stale ``.partial``
 directories of crashed writes are removed by the next save.
 
+With ``fault.local_dir`` each node keeps its part of every checkpoint on its own disk, and with
+``fault.replicas=R`` also on R peer nodes (``replication.py``).
+
 ``resume=`` a checkpoint outside this run's directory (another run's, or a copy a PBT sweeper
 made) starts a new run from it: weights, optimizer state and data position are loaded, the
 other run's tracker id is not (``TrainState.parent`` names that run instead).
@@ -29,15 +32,16 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from plait import hookimpl
-from plait.config import FaultConfig, Range, range_problems
+from plait.config import AT_LEAST_0, FaultConfig, Range, range_problems
 from plait.plan import meta_model
-from plait.plugins.checkpoint import layout_free
+from plait.plugins.checkpoint import layout_free, replication
 from plait.plugins.checkpoint.background import BackgroundWrites
 from plait.types import PluginInfo, TrainState
 
@@ -61,14 +65,39 @@ class CheckpointConfig(FaultConfig):
     spike_factor: float = 0.0  # flag a loss above this x the running median; 0: off
     # copy to CPU memory, write in the background (DCP async_save); publish when written
     async_save: bool = False
+    # A directory on each node's own disk: node k keeps its part of every checkpoint in
+    # <local_dir>/<run.name>/node<k>. None: every node writes into run.dir/checkpoints (shared).
+    local_dir: Optional[str] = None
+    replicas: int = 0  # peer nodes that also keep each node's part (needs local_dir)
 
 
 RANGES = {"checkpoint_every": Range(0, meaning="0: only at the end"),
-          "keep_last": Range(0, meaning="0 keeps all")}
+          "keep_last": Range(0, meaning="0 keeps all"), "replicas": AT_LEAST_0}
 
 
-def checkpoint_root(cfg) -> Path:
-    return Path(cfg.run.dir) / "checkpoints"
+def checkpoint_root(cfg, node: int | None = None) -> Path:
+    """Where checkpoints are written: the run directory's, or node ``node``'s own."""
+    if cfg.fault.local_dir is None:
+        return Path(cfg.run.dir) / "checkpoints"
+    return replication.node_root(cfg, node)
+
+
+def visible_roots(cfg) -> list[Path]:
+    """The checkpoint roots this machine sees before launch (node-local: every node root on
+    it, for the checks that need no processes)."""
+    if cfg.fault.local_dir is None:
+        return [checkpoint_root(cfg)]
+    return sorted(replication.node_root(cfg, 0).parent.glob("node*"))
+
+
+def newest_visible(cfg) -> Path | None:
+    """The newest complete checkpoint on this machine; node-local: one that holds the run's own
+    files (node 0's part: ``layout.json``, ``trainer_state.json``)."""
+    if cfg.fault.local_dir is None:
+        return latest_checkpoint(checkpoint_root(cfg), quiet=True)
+    found = [c for root in visible_roots(cfg) if (c := latest_checkpoint(root, quiet=True))
+             and (c / TRAINER_STATE).exists()]
+    return max(found, key=lambda path: path.name, default=None)
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -114,7 +143,7 @@ def resolve_resume(cfg, resume: str | None) -> Path | None:
     newest complete checkpoint). A restarted process (torch elastic, a SLURM requeue) always
     continues from this run's own newest checkpoint when there is one.
     """
-    own = latest_checkpoint(checkpoint_root(cfg))
+    own = newest_visible(cfg) if cfg.fault.local_dir else latest_checkpoint(checkpoint_root(cfg))
     if resume in (AUTO, LATEST) or (restarted() and own is not None):
         return own
     if resume is None:
@@ -239,9 +268,53 @@ def plait_validate(cfg, dims, hook) -> list[str]:
         problems.append(f"fault.async_save=true: strategy={cfg.strategy.name} cannot write the "
                         "layout-free (DCP) state that is saved in the background; use "
                         "strategy=ddp or zero0..zero3, or fault.async_save=false")
+    problems += storage_problems(cfg, dims, hook)
     if not problems:
         problems += reshard_problems(cfg, dims, hook, reshardable)
     return problems
+
+
+def storage_problems(cfg, dims, hook) -> list[str]:
+    """Replicas need node-local checkpoints and fewer replicas than nodes."""
+    fault, problems = cfg.fault, []
+    if fault.replicas > 0 and fault.local_dir is None:
+        problems.append(
+            f"fault.replicas={fault.replicas} keeps each node's checkpoint part on peer nodes' "
+            f"own disks, but without fault.local_dir every node writes into the shared "
+            f"{checkpoint_root(cfg)}, where a copy protects nothing: set fault.local_dir=<a "
+            "directory on each node's own disk>, or fault.replicas=0")
+    if fault.replicas > 0 and fault.replicas >= dims.nnodes:
+        problems.append(
+            f"fault.replicas={fault.replicas} with {dims.nnodes} node(s): a node's part is kept "
+            f"on fault.replicas other nodes, so it must be below the node count: set "
+            f"fault.replicas={dims.nnodes - 1}" + (" (launcher.nnodes=1 has no peer node)"
+                                                   if dims.nnodes == 1 else ""))
+    if fault.local_dir is not None and fault.async_save:
+        problems.append("fault.async_save=true cannot write node-local checkpoints "
+                        "(fault.local_dir): set fault.async_save=false, or unset fault.local_dir")
+    if fault.local_dir is not None and has_other_roles(cfg, dims, hook):
+        problems.append(f"strategy={cfg.strategy.name} runs ranks of other roles (e.g. parameter "
+                        "servers) that write their own checkpoint files, which fault.local_dir "
+                        "does not place: unset fault.local_dir")
+    return problems
+
+
+def has_other_roles(cfg, dims, hook) -> bool:
+    try:
+        roles = hook.plait_assign_roles(cfg=cfg, world_size=dims.world_size)
+    except ValueError:
+        return False
+    return roles is not None and not roles.single
+
+
+@hookimpl
+def plait_backend_config(cfg, dims) -> dict:
+    """``plait plan`` shows where each node's checkpoint part and its replicas live."""
+    if cfg.fault.local_dir is None:
+        return {}
+    where = {"each node's own directory": str(replication.node_root(cfg, 0).parent / "node<k>"),
+             **replication.placement(dims.nnodes, min(cfg.fault.replicas, dims.nnodes - 1))}
+    return {"checkpoint storage (fault.local_dir, fault.replicas)": where}
 
 
 def current_layout(cfg, dims) -> dict:
@@ -304,9 +377,9 @@ def reshard_problems(cfg, dims, hook, reshardable: bool) -> list[str]:
 
 
 def resume_problems(cfg) -> list[str]:
-    root = checkpoint_root(cfg)
-    if cfg.resume == AUTO:
-        return []
+    root = ", ".join(map(str, visible_roots(cfg)))
+    if cfg.resume == AUTO or (cfg.resume == LATEST and cfg.fault.local_dir):
+        return []  # node-local: the nodes learn what survives when they meet
     if cfg.resume is not None:
         if resolve_resume(cfg, cfg.resume) is None:
             where = root if cfg.resume == LATEST else cfg.resume
@@ -314,7 +387,7 @@ def resume_problems(cfg) -> list[str]:
                     "resume=auto (resumes only if there is one), or give a checkpoint or run "
                     "directory that holds one"]
         return []
-    existing = latest_checkpoint(root, quiet=True)
+    existing = newest_visible(cfg)
     if existing is not None and not restarted():
         return [f"run.dir={cfg.run.dir} already holds checkpoints (latest: {existing.name}) and "
                 "resume=null starts fresh: continue it with resume=auto, or start a new run "
@@ -327,9 +400,25 @@ def plait_find_checkpoint(cfg, path) -> Path | None:
     return resolve_resume(cfg, path)
 
 
+def checkpoint_to_load(cfg, topology) -> Path | None:
+    """The checkpoint this rank loads (every trainer calls this: with node-local checkpoints,
+    the nodes agree on it and fetch the parts they lack first)."""
+    if cfg.fault.local_dir is None:
+        return resolve_resume(cfg, cfg.resume)
+    own = None
+    if cfg.resume in (AUTO, LATEST) or restarted():
+        own = replication.restore(cfg, topology)
+    if own is None and cfg.resume == LATEST:
+        raise ValueError(f"resume=latest: no node holds a checkpoint of this run under "
+                         f"{replication.node_root(cfg, 0).parent}; start with resume=auto")
+    if own is None and cfg.resume not in (None, AUTO):
+        return resolve_resume(cfg, cfg.resume)  # another run's checkpoint
+    return own
+
+
 @hookimpl
 def plait_load_checkpoint(cfg, engine, topology) -> TrainState | None:
-    path = resolve_resume(cfg, cfg.resume)
+    path = checkpoint_to_load(cfg, topology)
     if path is None:
         return None
     saved, layout = saved_layout(path), current_layout(cfg, topology.dims)
@@ -344,7 +433,7 @@ def plait_load_checkpoint(cfg, engine, topology) -> TrainState | None:
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=True))
     state = TrainState.from_dict(json.loads((path / TRAINER_STATE).read_text()))
-    if not path.resolve().is_relative_to(checkpoint_root(cfg).resolve()):
+    if not path.resolve().is_relative_to(checkpoint_root(cfg, topology.node_rank).resolve()):
         state = fork(state, path)
     if topology.is_logging_rank:
         print(f"plait: resumed from {path} at step {state.step}", flush=True)
@@ -372,14 +461,18 @@ def plait_save_checkpoint(cfg, engine, state, topology, final) -> Path | None:
 
 def save(cfg, engine, state, topology) -> Path:
     """Every rank writes its part into ``.step_<n>.partial``; rank 0 publishes it when all
-    parts are durable: now, or with ``fault.async_save`` when the background write is done."""
+    parts are durable: now, or with ``fault.async_save`` when the background write is done.
+    With ``fault.local_dir`` each node writes into its own root and publishes its own
+    directory once every node's part and replicas are durable."""
     background.wait()  # the previous write is published before its .partial could be removed
-    root = checkpoint_root(cfg)
+    node_local = cfg.fault.local_dir is not None
+    root = checkpoint_root(cfg, topology.node_rank)
     name = f"step_{state.step:08d}"
     partial, complete = root / f".{name}.partial", root / name
     reshardable = hasattr(engine, "layout_free_state")
     in_background = cfg.fault.async_save and reshardable
-    if topology.is_logging_rank:
+    makes_directory = (topology.local_trainer_rank == 0) if node_local else topology.is_logging_rank
+    if makes_directory:
         remove_leftovers(root)
         partial.mkdir(parents=True)
     barrier(topology)
@@ -391,12 +484,15 @@ def save(cfg, engine, state, topology) -> Path:
     state.run_name = cfg.run.name  # a run resumed elsewhere (a PBT copy) names its source
     trainer_state = json.dumps(state.to_dict())
 
+    def write_run_files() -> None:
+        atomic_write_text(partial / LAYOUT, json.dumps(record))
+        atomic_write_text(partial / TRAINER_STATE, trainer_state)
+
     def publish_on_rank0() -> None:
         if in_background:  # the writer fsynced its own files; the RNG states were not
             for file in partial.glob("rng_rank*.pt"):
                 fsync_path(file)
-        atomic_write_text(partial / LAYOUT, json.dumps(record))
-        atomic_write_text(partial / TRAINER_STATE, trainer_state)
+        write_run_files()
         publish(root, partial, name)
         prune(root, cfg.fault.keep_last)
 
@@ -412,7 +508,15 @@ def save(cfg, engine, state, topology) -> Path:
         for file in partial.rglob("*"):
             fsync_path(file)
     barrier(topology)
-    if publisher is not None:
+    if node_local:
+        if topology.is_logging_rank:  # node 0's part holds the run's own files
+            write_run_files()
+        replication.replicate(partial, name, topology, cfg.fault.replicas)
+        barrier(topology)  # every node's part and replicas are durable: each node publishes
+        if topology.local_trainer_rank == 0:
+            publish(root, partial, name)
+            prune(root, cfg.fault.keep_last)
+    elif publisher is not None:
         publisher()
     barrier(topology)
     return complete
@@ -420,7 +524,7 @@ def save(cfg, engine, state, topology) -> Path:
 
 @hookimpl
 def plait_on_failure(cfg, error, state) -> None:
-    last = latest_checkpoint(checkpoint_root(cfg), quiet=True)
+    last = newest_visible(cfg)
     where = f"last good checkpoint: {last}" if last else "no checkpoint was written"
     print(f"plait: worker failed at step {state.step} ({type(error).__name__}: {error}); {where}",
           file=sys.stderr, flush=True)
