@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from plait import hookimpl
+from plait.topology import Roles
 from plait.types import PluginInfo
 
 
@@ -264,6 +265,7 @@ class Rank0:
 
     rank = 0
     is_logging_rank = True
+    roles = Roles({"trainer": (0,)})
     trainer_group = None
     local_rank = local_trainer_rank = node_rank = 0
     dims = SimpleNamespace(dp=1, tp=1, pp=1)
