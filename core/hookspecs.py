@@ -160,7 +160,7 @@ def plait_backend_config(cfg: DictConfig, dims: ParallelDims,
 
 @hookspec(firstresult=True)
 def plait_launch(
-    cfg: DictConfig, entrypoint: Callable[..., Any], args: tuple
+    cfg: DictConfig, entrypoint: Callable[..., Any], args: tuple, hook: HookRelay
 ) -> dict[int, Any] | None:
     """Start the worker processes and wait for them.
 
@@ -170,6 +170,8 @@ def plait_launch(
     :param entrypoint: a module-level (picklable) function; ``entrypoint(*args)`` runs training
         in one process and returns, on the logging rank, the run's summary (last metrics, last
         checkpoint), elsewhere None.
+    :param hook: the active plugins' hooks, e.g. to ask ``plait_assign_roles`` which ranks the
+        strategy lets die without ending the job (``Roles.expendable``).
     :return: once the workers have finished, what ``entrypoint`` returned in each worker this
         process started or ran, by rank (``{}`` when it ran none).
     """

@@ -181,12 +181,18 @@ class Roles:
     ``(pp, dp, tp)`` mesh; every other role runs the loop its plugin provides (``plait_run_role``).
 
     ``lockstep``: the trainers take their steps together, so per-step collectives among them
-    (the logged figures' min/max, evaluation) are safe; False for trainers that step at their own
-    pace (asynchronous parameter-server workers), whose per-step figures are then their own.
+    (the logged figures' min/max, evaluation, checkpoints) are safe; False for trainers that step
+    at their own pace (asynchronous parameter-server workers), whose per-step figures are then
+    their own and whose checkpoints the first trainer writes alone.
+
+    ``expendable``: ranks whose death the job survives (asynchronous workers other than the
+    first trainer, which logs and checkpoints): plait's launcher counts such a death as the rank
+    leaving, where it would otherwise end every rank.
     """
 
     ranks: dict[str, tuple[int, ...]]
     lockstep: bool = True
+    expendable: tuple[int, ...] = ()
 
     @classmethod
     def resolve(cls, assigned: Roles | None, world_size: int) -> Roles:

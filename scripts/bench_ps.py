@@ -2,6 +2,7 @@
 
     DS_ACCELERATOR=cpu python scripts/bench_ps.py
     DS_ACCELERATOR=cpu python scripts/bench_ps.py --steps 40 --workers 2 --mid   # bigger model
+    sudo DS_ACCELERATOR=cpu python scripts/bench_ps.py --rate 100mbit   # links between nodes
 
 Each strategy trains the same model on ``--workers`` workers (plus one server for the parameter
 servers) for ``--steps`` steps, first with every worker at full speed, then with the last worker
@@ -15,18 +16,30 @@ compute time, measured first on one process). It prints, per strategy and case:
 - the loss reached after a fixed wall time: the logging worker's last loss logged before
   ``--budget`` seconds (default: the time DDP without straggler took).
 
+With ``--rate`` it measures the link instead of the straggler: every process runs as its own
+"node" (``scripts/netns_cluster.py``: network namespaces on a bridge; needs root), so every push,
+reply and all-reduce crosses a veth link between nodes, first free, then limited by ``tc``'s
+``tbf`` to ``--rate`` (the parameter servers on a node of their own, as they are deployed). Per
+strategy it prints the throughput on each link and its ratio (samples/s: the global batch over
+the mean slowest-rank step time after ``--warmup`` steps; async PS: the workers' own samples/s
+summed), the loss after the budget (the step times summed as the clock), and the bytes the
+logging worker's link carried per step (tx + rx).
+
 All runs are made by this one command, so ratios compare like with like on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from plait.testing import SlowRank, StepClock, read_metrics, run_training
+from plait.testing import SlowRank, StepClock, link_bytes_per_step, read_metrics, run_training
 
 STRATEGIES = {
     "ddp (all-reduce)": ["strategy=ddp"],
@@ -82,6 +95,57 @@ def local_step_seconds(root: Path, args) -> float:
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
 
+def run_on_nodes(root: Path, name: str, overrides: list[str], args, rate: str | None) -> dict:
+    """One process per namespace "node", each node's link limited to ``rate`` (None: free)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from netns_cluster import run_job
+
+    processes = args.workers + servers(overrides)
+    summary = run_job(processes, 1, [
+        *args.common, *overrides, f"train.batch_size={args.batch}", f"train.steps={args.steps}",
+        f"run.root={root}", f"run.name={name}", "+plugins=[plait.testing:link_counter]"],
+        rate=rate)
+    if any(summary["exit_codes"]):
+        raise SystemExit(f"bench_ps: plait train failed: {summary}")
+    metrics = read_metrics(root / name)
+    step_s = [m["step_time_s/max"] for m in metrics]
+    per_worker = [v for k, v in metrics[-1].items()
+                  if k.startswith("ps/worker") and k.endswith("/samples_per_s")]
+    if per_worker and "strategy.mode=async" in overrides:
+        throughput = sum(per_worker)
+    else:
+        throughput = args.batch / statistics.mean(step_s[args.warmup:])
+    return {"throughput": throughput, "stamps": list(itertools.accumulate(step_s)),
+            "losses": [m["loss"] for m in metrics],
+            "link_mb_per_step": link_bytes_per_step(root / name, args.warmup) / 1e6}
+
+
+def link_table(args) -> None:
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, overrides in STRATEGIES.items():  # free and limited alternate per strategy
+            for rate in (None, args.rate):
+                tag = f"{name}-{rate or 'free'}".replace(" ", "_").replace("(", "").replace(")", "")
+                results[(name, rate)] = run_on_nodes(Path(tmp), tag.replace("=", ""), overrides,
+                                                     args, rate)
+    ddp = results[("ddp (all-reduce)", None)]
+    budget = args.budget or ddp["stamps"][-1] - ddp["stamps"][0]
+    print(f"\n{args.workers} workers, each on its own node (+1 node for the server), global batch "
+          f"{args.batch}, {args.steps} steps; links free and at {args.rate}; loss after "
+          f"{budget:.1f} s of training\n")
+    print(f"| strategy | samples/s, free | samples/s, {args.rate} | ratio | loss @ {budget:.0f} s, "
+          f"free | loss @ {budget:.0f} s, {args.rate} | MB per step on the logging worker's link |")
+    print("|---|---|---|---|---|---|---|")
+    for name in STRATEGIES:
+        free, slow = results[(name, None)], results[(name, args.rate)]
+        print(f"| {name} | {free['throughput']:.1f} | {slow['throughput']:.1f} | "
+              f"{slow['throughput'] / free['throughput']:.2f}x | {loss_at(free, budget):.3f} | "
+              f"{loss_at(slow, budget):.3f} | {slow['link_mb_per_step']:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps({f"{k[0]}|{k[1] or 'free'}": v
+                                         for k, v in results.items()}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
@@ -91,9 +155,14 @@ def main() -> None:
     parser.add_argument("--mid", action="store_true", help="a 4-layer, 256-wide GPT")
     parser.add_argument("--budget", type=float, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--rate", default=None,
+                        help="measure links instead of a straggler: tbf rate, e.g. 100mbit")
     args = parser.parse_args()
     args.common = ["model=gpt_tiny", "tracker=none", "device=cpu", "train.seq_len=64",
                    "optimizer.warmup_steps=2", "train.log_every=1", *(MID if args.mid else [])]
+    if args.rate:
+        link_table(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         delay = local_step_seconds(root, args)

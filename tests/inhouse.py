@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from plait import hookimpl
+from plait.topology import Roles
 from plait.types import PluginInfo
 
 
@@ -158,6 +159,36 @@ class KillAt:
 
 
 kill_rank1_at_5 = KillAt(5)
+kill_rank2_at_3 = KillAt(3, rank=2)
+
+
+class KillServerAt:
+    """SIGKILLs parameter server ``rank`` once per run directory, when it has written its shard of
+    step ``step``'s checkpoint and before it says so: that checkpoint stays incomplete."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank = step, rank
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="kill_server_at")
+
+    @hookimpl(wrapper=True)
+    def plait_run_role(self, cfg, topology):
+        marker = Path(cfg.run.dir, "server_killed")
+        if topology.rank == self.rank and not marker.exists():
+            from plait.plugins.parameter_server.server import Server
+
+            save, step = Server.save, self.step
+
+            def save_then_die(server, directory, saved_step):
+                save(server, directory, saved_step)
+                if saved_step == step:
+                    marker.write_text(f"server rank {topology.rank} at step {step}")
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            Server.save = save_then_die
+        return (yield)
 
 
 class KillNodeAt:
@@ -264,6 +295,7 @@ class Rank0:
 
     rank = 0
     is_logging_rank = True
+    roles = Roles({"trainer": (0,)})
     trainer_group = None
     local_rank = local_trainer_rank = node_rank = 0
     dims = SimpleNamespace(dp=1, tp=1, pp=1)

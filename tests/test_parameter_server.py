@@ -8,6 +8,9 @@ summation order: the servers average the workers' mean gradients, 1 process sums
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ import torch
 
 from plait.plan import format_plan, make_plan
 from plait.plugins.parameter_server.sharding import shard_by_bytes
-from plait.testing import SlowRank, read_metrics, run_training, spawn
+from plait.testing import TEST_OVERRIDES, SlowRank, read_metrics, run_training, spawn
 from plait.topology import Roles
 
 import inhouse
@@ -128,15 +131,19 @@ def test_sync_parameter_servers_match_one_process(one_process, sync_runs, server
 
 @pytest.mark.slow
 def test_sync_run_killed_and_restarted_continues_as_if_uninterrupted(tmp_path, sync_runs):
-    """2 servers, 2 workers; the second worker (rank 3) is SIGKILLed after step 3; torch
-    elastic restarts every process, the servers load their shards, optimizer state and version
-    from the step-2 checkpoint, the workers their step, data position and RNG."""
+    """2 servers, 2 workers, a checkpoint every 2 steps. A dead worker, then a dead server, are
+    failures that torch elastic restarts every process for: the second worker (rank 3) is
+    SIGKILLed after step 3, and in the restarted attempt the second server (rank 1) while it
+    writes its shard of the step-4 checkpoint, which stays incomplete. Each time the servers load
+    their shards, optimizer state and version from the step-2 checkpoint, the workers their
+    step, data position and RNG."""
     straight, run = sync_runs(2), tmp_path / "killed"
-    run_training(run, [*sync_overrides(2), "launcher.max_restarts=1"],
-                 plugins=[inhouse.KillAt(step=3, rank=3)])
+    run_training(run, [*sync_overrides(2), "launcher.max_restarts=2"],
+                 plugins=[inhouse.KillAt(step=3, rank=3), inhouse.KillServerAt(step=4, rank=1)])
+    assert (run / "server_killed").exists()
     logged = read_metrics(run)
-    assert logged[-1]["restarts"] == 1
-    # step 3 may be logged twice (before the kill and after the restart): the last one wins
+    assert logged[-1]["restarts"] == 2
+    # steps may be logged twice (before a kill and after the restart): the last one wins
     resumed = {m["step"]: (m["loss"], m["grad_norm"]) for m in logged}
     expected = {m["step"]: (m["loss"], m["grad_norm"]) for m in read_metrics(straight)}
     assert resumed == expected  # exactly: the same state, data and summation order
@@ -197,6 +204,39 @@ def test_async_training_learns_and_reports_its_figures(async_run):
     assert last["ps/server0/busy_fraction"] > 0 and "ps/server0/dropped" in last
     assert sum(v for k, v in last.items() if k.startswith("ps/staleness/")) == \
         last["ps/server0/version"]
+
+
+ASYNC_STEPS = 8
+
+
+@pytest.mark.slow
+def test_async_job_goes_on_without_a_dead_worker(tmp_path):
+    """``plait train`` (the CLI), the async run above without the straggler and with fewer
+    steps; the second worker (rank 2) SIGKILLs itself after its step 3. torch elastic's agent
+    would end every rank; plait's lets the job go on: the server notices the loss (the dead
+    worker's goodbye fails), stops waiting for it, and the first worker finishes its steps."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    done = subprocess.run(
+        [sys.executable, "-m", "plait", "train", *TEST_OVERRIDES, f"run.root={tmp_path}",
+         "run.name=r", f"train.steps={ASYNC_STEPS}", "strategy=parameter_server",
+         "strategy.mode=async", f"strategy.max_staleness={MAX_STALENESS}",
+         "launcher.nproc_per_node=3", "+plugins=[inhouse:kill_rank2_at_3]"],
+        env=env, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "plait: rank 2 died (SIGKILL); the strategy lets the job go on without it" in done.stderr
+    assert "parameter server 0: worker rank 2 lost" in done.stderr
+    log = server_log(tmp_path / "r", 0)
+    [left] = [e for e in log if "left" in e]
+    assert left["worker"] == 2 and left["alive"] == 1
+    pushes = [e for e in log if "left" not in e]
+    # the dead worker's 3 pushes were served before its death was noticed, none after
+    assert [e["t"] < left["t"] for e in pushes if e["worker"] == 2] == [True] * 3
+    assert sum(e["worker"] == 1 for e in pushes) == ASYNC_STEPS  # the survivor's every step
+    metrics = read_metrics(tmp_path / "r")
+    assert metrics[-1]["step"] == ASYNC_STEPS
+    assert metrics[-1]["ps/server0/workers_alive"] == 1
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3
+    assert (tmp_path / "r" / "checkpoints" / f"step_{ASYNC_STEPS:08d}" / "complete.json").exists()
 
 
 # ---------------------------------------------------------------------------------------------

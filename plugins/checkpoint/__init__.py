@@ -182,8 +182,9 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def barrier(topology) -> None:
-    """Wait for every trainer (the ranks that save; other roles save their own state)."""
-    if dist.is_initialized():
+    """Wait for every trainer (the ranks that save; other roles save their own state). Trainers
+    that go at their own pace do not meet: the first of them writes the checkpoint alone."""
+    if dist.is_initialized() and topology.roles.lockstep:
         dist.barrier(group=topology.trainer_group)
 
 
@@ -451,6 +452,8 @@ def fork(state: TrainState, path: Path) -> TrainState:
 
 @hookimpl
 def plait_save_checkpoint(cfg, engine, state, topology, final) -> Path | None:
+    if not (topology.roles.lockstep or topology.is_logging_rank):
+        return None  # at its own pace: the first trainer's engine saves the run's state
     every = cfg.fault.checkpoint_every
     due = (final and cfg.fault.save_final) or (every > 0 and state.step % every == 0)
     complete = save(cfg, engine, state, topology) if due else None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from plait import hookimpl
 from plait.config import AT_LEAST_0, LauncherConfig, Range, range_problems
@@ -89,7 +89,7 @@ def gpu_problems(cfg) -> list[str]:
 
 
 @hookimpl
-def plait_launch(cfg, entrypoint, args) -> dict[int, Any]:
+def plait_launch(cfg, entrypoint, args, hook) -> dict[int, Any]:
     launcher = cfg.launcher
     if started_externally():
         os.environ.update(torch_env_from_slurm(os.environ, launcher.master_port))
@@ -119,4 +119,22 @@ def plait_launch(cfg, entrypoint, args) -> dict[int, Any]:
         monitor_interval=0.1,
         local_addr=launcher.local_addr,
     )
-    return elastic_launch(config, entrypoint=entrypoint)(*args)
+    launch = elastic_launch(config, entrypoint=entrypoint)
+    expendable = expendable_ranks(cfg, hook)
+    if expendable is None:
+        return launch(*args)
+    from plait.plugins.launch.departures import agent_class
+
+    with agent_class(expendable):
+        return launch(*args)
+
+
+def expendable_ranks(cfg, hook) -> Callable[[int], frozenset[int]] | None:
+    """The ranks whose death the strategy survives (``Roles.expendable``), by world size; None
+    when it declares none (torch's own agent then runs, as for every strategy without roles)."""
+    def expendable(world_size: int) -> frozenset[int]:
+        roles = hook.plait_assign_roles(cfg=cfg, world_size=world_size)
+        return frozenset(roles.expendable) if roles is not None else frozenset()
+
+    launched = cfg.launcher.nnodes * cfg.launcher.nproc_per_node
+    return expendable if expendable(launched) else None

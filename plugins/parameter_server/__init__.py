@@ -62,8 +62,12 @@ def plait_assign_roles(cfg, world_size: int) -> Roles:
             f"strategy.servers={servers} leaves no worker among the {world_size} processes "
             f"launched: set strategy.servers below {world_size}, or launch more processes "
             "(launcher.nproc_per_node / launcher.nnodes)")
-    return Roles({SERVER: tuple(range(servers)), TRAINER: tuple(range(servers, world_size))},
-                 lockstep=cfg.strategy.mode == "sync")
+    workers = tuple(range(servers, world_size))
+    sync = cfg.strategy.mode == "sync"
+    # async: a worker other than the first (which logs, checkpoints and ends the servers) may
+    # die and the job goes on without it (server.py notices); sync needs every worker each step
+    return Roles({SERVER: tuple(range(servers)), TRAINER: workers}, lockstep=sync,
+                 expendable=() if sync else workers[1:])
 
 
 @hookimpl

@@ -20,11 +20,24 @@ global gradient norm.
 Every push is logged to ``run.dir/ps_server<s>.jsonl``: the worker, the version it computed on,
 the server's version after it, the staleness, and whether it was applied.
 
+A lost worker (``async``): each server posts a receive from every worker on the goodbye tag
+(:data:`BYE`) and a thread per worker waits for it. A worker sends its goodbye after its last
+step; a worker that dies has its connections closed by the kernel, and gloo fails that receive
+at once (as it fails any transfer with the dead process). The thread puts ``bye <worker>`` or
+``lost <worker> <error>`` in the server's inbox, through a store connection of its own. The
+failed goodbye is how a server notices the loss: no heartbeat period to tune, no false alarm for
+a worker that is merely slow; a push or reply that fails midway counts the same. The server then
+stops waiting for that worker, logs it (a line with ``"left"`` in the log, a message on stderr,
+``workers_alive`` in the published figures) and serves the others. In ``sync`` mode every step
+needs every worker: a lost worker is a failure of the job, for the launcher's restart.
+
 A server reads its work from its inbox, a queue in the job's store (:mod:`.store`), in order:
 ``grad <worker>`` (a push is on its way), ``checkpoint <step> <directory>`` (the first worker saves
 a checkpoint: write this shard, its optimizer state, version and log into ``directory``, then say
-so in the store) and ``end`` (the first worker's run ended). It stops once every push of the run
-is served and the end is announced: a final checkpoint may follow the last step. On start it
+so in the store), ``bye <worker>`` / ``lost <worker> <error>`` (async: that worker's goodbye arrived / failed) and
+``end`` (the first worker's run ended). It stops once the end is announced and every worker is done (sync: every
+round of the run served; async: every worker said goodbye or was lost): a final checkpoint may
+follow the last step. On start it
 loads its shard from the checkpoint the run resumes from (``plait_find_checkpoint``: the same
 one the workers load), so a resumed run continues with the servers' exact state.
 """
@@ -33,7 +46,10 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -43,6 +59,9 @@ from plait.plugins.parameter_server.sharding import flat, shards_of, unflatten_i
 from plait.plugins.parameter_server.store import inbox, job_store, publish, saved_key
 
 from plait.plugins.parameter_server import SERVER
+
+BYE = 1  # the tag of a worker's goodbye (pushes and replies travel on tag 0)
+WHOLE_RUN = timedelta(days=365)  # how long a goodbye may take: the worker's whole run
 
 
 class Server:
@@ -63,6 +82,8 @@ class Server:
         self.busy_s = 0.0
         self.started = time.perf_counter()
         self.store = job_store()
+        self.inbox = inbox(self.index)
+        self.alive = set(self.workers)
         # The servers' own group, for the global gradient norm; only servers create it.
         self.group = (dist.new_group(self.servers, use_local_synchronization=True)
                       if len(self.servers) > 1 else None)
@@ -118,18 +139,23 @@ class Server:
             self.staleness[str(staleness)] = self.staleness.get(str(staleness), 0) + 1
 
     def serve(self) -> None:
-        for worker in self.workers:  # every worker starts from the servers' weights
-            dist.send(self.message(0.0), dst=worker)
-        steps_left = self.cfg.train.steps - self.step  # each worker's, from the checkpoint on
         if self.cfg.strategy.mode == "sync":
-            rounds = SyncRounds(self, steps_left)
+            rounds = SyncRounds(self, self.cfg.train.steps - self.step)  # from the checkpoint on
         else:
-            rounds = AsyncPushes(self, steps_left * len(self.workers))
+            rounds = AsyncPushes(self)
+            self.await_goodbyes()
+        for worker in self.workers:  # every worker starts from the servers' weights
+            self.send(self.message(0.0), worker)
         ended = False
         while not (ended and rounds.done):
-            kind, _, detail = self.store.queue_pop(inbox(self.index)).decode().partition(" ")
+            kind, _, detail = self.store.queue_pop(self.inbox).decode().partition(" ")
             if kind == "grad":
                 rounds.receive(int(detail))
+            elif kind == "bye":
+                rounds.finished.add(int(detail))
+            elif kind == "lost":
+                worker, _, error = detail.partition(" ")
+                self.lose(int(worker), RuntimeError(error))
             elif kind == "checkpoint":
                 step, _, directory = detail.partition(" ")
                 self.save(Path(directory), int(step))
@@ -137,6 +163,54 @@ class Server:
             else:  # "end"
                 ended = True
         self.write_log()
+
+    def await_goodbyes(self) -> None:
+        """async: post a receive of every worker's goodbye; a thread per worker waits for it
+        and says in the inbox whether it came (``bye``) or failed (``lost``: the worker died)."""
+        store = job_store(own_connection=True)
+
+        def await_goodbye(worker: int, goodbye: dist.Work) -> None:
+            try:
+                goodbye.wait(WHOLE_RUN)
+                store.queue_push(self.inbox, f"bye {worker}")
+            except RuntimeError as error:
+                store.queue_push(self.inbox, f"lost {worker} {first_line(error)}")
+
+        for worker in self.workers:
+            goodbye = dist.irecv(torch.empty(1), src=worker, tag=BYE)
+            threading.Thread(target=await_goodbye, args=(worker, goodbye), daemon=True,
+                             name=f"goodbye-{worker}").start()
+
+    def lose(self, worker: int, error: Exception) -> None:
+        """Stop waiting for ``worker``: logged, printed, published (async only)."""
+        if self.cfg.strategy.mode == "sync":
+            raise error  # every step needs every worker: a failure for the launcher's restart
+        if worker not in self.alive:
+            return
+        self.alive.discard(worker)
+        why = first_line(error)
+        self.log.append({"t": time.time(), "worker": worker, "left": why, "version": self.version,
+                         "alive": len(self.alive)})
+        print(f"plait: parameter server {self.index}: worker rank {worker} lost at version "
+              f"{self.version} ({why}); {len(self.alive)} of {len(self.workers)} workers go on",
+              file=sys.stderr, flush=True)
+        self.publish()
+
+    def send(self, message: torch.Tensor, worker: int) -> None:
+        """Send to ``worker``; in async mode a failed send means the worker is lost."""
+        try:
+            dist.send(message, dst=worker)
+        except RuntimeError as error:
+            self.lose(worker, error)
+
+    def receive(self, buffer: torch.Tensor, worker: int) -> bool:
+        """Receive from ``worker``; False when it was lost on the way (async)."""
+        try:
+            dist.recv(buffer, src=worker)
+            return True
+        except RuntimeError as error:
+            self.lose(worker, error)
+            return False
 
     def serve_round(self, pushes: list[torch.Tensor]) -> None:
         """sync: one step with every worker's push (``pushes`` in worker order)."""
@@ -160,7 +234,7 @@ class Server:
         if applied:
             self.apply(push[: self.size], lr, clip=False)  # the worker clipped its own
         self.record(worker, worker_version, applied)
-        dist.send(self.message(math.nan), dst=worker)
+        self.send(self.message(math.nan), worker)
         self.busy_s += time.perf_counter() - begun
         self.publish()
 
@@ -168,13 +242,17 @@ class Server:
         """This server's load and staleness histogram, for the logging worker to log."""
         wall = time.perf_counter() - self.started
         publish(self.store, f"server{self.index}", {
-            "version": self.version, "dropped": sum(not e["applied"] for e in self.log),
+            "version": self.version, "dropped": sum(e.get("applied") is False for e in self.log),
             "busy_fraction": self.busy_s / wall, "updates_per_s": self.version / wall,
-            "staleness": self.staleness})
+            "workers_alive": len(self.alive), "staleness": self.staleness})
 
     def write_log(self) -> None:
         path = Path(self.cfg.run.dir) / f"ps_server{self.index}.jsonl"
         path.write_text("".join(json.dumps(entry) + "\n" for entry in self.log))
+
+
+def first_line(error: Exception) -> str:
+    return (str(error).splitlines() or [""])[0][:200]
 
 
 class SyncRounds:
@@ -190,7 +268,7 @@ class SyncRounds:
         return self.left == 0
 
     def receive(self, worker: int) -> None:
-        dist.recv(self.pushes[worker], src=worker)
+        self.server.receive(self.pushes[worker], worker)  # a failure raises (sync)
         self.arrived.add(worker)
         if len(self.arrived) == len(self.pushes):
             self.server.serve_round([self.pushes[w] for w in self.server.workers])
@@ -199,17 +277,17 @@ class SyncRounds:
 
 
 class AsyncPushes:
-    """async: serve each push as it arrives; ``pushes`` of them."""
+    """async: serve each push as it arrives, until every worker said goodbye or was lost."""
 
-    def __init__(self, server: Server, pushes: int):
-        self.server, self.left = server, pushes
+    def __init__(self, server: Server):
+        self.server = server
         self.push = torch.empty(server.size + 2)
+        self.finished: set[int] = set()  # said goodbye (after their last push was served)
 
     @property
     def done(self) -> bool:
-        return self.left == 0
+        return self.server.alive <= self.finished
 
     def receive(self, worker: int) -> None:
-        dist.recv(self.push, src=worker)
-        self.server.serve_push(worker, self.push)
-        self.left -= 1
+        if worker in self.server.alive and self.server.receive(self.push, worker):
+            self.server.serve_push(worker, self.push)

@@ -12,9 +12,12 @@ import torch.distributed as dist
 PREFIX = "plait/ps/"
 
 
-def job_store() -> dist.Store:
-    """The default process group's store, under plait's prefix."""
-    return dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
+def job_store(own_connection: bool = False) -> dist.Store:
+    """The default process group's store, under plait's prefix; ``own_connection``: through a
+    connection of its own (``Store.clone``), for a thread: a store client serves one call at a
+    time, and the main thread may be blocked in ``queue_pop``."""
+    store = dist.distributed_c10d._get_default_store()
+    return dist.PrefixStore(PREFIX, store.clone() if own_connection else store)
 
 
 def inbox(server: int) -> str:

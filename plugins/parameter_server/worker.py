@@ -3,8 +3,10 @@ gradient of this worker's share of the batch, push it to the servers, take their
 
 The replies' receives are posted before the gradients go out, so a server's answer never waits
 for its worker. Each push is announced in the server's inbox queue. In ``async`` mode each worker
-clips its own gradient (each push is one update); in ``sync`` mode the servers clip the averaged
-gradient and the loss is averaged over the workers.
+clips its own gradient (each push is one update), and after its last step says goodbye to every
+server (a message on the goodbye tag): a server whose posted receive of it fails instead knows
+the worker died (``server.py``). In ``sync`` mode the servers clip
+the averaged gradient and the loss is averaged over the workers.
 
 Checkpoints: the first worker writes the model it last pulled (for ``plait export``) and its step
 count, and asks every server to write its shard, optimizer state and version into the same
@@ -26,6 +28,7 @@ from plait.plugins.optim.clip_grads import clip_grad_norm_
 from plait.plugins.optim.accumulate import accumulate_gradients
 from plait.plugins.optim.mixed_precision import autocast
 from plait.plugins.parameter_server import SERVER
+from plait.plugins.parameter_server.server import BYE
 from plait.plugins.parameter_server.sharding import flat, shards_of, unflatten_into
 from plait.plugins.parameter_server.store import (inbox, job_store, publish, read_figures,
                                                   saved_key)
@@ -45,6 +48,7 @@ class WorkerEngine:
         self.rank, self.workers = topology.rank, topology.trainer_ranks
         self.step_group = topology.step_group
         self.samples_per_step = cfg.train.batch_size // topology.dims.dp
+        self.last_step = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
         self.log_every = cfg.train.log_every
         self.saves_checkpoint = topology.is_logging_rank
         self.store = job_store()
@@ -94,9 +98,16 @@ class WorkerEngine:
         server_norm = self._receive(replies)
         self.model.zero_grad(set_to_none=True)
         self.steps += 1
+        if not self.sync and self.steps == self.last_step:
+            self._say_goodbye()
         mean_loss = self._mean_over_step_group(mean)
         return StepOutput(loss=mean_loss, grad_norm=own_norm if own_norm is not None else server_norm,
                           metrics=self._figures())
+
+    def _say_goodbye(self) -> None:
+        """async: this worker's pushes are over (its last one was served)."""
+        for server in self.servers:
+            dist.send(torch.zeros(1), dst=server, tag=BYE)
 
     def _figures(self) -> dict[str, float]:
         """Publish this worker's throughput; on the logging rank's logged steps, gather every
