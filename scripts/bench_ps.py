@@ -6,8 +6,8 @@
 
 Each strategy trains the same model on ``--workers`` workers (plus one server for the parameter
 servers) for ``--steps`` steps, first with every worker at full speed, then with the last worker
-slowed about 2x (``plait.testing.SlowRank``: before each forward pass it sleeps one local step's
-compute time, measured first on one process). It prints, per strategy and case:
+slowed 2x: before each forward pass it sleeps one more local step (measured first on one
+process). It prints, per strategy and case:
 
 - throughput: samples/s summed over the workers, each worker's own steps over its own time
   (after ``--warmup`` steps; for lockstep strategies this is the global batch per step time);
@@ -15,6 +15,19 @@ compute time, measured first on one process). It prints, per strategy and case:
   keep >= 0.9x, sync DDP drops to about 0.5x);
 - the loss reached after a fixed wall time: the logging worker's last loss logged before
   ``--budget`` seconds (default: the time DDP without straggler took).
+
+Emulated device time (``--device-ms``, default 100; straggler table only): every worker sleeps
+that long before each forward pass, the time a step would spend on its accelerator. On a cluster
+each worker computes on its own device; here all workers share the host's cores, so a straggler
+that sleeps hands its core to the others and hides its own slowness (without emulation, DDP
+measured *faster* with the straggler than without). With the step dominated by device time the
+workers no longer compete for the CPU and a 2x straggler is 2x. ``--device-ms 0`` measures the
+CPU alone.
+
+With N workers and one at half speed, asynchronous training can keep at most (N - 0.5) / N of
+the no-straggler throughput (0.75x at N = 2, 0.92x at N = 6), and lockstep training (DDP, sync PS)
+falls to 0.5x; local SGD waits for the straggler at every averaging, so a *persistent* straggler
+holds it near 0.5x too (it hides stragglers that come and go within H steps).
 
 With ``--rate`` it measures the link instead of the straggler: every process runs as its own
 "node" (``scripts/netns_cluster.py``: network namespaces on a bridge; needs root), so every push,
@@ -39,7 +52,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from plait.testing import SlowRank, StepClock, link_bytes_per_step, read_metrics, run_training
+from plait import hookimpl
+from plait.testing import StepClock, link_bytes_per_step, read_metrics, run_training
 
 STRATEGIES = {
     "ddp (all-reduce)": ["strategy=ddp"],
@@ -51,6 +65,20 @@ STRATEGIES = {
 MID = ["model.n_layer=4", "model.n_embd=256", "model.n_head=4"]
 
 
+class EmulatedDevice:
+    """Every training rank sleeps ``seconds`` before each forward pass (device time); global rank
+    ``straggler`` sleeps ``extra`` more."""
+
+    def __init__(self, seconds: float, straggler: int = -1, extra: float = 0.0):
+        self.seconds, self.straggler, self.extra = seconds, straggler, extra
+
+    @hookimpl
+    def plait_apply_tensor_parallel(self, model, topology):
+        pause = self.seconds + (self.extra if topology.rank == self.straggler else 0.0)
+        if pause:
+            model.register_forward_pre_hook(lambda module, args: time.sleep(pause))
+
+
 def servers(overrides: list[str]) -> int:
     return int("strategy=parameter_server" in overrides)
 
@@ -59,9 +87,9 @@ def run(root: Path, name: str, overrides: list[str], args, slow_seconds: float) 
     workers, extra = args.workers, servers(overrides)
     run_dir = root / name
     clock = root / f"{name}.clock"
-    plugins = [StepClock(clock)]
-    if slow_seconds:
-        plugins.append(SlowRank(rank=extra + workers - 1, seconds=slow_seconds))
+    device = EmulatedDevice(args.device_ms / 1e3, straggler=extra + workers - 1,
+                            extra=slow_seconds)
+    plugins = [StepClock(clock), device]
     started = time.perf_counter()
     run_training(run_dir, [*args.common, *overrides, f"launcher.nproc_per_node={workers + extra}",
                            f"train.batch_size={args.batch}", f"train.steps={args.steps}"],
@@ -86,11 +114,13 @@ def loss_at(result: dict, budget: float) -> float:
 
 
 def local_step_seconds(root: Path, args) -> float:
-    """One worker's compute per micro-batch forward+backward: what SlowRank sleeps to slow it 2x."""
+    """One worker's step (device time and compute) on its share of the batch: what the straggler
+    sleeps on top of its own step to be 2x slower."""
     clock = root / "solo.clock"
     run_training(root / "solo", [*args.common, "launcher.nproc_per_node=1",
                                  f"train.batch_size={args.batch // args.workers}",
-                                 f"train.steps={args.steps}"], plugins=[StepClock(clock)])
+                                 f"train.steps={args.steps}"],
+                 plugins=[StepClock(clock), EmulatedDevice(args.device_ms / 1e3)])
     stamps = [float(line) for line in clock.read_text().split()][args.warmup:]
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
@@ -153,6 +183,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--mid", action="store_true", help="a 4-layer, 256-wide GPT")
+    parser.add_argument("--device-ms", type=float, default=100.0,
+                        help="emulated device time per forward pass on every worker (0: none)")
     parser.add_argument("--budget", type=float, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--rate", default=None,
@@ -166,11 +198,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         delay = local_step_seconds(root, args)
-        print(f"straggler: the last worker sleeps {delay * 1e3:.0f} ms before each forward "
-              "(one local step's time: about 2x slower)")
+        print(f"device time {args.device_ms:.0f} ms per forward on every worker; straggler: the "
+              f"last worker sleeps {delay * 1e3:.0f} ms more (one local step: 2x slower)")
         results = {}
-        for case, seconds in (("no straggler", 0.0), ("straggler 2x", delay)):
-            for name, overrides in STRATEGIES.items():
+        for name, overrides in STRATEGIES.items():  # each strategy's two cases back to back
+            for case, seconds in (("no straggler", 0.0), ("straggler 2x", delay)):
                 tag = f"{name}|{case}".replace(" ", "_").replace("(", "").replace(")", "")
                 tag = tag.replace("|", "-").replace("=", "")
                 results[(name, case)] = run(root, tag, overrides, args, seconds)
