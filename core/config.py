@@ -11,7 +11,7 @@ first in its defaults list (Hydra's structured-config pattern).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, ListConfig
@@ -65,8 +65,35 @@ class ParallelConfig:
 class LauncherConfig:
     name: str = MISSING
     nproc_per_node: int = 2
-    nnodes: int = 1
+    # N nodes, or MIN:MAX (torchrun's syntax): elastic, the job goes on at any node count in the
+    # range; train.batch_size and train.grad_accum_steps are then those of MAX nodes.
+    nnodes: Any = 1
     timeout_s: int = 300  # process-group timeout: a collective waiting longer fails the job
+
+
+class NodeRange(NamedTuple):
+    min: int
+    max: int
+
+    @property
+    def elastic(self) -> bool:
+        return self.min < self.max
+
+
+def node_range(nnodes: Any) -> NodeRange:
+    """``launcher.nnodes`` as ``(MIN, MAX)``: ``N`` is ``N:N``; ``MIN:MAX`` is read by torchrun's
+    own parser (``--nnodes``). ``ValueError`` naming the setting for anything else."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    try:
+        low, high = parse_min_max_nnodes(str(nnodes))
+    except (RuntimeError, ValueError):
+        raise ValueError(f"launcher.nnodes={nnodes} is not a node count: give N, or MIN:MAX "
+                         "for an elastic job (e.g. launcher.nnodes=1:2)") from None
+    if low < 1 or high < low:
+        raise ValueError(f"launcher.nnodes={nnodes} is out of range: set launcher.nnodes >= 1, "
+                         "or MIN:MAX with 1 <= MIN <= MAX")
+    return NodeRange(low, high)
 
 
 # One base per config group: the ``name`` that selects a plugin. A plugin subclasses its base

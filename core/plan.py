@@ -31,6 +31,7 @@ from plait.config import (
     POSITIVE,
     PRECISIONS,
     Range,
+    node_range,
     range_problems,
     store_core_schemas,
 )
@@ -41,7 +42,7 @@ from plait.plugin_manager import (
     keep_selected,
     make_plugin_manager,
 )
-from plait.topology import ParallelDims, Roles, describe_nodes
+from plait.topology import ParallelDims, Roles, describe_nodes, elastic_grad_accum_steps
 from plait.types import ALL_DEVICES, ALWAYS, PlanError
 
 # The decisions every run needs, and the config setting that picks who makes each.
@@ -65,9 +66,9 @@ CORE_RANGES = {
               "log_every": AT_LEAST_1, "eval_every": Range(0, meaning="0: no evaluation"),
               "eval_batches": AT_LEAST_1, "peak_flops": POSITIVE, "stop_at": AT_LEAST_1},
     "parallel": {"tp": AT_LEAST_1, "pp": AT_LEAST_1},
-    "launcher": {"nproc_per_node": AT_LEAST_1, "nnodes": AT_LEAST_1, "timeout_s": AT_LEAST_1},
+    "launcher": {"nproc_per_node": AT_LEAST_1, "timeout_s": AT_LEAST_1},
     "": {"seed": Range(0, 2**32 - 1)},  # numpy's seeds
-}
+}  # launcher.nnodes (N or MIN:MAX) is checked by plait.config.node_range
 
 
 def job_id() -> str | None:
@@ -168,14 +169,15 @@ def plan_config(cfg: DictConfig, objects: Iterable[Any] = (),
     plan.problems += core_range_problems(cfg)
     if not plan.problems:
         try:
-            world_size = int(os.environ.get(
-                "WORLD_SIZE", cfg.launcher.nnodes * cfg.launcher.nproc_per_node))
+            world_size = planned_world_size(cfg)
             plan.roles = Roles.resolve(pm.hook.plait_assign_roles(cfg=cfg, world_size=world_size),
                                        world_size)
             plan.dims = ParallelDims.from_config(cfg, world_size=len(plan.roles.trainers))
         except ValueError as e:
             plan.problems.append(str(e))
     plan.problems += core_problems(cfg, plan.dims, run_name_given)
+    if plan.dims is not None:
+        plan.problems += elastic_problems(cfg, plan.dims, plan.roles)
     plan.problems += unselected_choices(pm, available, cfg)
     plan.problems += check_conflicts(pm)
     if plan.dims is not None:
@@ -227,8 +229,23 @@ def meta_model(hook, cfg: DictConfig) -> torch.nn.Module | None:
 
 
 def core_range_problems(cfg: DictConfig) -> list[str]:
-    return [problem for section, ranges in CORE_RANGES.items()
-            for problem in range_problems(section, cfg[section] if section else cfg, ranges)]
+    problems = [problem for section, ranges in CORE_RANGES.items()
+                for problem in range_problems(section, cfg[section] if section else cfg, ranges)]
+    try:
+        node_range(cfg.launcher.nnodes)
+    except ValueError as e:
+        problems.append(str(e))
+    return problems
+
+
+def planned_world_size(cfg: DictConfig) -> int:
+    """The world size the plan is checked at: the external launcher's (``torchrun``) where it
+    started this process, else ``launcher.nnodes x launcher.nproc_per_node``. An elastic job
+    (``launcher.nnodes=MIN:MAX``) is planned at MAX nodes, the size its settings are given for."""
+    nodes = node_range(cfg.launcher.nnodes)
+    if nodes.elastic:
+        return nodes.max * int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launcher.nproc_per_node))
+    return int(os.environ.get("WORLD_SIZE", nodes.max * cfg.launcher.nproc_per_node))
 
 
 def device_problems(cfg: DictConfig) -> list[str]:
@@ -245,7 +262,11 @@ def device_problems(cfg: DictConfig) -> list[str]:
 
 def core_problems(cfg: DictConfig, dims: ParallelDims | None, run_name_given: bool) -> list[str]:
     problems = device_problems(cfg)
-    if cfg.launcher.nnodes > 1 and not run_name_given and not job_id():
+    try:
+        multinode = node_range(cfg.launcher.nnodes).max > 1
+    except ValueError:  # reported with the ranges
+        multinode = False
+    if multinode and not run_name_given and not job_id():
         problems.append(
             f"launcher.nnodes={cfg.launcher.nnodes} needs run.name=<name>, the same on every "
             "node: without it each node names the run after its own clock, so the nodes would "
@@ -263,6 +284,35 @@ def core_problems(cfg: DictConfig, dims: ParallelDims | None, run_name_given: bo
             f"({train.grad_accum_steps}) * dp({dims.dp}) = {per_step}: set train.batch_size to "
             f"a multiple of {per_step}"
         )
+    return problems
+
+
+def elastic_problems(cfg: DictConfig, dims: ParallelDims, roles: Roles) -> list[str]:
+    """An elastic job (``launcher.nnodes=MIN:MAX``) must keep its global batch at every node
+    count it may run at: data parallelism takes what tp and pp leave, and each size's dp shares
+    the step's micro-batches evenly (``plait.topology.elastic_grad_accum_steps``)."""
+    nodes = node_range(cfg.launcher.nnodes)
+    if not nodes.elastic:
+        return []
+    setting = f"launcher.nnodes={cfg.launcher.nnodes}"
+    if cfg.parallel.dp != -1:
+        return [f"{setting} changes the world size, but parallel.dp={cfg.parallel.dp} is fixed: "
+                "set parallel.dp=-1 (data parallelism takes what tp and pp leave at each size)"]
+    if not roles.single:
+        return [f"{setting}: strategy={cfg.strategy.name} gives ranks other roles than trainer, "
+                "whose number would change with the nodes: use a fixed launcher.nnodes"]
+    per_node = dims.world_size // nodes.max
+    problems = []
+    for count in range(nodes.min, nodes.max):
+        try:
+            at_count = ParallelDims.from_config(cfg, world_size=count * per_node)
+        except ValueError as e:
+            problems.append(f"{setting}: at {count} node(s) x {per_node} process(es), {e}")
+            continue
+        try:
+            elastic_grad_accum_steps(cfg, at_count, per_node)
+        except ValueError as e:
+            problems.append(str(e))
     return problems
 
 

@@ -21,6 +21,7 @@ default group and nothing else changes.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -28,6 +29,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from plait.config import node_range
 
 MESH_AXES = ("pp", "dp", "tp")
 TRAINER = "trainer"
@@ -60,8 +63,9 @@ class ParallelDims:
     @classmethod
     def from_config(cls, cfg, world_size: int | None = None) -> ParallelDims:
         launcher = cfg.launcher
+        nnodes = node_range(launcher.nnodes).max
         if world_size is None:
-            world_size = int(os.environ.get("WORLD_SIZE", launcher.nnodes * launcher.nproc_per_node))
+            world_size = int(os.environ.get("WORLD_SIZE", nnodes * launcher.nproc_per_node))
         tp, pp = cfg.parallel.tp, cfg.parallel.pp
         dp = cfg.parallel.dp
         if dp < -1 or dp == 0:
@@ -74,11 +78,43 @@ class ParallelDims:
                     "parallel.tp / parallel.pp or launcher.nproc_per_node"
                 )
             dp = world_size // (tp * pp)
-        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, nnodes=launcher.nnodes)
+        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, nnodes=nnodes)
 
     @property
     def enabled_axes(self) -> frozenset[str]:
         return frozenset(a for a in ("dp", "tp", "pp") if getattr(self, a) > 1)
+
+
+def elastic_grad_accum_steps(cfg, dims: ParallelDims, local_world_size: int) -> int:
+    """``train.grad_accum_steps`` at this world size.
+
+    In an elastic job (``launcher.nnodes=MIN:MAX``) ``train.batch_size`` and
+    ``train.grad_accum_steps`` are given for MAX nodes. At fewer nodes the per-rank micro-batch
+    stays as it is and the accumulation grows by ``dp_at_MAX / dp``, so that every step still
+    takes the global batch::
+
+        train.batch_size = micro_batch_size x grad_accum_steps x dp      (at every size)
+        grad_accum_steps(dp) = train.grad_accum_steps x dp_at_MAX / dp
+
+    A job of fixed size keeps ``train.grad_accum_steps``. ``ValueError`` when ``dp`` does not
+    divide ``train.grad_accum_steps x dp_at_MAX`` (refused before launch for every size in the
+    range).
+    """
+    nodes = node_range(cfg.launcher.nnodes)
+    if not nodes.elastic:
+        return cfg.train.grad_accum_steps
+    full = ParallelDims.from_config(cfg, world_size=nodes.max * local_world_size)
+    micro_batches = cfg.train.grad_accum_steps * full.dp  # per step, over all dp ranks
+    if micro_batches % dims.dp:
+        nodes_now = dims.world_size // local_world_size
+        raise ValueError(
+            f"launcher.nnodes={cfg.launcher.nnodes}: at {nodes_now} node(s) dp is {dims.dp}, "
+            f"which cannot share the {micro_batches} micro-batches of a step (train."
+            f"grad_accum_steps={cfg.train.grad_accum_steps} x dp {full.dp} at {nodes.max} "
+            f"nodes), so train.batch_size={cfg.train.batch_size} cannot be kept: set "
+            f"train.grad_accum_steps to a multiple of {dims.dp // math.gcd(full.dp, dims.dp)} "
+            "(and train.batch_size to match), or narrow launcher.nnodes")
+    return micro_batches // dims.dp
 
 
 def pick_device(requested: str) -> torch.device:

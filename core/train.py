@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from plait.metrics import StepMeter
 from plait.plugin_manager import PlaitPluginManager
-from plait.topology import TRAINER, Topology
+from plait.topology import TRAINER, Topology, elastic_grad_accum_steps
 from plait.types import Engine, TokenDataset, TrainState
 
 
@@ -36,6 +36,9 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
     seed_everything(cfg.seed)
     if topology.role != TRAINER:
         return run_role(cfg, pm, topology)
+    # an elastic job keeps train.batch_size at this world size by accumulating more or less
+    cfg.train.grad_accum_steps = elastic_grad_accum_steps(cfg, topology.dims,
+                                                          topology.local_world_size)
 
     train_data = hook.plait_build_dataset(cfg=cfg, topology=topology, split="train")
     loader = hook.plait_shard_data(cfg=cfg, dataset=train_data, topology=topology)

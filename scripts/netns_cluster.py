@@ -198,9 +198,11 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def train_command(cluster: Cluster, node: Node, nproc_per_node: int,
-                  overrides: list[str]) -> list[str]:
-    """``plait train`` as node ``node`` of the cluster's job."""
-    job = [f"launcher.nnodes={len(cluster.nodes)}", f"launcher.nproc_per_node={nproc_per_node}",
+                  overrides: list[str], nnodes: str | None = None) -> list[str]:
+    """``plait train`` as node ``node`` of the cluster's job (``nnodes``: ``launcher.nnodes``,
+    e.g. ``1:2`` for an elastic job; default the cluster's node count)."""
+    job = [f"launcher.nnodes={nnodes or len(cluster.nodes)}",
+           f"launcher.nproc_per_node={nproc_per_node}",
            f"launcher.node_rank={node.rank}", f"launcher.master_addr={cluster.nodes[0].addr}",
            f"launcher.master_port={PORT}", f"launcher.local_addr={node.addr}"]
     if not any(o.startswith("run.name=") for o in overrides):

@@ -84,21 +84,25 @@ crash_at_step_3 = CrashAtStep(3)
 
 class RecordBatches:
     """Records what the model is fed: every step's input rows on every rank, as SHA-1 digests,
-    one JSON line per step in ``<directory>/rank<r>-<pid>.jsonl``; with ``kill_at``, rank 0
-    SIGKILLs its own process after that step (a real worker death, before the step's
-    checkpoint)."""
+    one JSON line per step in ``<directory>/rank<r>-<pid>.jsonl`` (``directory`` None:
+    ``run.dir/rows``); with ``kill_at``, rank 0 SIGKILLs its own process after that step (a real
+    worker death, before the step's checkpoint)."""
 
     def __init__(self, directory, kill_at=None):
-        self.directory, self.kill_at = str(directory), kill_at
+        self.directory, self.kill_at = directory, kill_at
 
     @hookimpl
     def plait_declare(self):
         return PluginInfo(name="record_batches")
 
     @hookimpl(wrapper=True)
-    def plait_build_engine(self, topology):
+    def plait_build_engine(self, cfg, topology):
         engine = yield
-        return RecordingEngine(engine, self.directory, topology.rank, self.kill_at)
+        directory = str(self.directory or Path(cfg.run.dir) / "rows")
+        return RecordingEngine(engine, directory, topology.rank, self.kill_at)
+
+
+record_rows = RecordBatches(None)  # for +plugins=[inhouse:record_rows]
 
 
 class RecordingEngine:
@@ -108,8 +112,8 @@ class RecordingEngine:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def train_step(self, micro_batches, lr):
-        rows = [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16]
-                for x, _ in micro_batches for row in x]
+        rows = [[hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16] for row in x]
+                for x, _ in micro_batches]
         with open(self.path, "a") as f:
             f.write(json.dumps(rows) + "\n")
         out = self.engine.train_step(micro_batches, lr)
@@ -122,10 +126,16 @@ class RecordingEngine:
         return getattr(self.engine, name)
 
 
-def recorded_steps(directory, rank):
-    """Each recorded step's rows of ``rank``, files in the order they were written."""
+def recorded_micro_batches(directory, rank):
+    """Each recorded step's micro-batches (their rows) of ``rank``, per file (one per process,
+    in the order they were written)."""
     files = sorted(Path(directory).glob(f"rank{rank}-*.jsonl"), key=lambda p: p.stat().st_mtime)
     return [[json.loads(line) for line in f.read_text().splitlines()] for f in files]
+
+
+def recorded_steps(directory, rank):
+    """Each recorded step's rows of ``rank``, files in the order they were written."""
+    return [[sum(step, []) for step in steps] for steps in recorded_micro_batches(directory, rank)]
 
 
 def attempt() -> int:
@@ -214,6 +224,34 @@ class KillNodeAt:
 
 
 kill_node1_at_3 = KillNodeAt(3)
+
+
+class HoldNodeAfter:
+    """In the first attempt, every worker of node ``node`` (the launcher's ``GROUP_RANK``) stops
+    once step ``step``'s checkpoint is published: node 0's workers go on into the next step and
+    wait for it there. Its local rank 0 writes ``run.dir/node<n>_held``, the test's cue to
+    SIGKILL every process of that node (a node lost mid-run, at a known step)."""
+
+    def __init__(self, step: int, node: int = 1):
+        self.step, self.node = step, node
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="hold_node_after")
+
+    @hookimpl(wrapper=True)
+    def plait_save_checkpoint(self, cfg, state, topology):
+        import time
+
+        result = yield
+        if attempt() == 0 and state.step == self.step and topology.node_rank == self.node:
+            if topology.local_rank == 0:
+                Path(cfg.run.dir, f"node{self.node}_held").write_text(f"after step {self.step}")
+            time.sleep(600)
+        return result
+
+
+hold_node1_after_step_4 = HoldNodeAfter(4)
 
 
 class NanLoss:

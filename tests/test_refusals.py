@@ -68,6 +68,22 @@ CASES = [
     ("launcher.node_rank=1", ["launcher.node_rank=1 with launcher.nnodes=1: give each node its "
                               "rank, 0 to 0"]),
     ("launcher.nnodes=2 run.name=r", ["launcher.nnodes=2 needs launcher.master_port=<port>"]),
+    # elastic: launcher.nnodes=MIN:MAX
+    ("launcher.nnodes=2:1", ["launcher.nnodes=2:1 is out of range: set launcher.nnodes >= 1, or "
+                             "MIN:MAX with 1 <= MIN <= MAX"]),
+    ("launcher.nnodes=1:2 parallel.dp=2 parallel.pp=2 pipeline.microbatches=2",
+     ["launcher.nnodes=1:2 needs launcher.master_port=<port>",
+      "launcher.nnodes=1:2 goes on after a node leaves by restarting the group at the smaller "
+      "size, which spends a restart: set launcher.max_restarts >= 1",
+      "launcher.nnodes=1:2 changes the world size, but parallel.dp=2 is fixed: set "
+      "parallel.dp=-1",
+      "launcher.nnodes=1:2 with parallel.pp=2: a smaller world keeps the global batch by "
+      "accumulating more micro-batches, but the schedule's pipeline.microbatches is fixed"]),
+    ("launcher.nnodes=3:4 launcher.nproc_per_node=1 launcher.master_port=29500 "
+     "launcher.max_restarts=1",
+     ["launcher.nnodes=3:4: at 3 node(s) dp is 3, which cannot share the 4 micro-batches of a "
+      "step (train.grad_accum_steps=1 x dp 4 at 4 nodes), so train.batch_size=64 cannot be "
+      "kept: set train.grad_accum_steps to a multiple of 3"]),
     # models; with tp and pp on, the plugins that build the model to check it skip quietly
     ("model.n_layer=0 model.n_head=0 model.n_embd=0 model.block_size=0 model.dropout=1.0 "
      "parallel.tp=2 parallel.pp=2 launcher.nproc_per_node=4 pipeline.microbatches=2",

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from plait import hookimpl
-from plait.config import AT_LEAST_0, FaultConfig, Range, range_problems
+from plait.config import AT_LEAST_0, FaultConfig, Range, node_range, range_problems
 from plait.plan import meta_model
 from plait.plugins.checkpoint import layout_free, replication
 from plait.plugins.checkpoint.background import BackgroundWrites
@@ -270,6 +270,11 @@ def plait_validate(cfg, dims, hook) -> list[str]:
                         "layout-free (DCP) state that is saved in the background; use "
                         "strategy=ddp or zero0..zero3, or fault.async_save=false")
     problems += storage_problems(cfg, dims, hook)
+    if node_range(cfg.launcher.nnodes).elastic and not reshardable:
+        problems.append(f"launcher.nnodes={cfg.launcher.nnodes}: a job that changes size resumes "
+                        "its checkpoint at another dp, through the layout-free (DCP) copy, which "
+                        f"strategy={cfg.strategy.name} cannot write; use strategy=ddp or "
+                        "zero0..zero3, or a fixed launcher.nnodes")
     if not problems:
         problems += reshard_problems(cfg, dims, hook, reshardable)
     return problems

@@ -8,17 +8,29 @@ launcher.master_addr=<node 0's address> launcher.master_port=<port> launcher.nod
 run.name=<the same name on every node>``; the nodes meet at that address through the c10d
 rendezvous. Where a node's host name does not resolve to its address on the others, give
 ``launcher.local_addr=<its address>``.
+
+Elastic: ``launcher.nnodes=MIN:MAX`` (torchrun's syntax) hands torch elastic ``min_nodes`` and
+``max_nodes``. A node lost fails the group; the agents left spend one of
+``launcher.max_restarts`` (at least 1 is required), meet again in the c10d rendezvous and restart
+at the smaller size from the last complete checkpoint (resharded). A node that joins a running
+job makes the agents restart the group at the larger size (torch elastic's
+``num_nodes_waiting``; no restart is spent). ``launcher.rdzv_conf`` passes torchrun's
+``--rdzv-conf`` (``last_call_timeout``, ``join_timeout``, ``keep_alive_interval``, ...). The
+accumulation that keeps the global batch is the core's (``plait.topology.
+elastic_grad_accum_steps``); ``elastic.py`` reports each re-formed group. See docs/fault.md.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from omegaconf import OmegaConf
+
 from plait import hookimpl
-from plait.config import AT_LEAST_0, LauncherConfig, Range, range_problems
+from plait.config import AT_LEAST_0, LauncherConfig, Range, node_range, range_problems
 from plait.plugins.launch.slurm import in_srun_task, task_count_problems, torch_env_from_slurm
 from plait.types import PluginInfo
 
@@ -31,6 +43,9 @@ class LocalLauncherConfig(LauncherConfig):
     master_port: int = 0  # 0: pick a free port (single node)
     local_addr: Optional[str] = None  # this node's address as the others reach it (multi-node)
     max_restarts: int = 0
+    # torchrun's --rdzv-conf: c10d rendezvous settings; torch's defaults where not given
+    # (last_call_timeout 30 s, join_timeout 600 s, keep_alive_interval 5 s x 3 attempts)
+    rdzv_conf: Any = field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False}))
 
 
 RANGES = {"node_rank": AT_LEAST_0, "max_restarts": AT_LEAST_0,
@@ -59,13 +74,19 @@ def plait_register_configs(config_store) -> None:
 def plait_validate(cfg) -> list[str]:
     launcher = cfg.launcher
     problems = range_problems("launcher", launcher, RANGES)
-    if launcher.node_rank >= launcher.nnodes:
+    nodes = node_range(launcher.nnodes)
+    if launcher.node_rank >= nodes.max:
         problems.append(f"launcher.node_rank={launcher.node_rank} with launcher.nnodes="
-                        f"{launcher.nnodes}: give each node its rank, 0 to {launcher.nnodes - 1}")
-    if launcher.nnodes > 1 and launcher.master_port == 0 and not started_externally():
-        problems.append(f"launcher.nnodes={launcher.nnodes} needs launcher.master_port=<port>: "
-                        "the port node 0 listens on for the rendezvous, the same on every node "
-                        "(e.g. 29500)")
+                        f"{launcher.nnodes}: give each node its rank, 0 to {nodes.max - 1}")
+    if not started_externally():
+        if nodes.max > 1 and launcher.master_port == 0:
+            problems.append(f"launcher.nnodes={launcher.nnodes} needs launcher.master_port=<port>: "
+                            "the port node 0 listens on for the rendezvous, the same on every "
+                            "node (e.g. 29500)")
+        if nodes.elastic and launcher.max_restarts < 1:
+            problems.append(f"launcher.nnodes={launcher.nnodes} goes on after a node leaves by "
+                            "restarting the group at the smaller size, which spends a restart: "
+                            "set launcher.max_restarts >= 1 (one per node that may leave)")
     return problems + gpu_problems(cfg) + task_count_problems(cfg, os.environ)
 
 
@@ -95,31 +116,19 @@ def plait_launch(cfg, entrypoint, args, hook) -> dict[int, Any]:
         os.environ.update(torch_env_from_slurm(os.environ, launcher.master_port))
         return {int(os.environ["RANK"]): entrypoint(*args)}
 
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     # As torchrun does: without a limit each worker's intra-op pool takes every core, and
     # workers sharing a machine slow each other down many times over.
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // launcher.nproc_per_node)))
-
-    if launcher.nnodes == 1 and launcher.master_port == 0:
-        endpoint = "localhost:0"  # torchrun --standalone: a free port on this machine
-    else:
-        endpoint = f"{launcher.master_addr}:{launcher.master_port}"
-    config = LaunchConfig(
-        min_nodes=launcher.nnodes,
-        max_nodes=launcher.nnodes,
-        nproc_per_node=launcher.nproc_per_node,
-        run_id=f"plait-{cfg.run.name}" if launcher.nnodes > 1 else uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint=endpoint,
-        rdzv_configs={"is_host": launcher.node_rank == 0} if launcher.nnodes > 1 else {},
-        max_restarts=launcher.max_restarts,
-        start_method="spawn",
-        monitor_interval=0.1,
-        local_addr=launcher.local_addr,
-    )
-    launch = elastic_launch(config, entrypoint=entrypoint)
+    if node_range(launcher.nnodes).elastic:
+        # torch 2.13's shared rendezvous TCPStore breaks a re-formed group with a new member:
+        # the host's agent publishes MASTER_ADDR for the first round only, so a node joining a
+        # later round waits for it forever (seen: scale-up restart, both agents timed out). Not
+        # sharing it makes each round publish a fresh store address (and key space).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    launch = elastic_launch(launch_config(cfg), entrypoint=entrypoint)
     expendable = expendable_ranks(cfg, hook)
     if expendable is None:
         return launch(*args)
@@ -129,6 +138,34 @@ def plait_launch(cfg, entrypoint, args, hook) -> dict[int, Any]:
         return launch(*args)
 
 
+def launch_config(cfg):
+    """torch elastic's ``LaunchConfig`` for this node, as ``torchrun`` would build it."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    launcher = cfg.launcher
+    nodes = node_range(launcher.nnodes)
+    if nodes.max == 1 and launcher.master_port == 0:
+        endpoint = "localhost:0"  # torchrun --standalone: a free port on this machine
+    else:
+        endpoint = f"{launcher.master_addr}:{launcher.master_port}"
+    rdzv_configs = dict(launcher.rdzv_conf)
+    if nodes.max > 1:  # node 0 hosts the rendezvous store: the node that must not leave
+        rdzv_configs["is_host"] = launcher.node_rank == 0
+    return LaunchConfig(
+        min_nodes=nodes.min,
+        max_nodes=nodes.max,
+        nproc_per_node=launcher.nproc_per_node,
+        run_id=f"plait-{cfg.run.name}" if nodes.max > 1 else uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
+        max_restarts=launcher.max_restarts,
+        start_method="spawn",
+        monitor_interval=0.1,
+        local_addr=launcher.local_addr,
+    )
+
+
 def expendable_ranks(cfg, hook) -> Callable[[int], frozenset[int]] | None:
     """The ranks whose death the strategy survives (``Roles.expendable``), by world size; None
     when it declares none (torch's own agent then runs, as for every strategy without roles)."""
@@ -136,5 +173,5 @@ def expendable_ranks(cfg, hook) -> Callable[[int], frozenset[int]] | None:
         roles = hook.plait_assign_roles(cfg=cfg, world_size=world_size)
         return frozenset(roles.expendable) if roles is not None else frozenset()
 
-    launched = cfg.launcher.nnodes * cfg.launcher.nproc_per_node
+    launched = node_range(cfg.launcher.nnodes).max * cfg.launcher.nproc_per_node
     return expendable if expendable(launched) else None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from plait import hookimpl
-from plait.config import AT_LEAST_1, LauncherConfig, Range, range_problems
+from plait.config import AT_LEAST_1, LauncherConfig, Range, node_range, range_problems
 from plait.types import PluginInfo
 
 
@@ -112,7 +112,7 @@ def task_count_problems(cfg, environ: Mapping[str, str]) -> list[str]:
     if not in_srun_task(environ) or "RANK" in environ:
         return []
     tasks = int(environ["SLURM_NTASKS"])
-    planned = cfg.launcher.nnodes * cfg.launcher.nproc_per_node
+    planned = node_range(cfg.launcher.nnodes).max * cfg.launcher.nproc_per_node
     if tasks == planned:
         return []
     return [f"srun started {tasks} task(s) but the plan has launcher.nnodes * "

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from plait import hookimpl
-from plait.config import AT_LEAST_1, PipelineConfig, range_problems
+from plait.config import AT_LEAST_1, PipelineConfig, node_range, range_problems
 from plait.plan import meta_model
 from plait.plugins.pipeline.schedules import (
     SCHEDULES,
@@ -143,6 +143,11 @@ def plait_validate(cfg, dims, hook) -> list[str]:
                         f"{pp}: the pipeline micro-batches are the step's accumulation micro-"
                         f"batches; leave train.grad_accum_steps unset (1) or equal to "
                         f"pipeline.microbatches={settings.microbatches}")
+    if node_range(cfg.launcher.nnodes).elastic:
+        problems.append(f"launcher.nnodes={cfg.launcher.nnodes} with parallel.pp={pp}: a smaller "
+                        "world keeps the global batch by accumulating more micro-batches, but "
+                        "the schedule's pipeline.microbatches is fixed; use a fixed "
+                        "launcher.nnodes, or parallel.pp=1")
     if n_blocks is not None and shared_across_stages(model):
         problems.append(f"parallel.pp={pp} with a parameter shared by the embedding and the head "
                         "(tied embeddings): they live on different stages; untie them (for "

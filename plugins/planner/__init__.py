@@ -25,6 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from plait import hookimpl
+from plait.config import node_range
 from plait.metrics import device_peak_flops
 from plait.plan import compose_config, meta_model
 from plait.plugin_manager import make_plugin_manager
@@ -91,10 +92,11 @@ def search_layouts(argv: list[str]):
     fixed, overrides = split_overrides(overrides)
     pm = make_plugin_manager()
     cfg = compose_config(overrides, pm)
-    if world_size % cfg.launcher.nnodes:
+    nnodes = node_range(cfg.launcher.nnodes).max  # an elastic job is planned at MAX nodes
+    if world_size % nnodes:
         raise ValueError(f"world_size={world_size} is not a multiple of launcher.nnodes="
                          f"{cfg.launcher.nnodes}")
-    overrides = overrides + [f"launcher.nproc_per_node={world_size // cfg.launcher.nnodes}"]
+    overrides = overrides + [f"launcher.nproc_per_node={world_size // nnodes}"]
     budget = memory_budget(args.memory_gb)
     model = meta_model(pm.hook, cfg)
     if model is None:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from plait.config import StrategyConfig
+from plait.config import StrategyConfig, node_range
 from plait.plugins.zero.comm import comm_settings
 from plait.types import CommSpec
 
@@ -74,7 +74,8 @@ def generated_config(cfg: DictConfig, dp: int, comm: CommSpec | None = None) -> 
 
 def comm_config(cfg: DictConfig, comm: CommSpec | None):
     """The comm plugin's choice as DeepSpeed settings: ``(settings, owners, problems)``."""
-    return comm_settings(comm, cfg, stage_of(cfg), cfg.launcher.nnodes, cfg.parallel.tp)
+    nnodes = node_range(cfg.launcher.nnodes).max
+    return comm_settings(comm, cfg, stage_of(cfg), nnodes, cfg.parallel.tp)
 
 
 def optimizer_section(optimizer: torch.optim.Optimizer, offload: bool) -> dict[str, Any] | None:

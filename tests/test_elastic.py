@@ -1,0 +1,143 @@
+"""Elastic scaling survives a lost node: a 2-node job in network namespaces (each node its own
+address, as in tests/test_comm_multinode.py), started with ``launcher.nnodes=1:2``, loses every
+process of node 1 after the step-4 checkpoint. Node 0's agent spends its restart, meets alone in
+the c10d rendezvous and finishes at world size 2, from the checkpoint (resharded from dp 4 to
+dp 2), accumulating 2 micro-batches where it took 1, so the global batch stays 8 sequences.
+
+The reference is one process that accumulates the same 4 micro-batches of 2 sequences per step:
+the same global batch, never interrupted. Tolerance: fp32 losses within rel 1e-5 (the runs sum
+the same micro-batch gradients in another order). Fast tests: the range handed to torch elastic,
+and the accumulation at each size; the refusals are in tests/test_refusals.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from plait.plugins.launch import launch_config
+from plait.testing import (TEST_OVERRIDES, compose, read_metrics, read_wandb_run,
+                           run_training)
+from plait.topology import ParallelDims, elastic_grad_accum_steps
+
+import inhouse
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+import netns_cluster  # noqa: E402
+
+ELASTIC = ["launcher.master_port=29500", "launcher.max_restarts=1", "run.name=r"]
+
+STEPS, LOST_AFTER = 8, 4  # node 1 is lost after step 4's checkpoint
+RUN = [*TEST_OVERRIDES, f"train.steps={STEPS}", f"optimizer.decay_steps={STEPS}",
+       "precision=fp32", f"fault.checkpoint_every={LOST_AFTER}", "fault.keep_last=0"]
+# torch's rendezvous timings, shortened: a lost node is declared dead after 3 missed 2-second
+# heartbeats; a round with fewer than 2 nodes closes 10 s after it reached 1 (both nodes start
+# well within that).
+RDZV = "launcher.rdzv_conf={last_call_timeout:10,keep_alive_interval:2,keep_alive_max_attempt:3}"
+
+
+def test_nnodes_min_max_hands_torch_elastic_the_range_and_the_rendezvous_settings():
+    config = launch_config(compose(["launcher.nnodes=1:2", *ELASTIC,
+                                    "launcher.rdzv_conf={last_call_timeout:10}"]))
+    assert (config.min_nodes, config.max_nodes) == (1, 2)
+    assert config.rdzv_backend == "c10d" and config.max_restarts == 1
+    assert {k: config.rdzv_configs[k] for k in ("last_call_timeout", "is_host")} == {
+        "last_call_timeout": 10, "is_host": True}
+    fixed = launch_config(compose(["launcher.nnodes=2", *ELASTIC]))
+    assert (fixed.min_nodes, fixed.max_nodes) == (2, 2)
+
+
+def test_accumulation_grows_as_dp_shrinks_so_the_global_batch_is_kept():
+    """2 to 4 nodes of 2 processes, the settings given for 4 nodes: 48 sequences = 2 per
+    micro-batch x 3 accumulated x dp 8. At 3 nodes dp 6 accumulates 4, at 2 nodes dp 4 6."""
+    cfg = compose(["launcher.nnodes=2:4", "launcher.nproc_per_node=2", "train.batch_size=48",
+                   "train.grad_accum_steps=3", *ELASTIC])
+    at = {n: elastic_grad_accum_steps(cfg, ParallelDims.from_config(cfg, world_size=2 * n), 2)
+          for n in (2, 3, 4)}
+    assert at == {2: 6, 3: 4, 4: 3}
+    assert {n: 2 * steps * 2 * n for n, steps in at.items()} == {2: 48, 3: 48, 4: 48}
+    fixed = compose(["launcher.nnodes=4", "launcher.nproc_per_node=2", "train.batch_size=48",
+                     "train.grad_accum_steps=3", *ELASTIC])
+    assert elastic_grad_accum_steps(fixed, ParallelDims.from_config(fixed, world_size=4), 2) == 3
+
+
+
+def steps_of_all_ranks(rows: Path, ranks: range, attempt: int) -> list[list[str]]:
+    """Each step's input rows of all ``ranks`` together in one attempt (a rank's ``attempt``-th
+    file), sorted: the global batch."""
+    per_rank = [inhouse.recorded_steps(rows, r)[attempt] for r in ranks]
+    return [sorted(sum(step, [])) for step in zip(*per_rank)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(netns_cluster.can_make_namespaces() is not None,
+                    reason=f"{netns_cluster.can_make_namespaces()}")
+def test_a_lost_node_shrinks_the_job_which_keeps_the_global_batch(tmp_path):
+    reference = tmp_path / "one_process"
+    run_training(reference, [*RUN, "launcher.nproc_per_node=1", "train.grad_accum_steps=4"],
+                 [inhouse.RecordBatches(tmp_path / "rows_reference")])
+    want_losses = [m["loss"] for m in read_metrics(reference)]
+    want_rows = steps_of_all_ranks(tmp_path / "rows_reference", range(1), 0)
+
+    run_dir = tmp_path / "elastic"
+    overrides = [*RUN, RDZV, "launcher.max_restarts=1", f"run.root={tmp_path}", "run.name=elastic",
+                 "tracker=wandb", "+plugins=[inhouse:record_rows,inhouse:hold_node1_after_step_4]"]
+    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    logs = {}
+    with netns_cluster.Cluster(2) as cluster:
+        procs = {}
+        for node in reversed(cluster.nodes):  # node 1 first: it waits for node 0's store
+            logs[node.rank] = tmp_path / f"node{node.rank}.log"
+            command = netns_cluster.train_command(cluster, node, 2, overrides, nnodes="1:2")
+            with open(logs[node.rank], "w") as log:
+                procs[node.rank] = cluster.popen(node, command, env=env, stdout=log,
+                                                 stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 400
+        while not (run_dir / "node1_held").exists():
+            assert all(p.poll() is None for p in procs.values()), logs_tail(logs)
+            assert time.monotonic() < deadline, logs_tail(logs)
+            time.sleep(0.5)
+        os.killpg(procs[1].pid, signal.SIGKILL)  # the whole node: its agent and its workers
+        procs[1].wait()
+        try:
+            code = procs[0].wait(timeout=400)
+        except subprocess.TimeoutExpired:
+            code = None
+    out = logs[0].read_text()
+    assert code == 0, logs_tail(logs)
+
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    # the re-formation, as every logged step records it, in metrics.jsonl and the same W&B run
+    sizes = [(m["nodes"], m["world_size"], m["dp"], m["grad_accum_steps"], m["restarts"])
+             for m in metrics]
+    assert sizes == [(2, 4, 4, 1, 0)] * LOST_AFTER + [(1, 2, 2, 2, 1)] * (STEPS - LOST_AFTER)
+    wandb = read_wandb_run(run_dir)  # the newest offline run file: the resumed attempt's
+    assert [(h["_step"], h["world_size"], h["dp"], h["grad_accum_steps"], h["restarts"])
+            for h in wandb["history"]] == [(step, 2, 2, 2, 1)
+                                           for step in range(LOST_AFTER + 1, STEPS + 1)]
+    assert all(p.name.endswith(wandb["id"]) for p in run_dir.glob("wandb/offline-run-*"))
+    assert (f"plait: elastic group of 1 node(s) (launcher.nnodes=1:2): world size 2, dp 2, "
+            f"grad_accum_steps 2, train.batch_size 8 kept; continuing at step {LOST_AFTER}") in out
+    assert "plait: converting checkpoint" in out  # dp 4 -> 2 through the layout-free copy
+    # each rank keeps its micro-batch of 2 sequences: 1 per step at dp 4, 2 per step at dp 2
+    rows = run_dir / "rows"
+    shapes = {(rank, attempt): {tuple(map(len, step))
+                                for step in inhouse.recorded_micro_batches(rows, rank)[attempt]}
+              for rank, attempt in [(0, 0), (3, 0), (0, -1), (1, -1)]}
+    assert shapes == {(0, 0): {(2,)}, (3, 0): {(2,)}, (0, -1): {(2, 2)}, (1, -1): {(2, 2)}}
+    # the global batch: the same 8 sequences per step before and after the shrink
+    assert steps_of_all_ranks(rows, range(4), 0)[:LOST_AFTER] == want_rows[:LOST_AFTER]
+    assert steps_of_all_ranks(rows, range(2), -1) == want_rows[LOST_AFTER:]
+    assert [m["loss"] for m in metrics] == pytest.approx(want_losses, rel=1e-5)
+
+
+def logs_tail(logs: dict[int, Path]) -> str:
+    return "\n".join(f"--- node {rank}\n{path.read_text()[-3000:]}" for rank, path in logs.items()
+                     if path.exists())
