@@ -95,7 +95,7 @@ class RecordBatches:
     def plait_declare(self):
         return PluginInfo(name="record_batches")
 
-    @hookimpl(wrapper=True)
+    @hookimpl(wrapper=True, tryfirst=True)  # outermost: what the loop feeds, also to a pipeline
     def plait_build_engine(self, cfg, topology):
         engine = yield
         directory = str(self.directory or Path(cfg.run.dir) / "rows")
@@ -511,6 +511,19 @@ class DeepSpeedFp16OnThisCpu:
         return (yield)
 
 
+def with_precision(precision: str, monkeypatch) -> list:
+    """The plugins a DeepSpeed run in ``precision`` needs here. This CPU may lack oneDNN fp16
+    kernels, and then DeepSpeed and plait refuse fp16 on it; the run lifts both checks
+    (:class:`DeepSpeedFp16OnThisCpu`) so that DeepSpeed's real fp16 path runs on torch's generic
+    kernels."""
+    from plait.plugins.zero import config as zero_config
+
+    if precision != "fp16" or zero_config._cpu_supports_fp16():
+        return []
+    monkeypatch.setattr(zero_config, "_cpu_supports_fp16", lambda: True)
+    return [DeepSpeedFp16OnThisCpu()]
+
+
 class OverflowAtSteps:
     """Multiplies every loss of the given steps by 1e6: finite in fp32, but once the fp16 loss
     scaler has multiplied it by its scale the gradients overflow fp16 (largest value 65504): a
@@ -589,6 +602,26 @@ class OptimizerSettingsAfterLoad:
                   for g in optimizer.param_groups]
         if topology.rank == 0:
             Path(cfg.run.dir, "optimizer_after_load.json").write_text(json.dumps(groups))
+        return state
+
+
+class GradScalerAfterLoad:
+    """Writes the state of torch's loss scaler (DDP's, also a pipeline's) right after the
+    checkpoint is loaded, to ``run.dir/grad_scaler_after_load.json`` (rank 0)."""
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="grad_scaler_after_load")
+
+    @hookimpl(wrapper=True)
+    def plait_load_checkpoint(self, cfg, engine, topology):
+        state = yield
+        ddp = getattr(engine, "inner", engine)  # a pipeline engine wraps the DDP engine
+        if topology.rank == 0:
+            scaler = ddp.scaler.state_dict()
+            Path(cfg.run.dir, "grad_scaler_after_load.json").write_text(json.dumps(
+                {"scale": scaler["scale"], "growth_tracker": scaler["_growth_tracker"],
+                 "skipped_steps": ddp.skipped_steps}))
         return state
 
 

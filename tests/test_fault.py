@@ -241,23 +241,33 @@ def test_a_damaged_checkpoint_is_skipped_with_a_message(tmp_path, capsys):
         checkpoint.resolve_resume(cfg, str(root / "step_00000004"))
 
 
+# One process, a ZeroEngine each (zero2 runs in the tests above): stage and precision.
+ZERO_CASES = {"zero0": (0, "fp32"), "zero1": (1, "fp32"), "zero3": (3, "fp32"),
+              "zero0-bf16": (0, "bf16"), "zero0-fp16": (0, "fp16")}
+
+
 def _zero_stages_skip_a_nan_step(rank, world_size, out_file):
-    """One process: a ZeroEngine per stage 0, 1 and 3 (zero2 runs in the tests above), one good
-    step, one with a NaN loss, one good step again; records what each did."""
+    """A good step, one with a NaN loss, one with a NaN gradient (the loss finite), a good step
+    again; records what each engine did."""
+    from deepspeed.accelerator import get_accelerator
     from omegaconf import OmegaConf
 
     from plait.plugins.fault import StepGuard
     from plait.plugins.models.gpt import GPT
     from plait.plugins.optim import param_groups
-    from plait.plugins.zero.config import engine_config
+    from plait.plugins.zero import config as zero_config
     from plait.plugins.zero.engine import ZeroEngine
     from plait.topology import Topology
     from plait.train import cross_entropy
 
+    # fp16 runs on torch's generic CPU kernels where oneDNN has none (inhouse.with_precision)
+    zero_config._cpu_supports_fp16 = lambda: True
+    get_accelerator().is_fp16_supported = lambda: True
     results = {}
     topology = Topology.initialize(compose(["launcher.nproc_per_node=1"]))
-    for stage in (0, 1, 3):
-        cfg = compose([f"strategy=zero{stage}", "launcher.nproc_per_node=1"])
+    for name, (stage, precision) in ZERO_CASES.items():
+        cfg = compose([f"strategy=zero{stage}", f"precision={precision}",
+                       "launcher.nproc_per_node=1"])
         model_cfg = {k: v for k, v in OmegaConf.to_container(cfg.model).items()
                      if k != "_target_"}
         torch.manual_seed(0)
@@ -268,31 +278,49 @@ def _zero_stages_skip_a_nan_step(rank, world_size, out_file):
             return [guard.plait_check_step(cfg=cfg, topology=topology, **step)]
 
         engine = ZeroEngine(model, optimizer, cross_entropy, topology,
-                            engine_config(cfg, 1, optimizer), check_step)
+                            zero_config.engine_config(cfg, 1, optimizer), check_step)
+        nan_grad = [False]
+        next(engine.model.parameters()).register_hook(
+            lambda g: g * float("nan") if nan_grad[0] else g)
         tokens = torch.randint(0, model_cfg["vocab_size"], (2, cfg.train.seq_len + 1))
         batches = [(tokens[:, :-1], tokens[:, 1:])]
-        first = engine.train_step(batches, lr=1e-3).skipped
-        engine.loss_fn = lambda y, t: cross_entropy(y, t) * float("nan")
+        outputs = [engine.train_step(batches, lr=1e-3)]
         before = inhouse.snapshot(engine)
-        nan = engine.train_step(batches, lr=1e-3).skipped
+        engine.loss_fn = lambda y, t: cross_entropy(y, t) * float("nan")
+        outputs.append(engine.train_step(batches, lr=1e-3))
+        engine.loss_fn, nan_grad[0] = cross_entropy, True
+        outputs.append(engine.train_step(batches, lr=1e-3))
         after = inhouse.snapshot(engine)
-        engine.loss_fn = cross_entropy
-        again = engine.train_step(batches, lr=1e-3).skipped
+        nan_grad[0] = False
+        outputs.append(engine.train_step(batches, lr=1e-3))
         moved = inhouse.snapshot(engine)
-        results[stage] = {
-            "skipped": [first, nan, again],
+        results[name] = {
+            "skipped": [out.skipped for out in outputs],
             "unchanged": all(inhouse.torch_equal(before[k], after[k]) for k in before),
             "finite_after": all(bool(torch.isfinite(v.float()).all()) for v in moved.values()),
-            "moved_after": any(not inhouse.torch_equal(after[k], moved[k]) for k in after)}
+            "moved_after": any(not inhouse.torch_equal(after[k], moved[k]) for k in after),
+            "loss_scale": [out.metrics.get("loss_scale") for out in outputs]}
     Path(out_file).write_text(json.dumps(results))
 
 
 @pytest.mark.slow
 def test_zero_stages_0_1_3_skip_a_nan_step_through_deepspeeds_overflow_path(tmp_path):
+    """Every stage and precision skips the NaN-loss and the NaN-gradient step with parameters,
+    master weights and optimizer state unchanged, and counts both as bad steps (``skipped``:
+    the step counter does not advance), except that under fp16 a non-finite gradient with a
+    finite loss is the loss scaler's overflow: skipped and the scale halved, not counted. Stage
+    0 in bf16/fp16 runs DeepSpeed's ``FP16_UnfusedOptimizer``, which skips non-finite
+    gradients on its own; plait's guards are asked there too."""
     from plait.testing import spawn
 
     out = tmp_path / "stages.json"
     spawn(_zero_stages_skip_a_nan_step, 1, str(out))
-    for stage, result in json.loads(out.read_text()).items():
-        assert result == {"skipped": [False, True, False], "unchanged": True,
-                          "finite_after": True, "moved_after": True}, f"zero{stage}"
+    results = json.loads(out.read_text())
+    assert results.keys() == ZERO_CASES.keys()
+    for name, result in results.items():
+        fp16 = name.endswith("fp16")
+        scales = result.pop("loss_scale")
+        assert result == {"skipped": [False, True, not fp16, False], "unchanged": True,
+                          "finite_after": True, "moved_after": True}, name
+        if fp16:  # DeepSpeed's stage-0 scaler halves on every overflow (no hysteresis)
+            assert [s / scales[0] for s in scales] == [1, 0.5, 0.25, 0.25], name

@@ -385,23 +385,13 @@ MIXED_STEPS = 10
 MIXED_RTOL = 2e-2
 
 
-def with_precision(precision: str, monkeypatch) -> list:
-    """The plugins a run in ``precision`` needs here. This CPU may lack oneDNN fp16 kernels, and
-    then DeepSpeed and plait refuse fp16 on it; the run lifts both checks (``inhouse.
-    DeepSpeedFp16OnThisCpu``) so that DeepSpeed's real fp16 path runs on torch's generic kernels."""
-    if precision != "fp16" or zero_config._cpu_supports_fp16():
-        return []
-    monkeypatch.setattr(zero_config, "_cpu_supports_fp16", lambda: True)
-    return [inhouse.DeepSpeedFp16OnThisCpu()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_mixed_precision_trains_close_to_fp32(runs, tmp_path, monkeypatch, stage, precision):
     mixed = run_training(tmp_path / precision, [
         *COMMON, f"train.steps={MIXED_STEPS}", f"optimizer.decay_steps={STEPS}",
-        f"strategy={stage}", f"precision={precision}"], with_precision(precision, monkeypatch))
+        f"strategy={stage}", f"precision={precision}"], inhouse.with_precision(precision, monkeypatch))
     fp32 = losses(runs[stage])[:MIXED_STEPS]
     assert losses(mixed) == pytest.approx(fp32, rel=MIXED_RTOL)
     assert losses(mixed) != fp32  # 16 bits really ran
@@ -416,7 +406,7 @@ def test_fp16_loss_scaler_skips_the_steps_that_overflow(tmp_path, monkeypatch):
     overflow in a row (DeepSpeed's default ``fp16.hysteresis=2``)."""
     run = run_training(tmp_path / "fp16", [*COMMON, *inhouse.OVERFLOW_RUN, "strategy=zero2",
                                            "precision=fp16"],
-                       [inhouse.OverflowAtSteps(2, 3), *with_precision("fp16", monkeypatch)])
+                       [inhouse.OverflowAtSteps(2, 3), *inhouse.with_precision("fp16", monkeypatch)])
     inhouse.assert_steps_2_and_3_skipped(run, scales=[1, 1, 0.5, 0.5])
 
 

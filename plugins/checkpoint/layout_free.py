@@ -4,8 +4,15 @@ checkpoint written at one layout (dp, tp, pp, ddp or ZeRO stage) loads at any ot
 
 An engine that can be resharded offers two methods (capability ``engine:layout_free_state``)::
 
-    layout_free_state() -> {"model": {fqn: tensor}, "optim": {fqn: {key: tensor}}}
+    layout_free_state() -> {"model": {fqn: tensor}, "optim": {fqn: {key: tensor}},
+                            "loss_scale": {"scale", "growth_tracker", "skipped_steps", ...}}
     load_layout_free_state(state)            # the same structure, this rank's tensors
+
+(``loss_scale`` only where a dynamic fp16 loss scaler runs: DDP's and the pipeline's torch
+``GradScaler``, DeepSpeed's scaler; 0-d tensors, the same on every rank, so a resume under any
+layout scales the loss as the run that saved would have. A resume without one starts a fresh
+scaler; a scaler entry the checkpoint lacks, such as DeepSpeed's ``hysteresis`` after torch's
+scaler, keeps the loading engine's own value.)
 
 holding this rank's parameters under the unsplit model's names (a pipeline stage: its own
 names), full over data parallelism (ZeRO's partitions joined) but still this rank's
@@ -42,8 +49,9 @@ def tensor_parallel_placements(engine) -> dict[str, tuple[int, int]]:
 
 def _map_entries(state: dict, placements: dict[str, tuple[int, int]], fn) -> dict:
     """Apply ``fn(tensor, (dim, parts))`` to every entry of a sharded parameter of ``state``;
-    other entries (replicated parameters, scalars such as Adam's step) pass through."""
-    out: dict[str, Any] = {"model": {}, "optim": {}}
+    other entries (replicated parameters, scalars such as Adam's step, the loss scale) pass
+    through."""
+    out: dict[str, Any] = {**state, "model": {}, "optim": {}}
     for name, value in state["model"].items():
         out["model"][name] = fn(value, placements[name]) if name in placements else value
     for name, entries in state["optim"].items():
@@ -98,7 +106,13 @@ def load(engine, topology, directory: Path, group) -> None:
     """Read ``directory/layout_free`` into the engine, whatever layout wrote it: the engine's own
     state (full tensors) is the template DCP fills in place."""
     template = full_state(engine, topology)
-    dcp.load(template, checkpoint_id=directory / DIRECTORY, process_group=group)
+    reader = dcp.FileSystemReader(str(directory / DIRECTORY))
+    stored = reader.read_metadata().state_dict_metadata
+    scaler = {k: v for k, v in template.pop("loss_scale", {}).items()
+              if f"loss_scale.{k}" in stored}  # what the saving run's scaler wrote, if any
+    if scaler:
+        template["loss_scale"] = scaler
+    dcp.load(template, storage_reader=reader, process_group=group)
     engine.load_layout_free_state(local_state(engine, topology, template))
 
 

@@ -24,7 +24,12 @@ from plait import hookimpl
 from plait.config import StrategyConfig
 from plait.plugins.optim.clip_grads import clip_grad_norm_
 from plait.plugins.optim.hyperparameters import keep_hyperparameters
-from plait.plugins.optim.mixed_precision import autocast, grad_scaler
+from plait.plugins.optim.mixed_precision import (
+    autocast,
+    grad_scaler,
+    grad_scaler_state,
+    load_grad_scaler_state,
+)
 from plait.plugins.optim.state_by_name import load_state_by_name, state_by_name
 from plait.types import Batch, GradReducer, PluginInfo, StepOutput
 
@@ -178,11 +183,19 @@ class DDPEngine:
     def layout_free_state(self) -> dict:
         """Model and optimizer state by parameter name (DCP's ``get_state_dict``; see
         :mod:`plait.plugins.checkpoint.layout_free`). A fresh optimizer's state is created
-        first, so a resumed engine's own state can be the template DCP loads into."""
-        return state_by_name(self.model, self.optimizer)
+        first, so a resumed engine's own state can be the template DCP loads into. Under fp16
+        the loss scaler's state too (also the pipeline engine's, which uses this scaler)."""
+        state = state_by_name(self.model, self.optimizer)
+        if self.scaler.is_enabled():
+            state["loss_scale"] = {**grad_scaler_state(self.scaler),
+                                   "skipped_steps": torch.tensor(self.skipped_steps)}
+        return state
 
     def load_layout_free_state(self, state: dict) -> None:
         load_state_by_name(self.model, self.optimizer, state)
+        if "loss_scale" in state:
+            load_grad_scaler_state(self.scaler, state["loss_scale"])
+            self.skipped_steps = int(state["loss_scale"]["skipped_steps"])
 
 
 @hookimpl

@@ -254,25 +254,57 @@ class ZeroEngine:
 
     def layout_free_state(self) -> dict:
         """The fp32 master parameters and Adam states, full over the dp group, by parameter
-        name: DeepSpeed's ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``
-        (collectives on every rank); stage 0 keeps a plain torch optimizer, read with DCP's
-        ``get_state_dict`` as DDP's is. See :mod:`plait.plugins.checkpoint.layout_free`."""
+        name, and under fp16 the dynamic loss scaler's state (``loss_scale.py``). See
+        :mod:`plait.plugins.checkpoint.layout_free`."""
+        from plait.plugins.zero.loss_scale import dynamic_loss_scaler, loss_scaler_state
+
+        state = self._parameter_state()
+        scaler = dynamic_loss_scaler(self.ds.optimizer)
+        if scaler is not None:
+            state["loss_scale"] = {**loss_scaler_state(scaler),
+                                   "skipped_steps": torch.tensor(self.ds.skipped_steps)}
+        return state
+
+    def _parameter_state(self) -> dict:
+        """DeepSpeed's ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``
+        (collectives on every rank); stage 0 in fp32 keeps a plain torch optimizer, read with
+        DCP's ``get_state_dict`` as DDP's is, and in 16 bits the masters of DeepSpeed's
+        wrapper (:meth:`_stage_0_masters`)."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-        if self.stage == 0:
+        if self.stage == 0 and isinstance(self.ds.optimizer, torch.optim.Optimizer):
             return state_by_name(self.model, self.ds.optimizer)
         self._link_optimizer_states()
-        step = self._optimizer_step()
         model, optim = {}, {}
-        keys = self._optimizer_state_keys()
-        for name, param in self.model.named_parameters():
-            model[name] = safe_get_full_fp32_param(param)
-            optim[name] = {key: safe_get_full_optimizer_state(param, key)
-                           for key in keys} | {"step": step}
+        if self.stage == 0:
+            states = self.ds.optimizer.optimizer.state
+            for name, master in self._stage_0_masters().items():
+                model[name], optim[name] = master.detach(), dict(states[master])
+        else:
+            step = self._optimizer_step()
+            keys = self._optimizer_state_keys()
+            for name, param in self.model.named_parameters():
+                model[name] = safe_get_full_fp32_param(param)
+                optim[name] = {key: safe_get_full_optimizer_state(param, key)
+                               for key in keys} | {"step": step}
         for name, param in self.model.named_parameters(remove_duplicate=False):
             if name not in model:  # a tied parameter's other names, as in DDP's state dict
                 model[name] = model[self._first_name(param)]
         return {"model": model, "optim": optim}
+
+    def _stage_0_masters(self) -> dict[str, torch.Tensor]:
+        """Stage 0 in bf16/fp16: DeepSpeed's ``FP16_UnfusedOptimizer`` keeps an fp32 master
+        copy of every 16-bit parameter (``fp32_groups``, in the order of ``fp16_groups``); its
+        torch optimizer steps those. By the 16-bit parameter's name."""
+        wrapper = self.ds.optimizer
+        if not hasattr(wrapper, "fp32_groups"):
+            raise NotImplementedError(f"strategy=zero0 with DeepSpeed's {type(wrapper).__name__}"
+                                      ": plait reads the fp32 masters of FP16_UnfusedOptimizer "
+                                      "only (AdamW through torch, or a client optimizer)")
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
+        return {name_of[id(low)]: master
+                for lows, masters in zip(wrapper.fp16_groups, wrapper.fp32_groups)
+                for low, master in zip(lows, masters)}
 
     def _optimizer_state_keys(self) -> list[str]:
         """The per-element states of the torch optimizer DeepSpeed steps (Adam's two moments;
@@ -285,19 +317,46 @@ class ZeroEngine:
         return next(n for n, p in self.model.named_parameters() if p is param)
 
     def load_layout_free_state(self, state: dict) -> None:
+        from plait.plugins.zero.loss_scale import dynamic_loss_scaler, load_loss_scaler_state
+
+        self._load_parameter_state(state)
+        scaler = dynamic_loss_scaler(self.ds.optimizer)
+        if scaler is not None and "loss_scale" in state:
+            load_loss_scaler_state(scaler, state["loss_scale"])
+            self.ds.skipped_steps = int(state["loss_scale"]["skipped_steps"])
+
+    def _load_parameter_state(self, state: dict) -> None:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        if self.stage == 0:
+        if self.stage == 0 and isinstance(self.ds.optimizer, torch.optim.Optimizer):
             load_state_by_name(self.model, self.ds.optimizer, state)
+            return
+        if self.stage == 0:
+            params, states = dict(self.model.named_parameters()), self.ds.optimizer.optimizer.state
+            with torch.no_grad():
+                for name, master in self._stage_0_masters().items():
+                    master.copy_(state["model"][name])
+                    states[master].update(state["optim"][name])
+                    params[name].copy_(master)
             return
         for name, param in self.model.named_parameters():
             safe_set_full_fp32_param(param, state["model"][name])
             for key, value in state["optim"][name].items():
                 if key != "step":
                     safe_set_full_optimizer_state(param, value, key)
-            with torch.no_grad():  # ZeRO-1/2 keep a full working copy of every parameter
-                param.copy_(state["model"][name])
+            self._set_working_copy(param, state["model"][name])
         self._set_optimizer_step(next(iter(state["optim"].values()))["step"])
+
+    def _set_working_copy(self, param: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """The (16-bit) parameter the forward uses, beside the fp32 master. ZeRO-1/2 keep it
+        whole on every rank. ZeRO-3 keeps only this rank's partition: it is written as
+        DeepSpeed's docs have users modify a partitioned parameter, inside
+        ``GatheredParameters(modifier_rank=0)``, which partitions dp rank 0's edit again."""
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        with GatheredParameters([param], modifier_rank=0, enabled=self.stage == 3), \
+                torch.no_grad():
+            param.copy_(value)
 
     def _link_optimizer_states(self) -> None:
         """Give every parameter's fragment its optimizer states (what ``safe_get_full_

@@ -15,12 +15,19 @@ scaler's (DeepSpeed checks it before the norm, skips the step and lowers the sca
 DeepSpeed skipped on such an overflow before computing the norm, the guards are asked after its
 step, with the loss alone (:meth:`DeepSpeedStepGuard.settle`), so a NaN loss still counts
 towards ``fault.max_bad_steps``. A forced skip under fp16 lowers the scale too, as every overflow
-does in DeepSpeed.
+does in DeepSpeed's ZeRO optimizers.
 
 Stage 0 in fp32 steps the torch optimizer directly: its ``step`` is wrapped instead, after
 DeepSpeed (or plait, without clipping) measured the norm. Stage 0 in bf16/fp16 steps DeepSpeed's
-``BF16_Optimizer``/``FP16_Optimizer``, which compute the norm with a module function and skip a
-non-finite one themselves; the guards are not asked there (the step counter advances).
+``FP16_UnfusedOptimizer`` (``FP16_Optimizer`` with a fused Adam) around the torch optimizer: it
+checks every gradient for inf/NaN first (``overflow_checker``, agreed over the model-parallel
+group; the gradients were already averaged over dp) and skips such a step itself, then computes
+the norm (kept in ``_global_grad_norm``), unscales and clips, and steps the torch optimizer. The
+torch optimizer's ``step`` is wrapped there too, with that norm; a "skip" raises the wrapper's
+``overflow`` flag, so DeepSpeed's engine counts the step in ``skipped_steps`` as on an overflow.
+A step DeepSpeed skipped itself is settled as above, with a non-finite norm (in bf16, where the
+loss is not scaled, that check finds NaN/inf gradients only, a bad step). As under DDP, a forced
+skip under fp16 is not an overflow here: the scale is not lowered.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ class DeepSpeedStepGuard:
 
     def __init__(self, optimizer, check: Callable[..., list], stage0_norm: Callable[[], float],
                  loss_scaled: bool):
+        from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -51,7 +60,10 @@ class DeepSpeedStepGuard:
         elif isinstance(optimizer, torch.optim.Optimizer):  # stage 0, fp32: the torch optimizer
             self.stage0_norm = stage0_norm
             self._wrap(optimizer, "step", self._step_stage_0)
-        else:  # stage 0 in bf16/fp16: DeepSpeed's own optimizers skip non-finite norms alone
+        elif isinstance(optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):  # stage 0, 16 bits
+            self._wrap(optimizer.optimizer, "step",
+                       functools.partial(self._step_stage_0_16_bits, optimizer))
+        else:  # a DeepSpeed optimizer plait does not configure (e.g. its BF16_Optimizer)
             self.arm = lambda loss: None
 
     @staticmethod
@@ -64,9 +76,10 @@ class DeepSpeedStepGuard:
 
     def settle(self) -> bool:
         """After DeepSpeed's step: True when the guards skipped it. Asks them, with the loss
-        alone, if DeepSpeed's own overflow check skipped the step before they were asked."""
+        and a non-finite norm (which fp16 ignores), if DeepSpeed's own overflow check skipped
+        the step before they were asked."""
         if self.loss is not None and getattr(self.optimizer, "overflow", False):
-            self._ask(torch.zeros(()))
+            self._ask(torch.tensor(float("inf")))  # under fp16 only the loss is judged
         self.loss = None
         return self.skipped
 
@@ -97,4 +110,14 @@ class DeepSpeedStepGuard:
     def _step_stage_0(self, optimizer, step, *args, **kwargs):
         if self._ask(torch.tensor(self.stage0_norm(), dtype=torch.float32)):
             return None  # DeepSpeed's engine clears the gradients after the step
+        return step(*args, **kwargs)
+
+    def _step_stage_0_16_bits(self, wrapper, torch_optimizer, step, *args, **kwargs):
+        """The torch optimizer's step inside DeepSpeed's 16-bit wrapper, with the norm the
+        wrapper computed (the unfused one keeps it loss-scaled: under fp16 the guards do not
+        read it). On a skip the wrapper still copies its fp32 master weights, unchanged, into
+        the 16-bit parameters."""
+        if self._ask(torch.tensor(float(wrapper._global_grad_norm), dtype=torch.float32)):
+            wrapper.overflow = True
+            return None
         return step(*args, **kwargs)
