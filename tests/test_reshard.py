@@ -98,10 +98,12 @@ def test_zero3_checkpoint_resumes_at_another_layout_with_the_same_losses_and_sam
 
 
 @pytest.mark.slow
-def test_ddp_checkpoint_resumes_under_zero2(origins):
+def test_ddp_checkpoint_resumes_under_zero3(origins):
+    """Into ZeRO-3: the fresh engine's Adam moments are the template the load fills (without
+    them the next steps started from zero moments: 0.4% off at step 6)."""
     root, runs = origins
     assert_next_losses_match(runs["ddp"],
-                             resume(root, runs["ddp"], "ddp_to_zero2", ["strategy=zero2", *DP2]))
+                             resume(root, runs["ddp"], "ddp_to_zero3", [*ZERO3, *DP2]))
 
 
 FP16_STEPS, FP16_SAVED = 6, 3

@@ -364,12 +364,18 @@ class ZeroEngine:
         ``_init_optim_state`` does (one step with zero gradients at lr 0, which changes no
         parameter), to be overwritten by a load. ZeRO-1/2 link them after the first param
         group's first step, while the others have no states yet (DeepSpeed 0.19), so every
-        group is linked again here."""
+        group is linked again here. ZeRO-3's flat fp32 partitions sit in the torch optimizer's
+        param groups only while it steps (``_optimizer_step``), so they are put there for this
+        step too: without them it steps nothing, and a fresh ZeRO-3 engine offered no Adam
+        moments to load into (a resume into ZeRO-3 then started from zero moments)."""
         from deepspeed.utils import lazy_init_hp_params_optimizer_state
 
         zero = self.ds.optimizer
         inner = zero.optimizer
         if not inner.state:
+            stage_3 = hasattr(zero, "fp32_partitioned_groups_flat")
+            if stage_3:
+                zero._set_fp32_optimizer_param_groups()
             lrs = [group["lr"] for group in inner.param_groups]
             for group in inner.param_groups:
                 group["lr"] = 0.0
@@ -380,6 +386,8 @@ class ZeroEngine:
                 group["lr"] = lr
                 for p in group["params"]:
                     p.grad = None
+            if stage_3:
+                zero._clear_fp32_optimizer_param_groups()
         if hasattr(zero, "single_partition_of_fp32_groups"):  # ZeRO-1/2
             for lp, hp in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
                 lazy_init_hp_params_optimizer_state(lp, hp, inner.state)
