@@ -6,8 +6,8 @@
 
 Each strategy trains the same model on ``--workers`` workers (plus one server for the parameter
 servers) for ``--steps`` steps, first with every worker at full speed, then with the last worker
-slowed 2x: before each forward pass it sleeps one more local step (measured first on one
-process). It prints, per strategy and case:
+slowed 2x: before each forward pass it sleeps one more step (DDP's mean step without straggler,
+measured first in the same command). It prints, per strategy and case:
 
 - throughput: samples/s summed over the workers, each worker's own steps over its own time
   (after ``--warmup`` steps; for lockstep strategies this is the global batch per step time);
@@ -27,7 +27,10 @@ CPU alone.
 With N workers and one at half speed, asynchronous training can keep at most (N - 0.5) / N of
 the no-straggler throughput (0.75x at N = 2, 0.92x at N = 6), and lockstep training (DDP, sync PS)
 falls to 0.5x; local SGD waits for the straggler at every averaging, so a *persistent* straggler
-holds it near 0.5x too (it hides stragglers that come and go within H steps).
+holds it near 0.5x too. The third case, a moving straggler (each step one worker is 2x slow, a
+different one each step), is what local SGD hides: lockstep training still waits every step
+(0.5x), local SGD once per H steps for the worker slowed most often in them (about
+H / (H + ceil(H / N)), 0.8x at H = 4), and async PS loses 1 / (N + 1) (0.86x at N = 6).
 
 With ``--rate`` it measures the link instead of the straggler: every process runs as its own
 "node" (``scripts/netns_cluster.py``: network namespaces on a bridge; needs root), so every push,
@@ -62,18 +65,28 @@ STRATEGIES = {
     "local SGD (H=4)": ["strategy=local_sgd", "strategy.sync_every=4"],
     "DiLoCo (H=4)": ["strategy=diloco", "strategy.sync_every=4"],
 }
+CASES = ("no straggler", "straggler 2x", "moving straggler")
 MID = ["model.n_layer=4", "model.n_embd=256", "model.n_head=4"]
 
 
 class EmulatedDevice:
     """Every training rank sleeps ``seconds`` before each forward pass (device time); global rank
-    ``straggler`` sleeps ``extra`` more."""
+    ``straggler`` sleeps ``extra`` more. With ``moving=(first, n)`` the straggler moves instead:
+    at its k-th forward pass worker ``first + k % n`` sleeps ``extra`` more (one slow worker per
+    step, a different one each step: stragglers that come and go)."""
 
-    def __init__(self, seconds: float, straggler: int = -1, extra: float = 0.0):
-        self.seconds, self.straggler, self.extra = seconds, straggler, extra
+    def __init__(self, seconds: float, straggler: int = -1, extra: float = 0.0,
+                 moving: tuple[int, int] | None = None):
+        self.seconds, self.straggler, self.extra, self.moving = seconds, straggler, extra, moving
 
     @hookimpl
     def plait_apply_tensor_parallel(self, model, topology):
+        if self.moving:
+            first, n = self.moving
+            passes = itertools.count()
+            model.register_forward_pre_hook(lambda module, args: time.sleep(
+                self.seconds + (self.extra if next(passes) % n == topology.rank - first else 0)))
+            return
         pause = self.seconds + (self.extra if topology.rank == self.straggler else 0.0)
         if pause:
             model.register_forward_pre_hook(lambda module, args: time.sleep(pause))
@@ -83,12 +96,13 @@ def servers(overrides: list[str]) -> int:
     return int("strategy=parameter_server" in overrides)
 
 
-def run(root: Path, name: str, overrides: list[str], args, slow_seconds: float) -> dict:
+def run(root: Path, name: str, overrides: list[str], args, slow_seconds: float,
+        moving: bool = False) -> dict:
     workers, extra = args.workers, servers(overrides)
     run_dir = root / name
     clock = root / f"{name}.clock"
     device = EmulatedDevice(args.device_ms / 1e3, straggler=extra + workers - 1,
-                            extra=slow_seconds)
+                            extra=slow_seconds, moving=(extra, workers) if moving else None)
     plugins = [StepClock(clock), device]
     started = time.perf_counter()
     run_training(run_dir, [*args.common, *overrides, f"launcher.nproc_per_node={workers + extra}",
@@ -103,25 +117,24 @@ def run(root: Path, name: str, overrides: list[str], args, slow_seconds: float) 
     else:
         timed = stamps[args.warmup:]
         throughput = args.batch * (len(timed) - 1) / (timed[-1] - timed[0])
-    return {"throughput": throughput, "stamps": stamps, "losses": [m["loss"] for m in metrics],
+    return {"throughput": throughput, "stamps": stamps,
+            "losses": {m["step"]: m["loss"] for m in metrics},
             "wall_s": time.perf_counter() - started}
 
 
 def loss_at(result: dict, budget: float) -> float:
     start = result["stamps"][0]
-    seen = [loss for t, loss in zip(result["stamps"], result["losses"]) if t - start <= budget]
+    seen = [loss for step, loss in sorted(result["losses"].items())
+            if result["stamps"][step - 1] - start <= budget]
     return seen[-1] if seen else float("nan")
 
 
-def local_step_seconds(root: Path, args) -> float:
-    """One worker's step (device time and compute) on its share of the batch: what the straggler
-    sleeps on top of its own step to be 2x slower."""
-    clock = root / "solo.clock"
-    run_training(root / "solo", [*args.common, "launcher.nproc_per_node=1",
-                                 f"train.batch_size={args.batch // args.workers}",
-                                 f"train.steps={args.steps}"],
-                 plugins=[StepClock(clock), EmulatedDevice(args.device_ms / 1e3)])
-    stamps = [float(line) for line in clock.read_text().split()][args.warmup:]
+def full_speed_step_seconds(result: dict, args) -> float:
+    """The mean step of a run without straggler (after ``--warmup``): what the straggler sleeps
+    on top of its own step to be 2x slower. Measured on the job itself, not on one process
+    alone: here the workers share the host's cores, so a step is the device time plus the
+    compute they contend for (a solo step's sleep made the straggler only ~1.35x slower)."""
+    stamps = result["stamps"][args.warmup:]
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
 
@@ -146,7 +159,7 @@ def run_on_nodes(root: Path, name: str, overrides: list[str], args, rate: str | 
     else:
         throughput = args.batch / statistics.mean(step_s[args.warmup:])
     return {"throughput": throughput, "stamps": list(itertools.accumulate(step_s)),
-            "losses": [m["loss"] for m in metrics],
+            "losses": {m["step"]: m["loss"] for m in metrics},
             "link_mb_per_step": link_bytes_per_step(root / name, args.warmup) / 1e6}
 
 
@@ -195,29 +208,38 @@ def main() -> None:
     if args.rate:
         link_table(args)
         return
+    # On every logged step the core reduces step time and memory over the step group, a
+    # collective: logging every step would hold local SGD and DiLoCo in lockstep, so this table
+    # logs every 4th step, where their replicas meet anyway (H=4).
+    args.common = [*args.common, "train.log_every=4"]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        delay = local_step_seconds(root, args)
-        print(f"device time {args.device_ms:.0f} ms per forward on every worker; straggler: the "
-              f"last worker sleeps {delay * 1e3:.0f} ms more (one local step: 2x slower)")
-        results = {}
+        results, delay = {}, None
         for name, overrides in STRATEGIES.items():  # each strategy's two cases back to back
-            for case, seconds in (("no straggler", 0.0), ("straggler 2x", delay)):
+            for case in CASES:
+                if delay is None and case != "no straggler":  # after DDP's full-speed run
+                    delay = full_speed_step_seconds(results[(name, "no straggler")], args)
+                    print(f"device time {args.device_ms:.0f} ms per forward on every worker; "
+                          f"straggler: the last worker sleeps {delay * 1e3:.0f} ms more (one "
+                          f"full-speed step of {name}: 2x slower)")
                 tag = f"{name}|{case}".replace(" ", "_").replace("(", "").replace(")", "")
                 tag = tag.replace("|", "-").replace("=", "")
-                results[(name, case)] = run(root, tag, overrides, args, seconds)
+                seconds = delay if case != "no straggler" else 0.0
+                results[(name, case)] = run(root, tag, overrides, args, seconds,
+                                            moving=case == "moving straggler")
     budget = args.budget or (results[("ddp (all-reduce)", "no straggler")]["stamps"][-1]
                              - results[("ddp (all-reduce)", "no straggler")]["stamps"][0])
     print(f"\n{args.workers} workers, global batch {args.batch}, {args.steps} steps; loss after "
           f"{budget:.1f} s of training\n")
-    print(f"| strategy | samples/s | samples/s, straggler | ratio | loss @ {budget:.0f} s | "
-          "loss @ budget, straggler |")
-    print("|---|---|---|---|---|---|")
+    print(f"| strategy | samples/s | straggler 2x: samples/s | ratio | moving straggler: "
+          f"samples/s | ratio | loss @ {budget:.0f} s | straggler 2x | moving |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in STRATEGIES:
-        base, slow = results[(name, "no straggler")], results[(name, "straggler 2x")]
+        base, slow, moving = (results[(name, case)] for case in CASES)
         print(f"| {name} | {base['throughput']:.1f} | {slow['throughput']:.1f} | "
-              f"{slow['throughput'] / base['throughput']:.2f}x | {loss_at(base, budget):.3f} | "
-              f"{loss_at(slow, budget):.3f} |")
+              f"{slow['throughput'] / base['throughput']:.2f}x | {moving['throughput']:.1f} | "
+              f"{moving['throughput'] / base['throughput']:.2f}x | {loss_at(base, budget):.3f} | "
+              f"{loss_at(slow, budget):.3f} | {loss_at(moving, budget):.3f} |")
     if args.json:
         args.json.write_text(json.dumps({f"{k[0]}|{k[1]}": v for k, v in results.items()}))
 
