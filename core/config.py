@@ -43,6 +43,13 @@ class TrainConfig:
     activation_checkpointing: str = "none"
 
 
+def job_last_step(train: Any) -> int:
+    """The step this job ends after: ``train.stop_at`` where set (one population-based training
+    round; the schedule still spans ``train.steps``), else ``train.steps``. Every role that
+    counts steps (trainers, parameter servers) ends there."""
+    return min(train.steps, train.stop_at or train.steps)
+
+
 @dataclass
 class RunConfig:
     root: str = "runs"

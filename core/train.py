@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
+from plait.config import job_last_step
 from plait.metrics import StepMeter
 from plait.plugin_manager import PlaitPluginManager
 from plait.topology import TRAINER, Topology, elastic_grad_accum_steps
@@ -65,7 +66,7 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
         loader.load_state_dict(state.data)
     logging = topology.is_logging_rank
     batches = iter(loader)
-    last_step = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)  # of this job
+    last_step = job_last_step(cfg.train)
     checkpoint = None
     status = "failed"
     try:

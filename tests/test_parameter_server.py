@@ -155,6 +155,18 @@ def test_sync_run_killed_and_restarted_continues_as_if_uninterrupted(tmp_path, s
         assert final[0]["version"] == final[1]["version"] == 5
 
 
+@pytest.mark.slow
+def test_sync_servers_end_with_the_workers_at_train_stop_at(tmp_path, sync_runs):
+    """One round of population-based training: ``train.stop_at=2`` ends the job after step 2,
+    servers included (they counted train.steps rounds and waited for pushes that never came),
+    and the same command without it resumes to step 5 exactly as the uninterrupted run."""
+    run = tmp_path / "rounds"
+    run_training(run, [*sync_overrides(1), "train.stop_at=2"])
+    assert [m["step"] for m in read_metrics(run)] == [1, 2]
+    run_training(run, sync_overrides(1))
+    assert losses_and_norms(run) == losses_and_norms(sync_runs(1))
+
+
 # ---------------------------------------------------------------------------------------------
 # async parameter servers with a straggler
 # ---------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from plait.config import job_last_step
 from plait.plugins.parameter_server.sharding import flat, shards_of, unflatten_into
 from plait.plugins.parameter_server.store import inbox, job_store, publish, saved_key
 
@@ -140,7 +141,8 @@ class Server:
 
     def serve(self) -> None:
         if self.cfg.strategy.mode == "sync":
-            rounds = SyncRounds(self, self.cfg.train.steps - self.step)  # from the checkpoint on
+            # from the checkpoint on, to the end of this job (train.stop_at: one PBT round)
+            rounds = SyncRounds(self, job_last_step(self.cfg.train) - self.step)
         else:
             rounds = AsyncPushes(self)
             self.await_goodbyes()

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from plait.config import job_last_step
 from plait.plugins.optim.clip_grads import clip_grad_norm_
 from plait.plugins.optim.accumulate import accumulate_gradients
 from plait.plugins.optim.mixed_precision import autocast
@@ -48,7 +49,7 @@ class WorkerEngine:
         self.rank, self.workers = topology.rank, topology.trainer_ranks
         self.step_group = topology.step_group
         self.samples_per_step = cfg.train.batch_size // topology.dims.dp
-        self.last_step = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
+        self.last_step = job_last_step(cfg.train)
         self.log_every = cfg.train.log_every
         self.saves_checkpoint = topology.is_logging_rank
         self.store = job_store()
