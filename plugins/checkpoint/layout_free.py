@@ -31,9 +31,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from plait.plugins.tensor_parallel.layers import merge_tensors, split_tensor
+
+# torch.distributed.checkpoint is imported where it is used: it pulls in DTensor and sympy
+# (~0.8 s), and every ``plait train`` loads this plugin in the launching process too.
 
 DIRECTORY = "layout_free"
 SHARD_ATTRS = ("partition_dim", "partition_stride")
@@ -92,6 +94,8 @@ def save(engine, topology, directory: Path, group, stager=None):
     """Write the layout-free state into ``directory/layout_free``. With ``stager`` the state is
     copied to CPU memory and written in the background (``dcp.async_save``): the result is the
     future of the write; without, the write is done when this returns (None)."""
+    import torch.distributed.checkpoint as dcp
+
     state = full_state(engine, topology)
     target = directory / DIRECTORY
     if stager is None:
@@ -105,6 +109,8 @@ def save(engine, topology, directory: Path, group, stager=None):
 def load(engine, topology, directory: Path, group) -> None:
     """Read ``directory/layout_free`` into the engine, whatever layout wrote it: the engine's own
     state (full tensors) is the template DCP fills in place."""
+    import torch.distributed.checkpoint as dcp
+
     template = full_state(engine, topology)
     reader = dcp.FileSystemReader(str(directory / DIRECTORY))
     stored = reader.read_metadata().state_dict_metadata
@@ -119,6 +125,8 @@ def load(engine, topology, directory: Path, group) -> None:
 def saved_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     """The model entries of a layout-free checkpoint and their full shapes, read from DCP's
     metadata alone (no tensor is loaded)."""
+    import torch.distributed.checkpoint as dcp
+
     metadata = dcp.FileSystemReader(str(directory / DIRECTORY)).read_metadata()
     return {key.removeprefix("model."): tuple(meta.size)
             for key, meta in metadata.state_dict_metadata.items()

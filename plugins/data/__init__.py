@@ -78,8 +78,13 @@ class TokenWindows:
 
 
 def stdlib_sources() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    """The standard library's ``.py`` files, without ``site-packages`` (pruned from the walk,
+    not filtered after it: walking the installed packages cost every worker ~0.6 s)."""
+    sources = []
+    for directory, subdirectories, files in os.walk(sysconfig.get_paths()["stdlib"]):
+        subdirectories[:] = [d for d in subdirectories if d != "site-packages"]
+        sources += [Path(directory, f) for f in files if f.endswith(".py")]
+    return sorted(sources)
 
 
 def text_sources(path: Path) -> list[Path]:
