@@ -150,6 +150,21 @@ def test_fp16_loss_scale_carries_over_from_zero2_to_a_ddp_pipeline(tmp_path, mon
 
 
 @pytest.mark.slow
+def test_zero0_in_bf16_resumes_from_its_layout_free_copy_exactly(tmp_path):
+    """ZeRO stage 0 in bf16: DeepSpeed's ``FP16_UnfusedOptimizer`` keeps the fp32 masters and Adam
+    steps those (no universal checkpoint covers stage 0). With ``fault.async_save`` only the
+    layout-free copy is written, so a job stopped after step 2 resumes from the masters and
+    moments in it: steps 3 and 4 log the uninterrupted run's losses, exactly."""
+    run = ["train.steps=4", "optimizer.decay_steps=4", "fault.checkpoint_every=2",
+           "fault.keep_last=0", "precision=bf16", "strategy=zero0", *DP2, "fault.async_save=true"]
+    straight = run_training(tmp_path / "straight", run)
+    stopped = run_training(tmp_path / "stopped", [*run, "train.stop_at=2"])
+    assert sorted(losses(stopped)) == [1, 2]
+    run_training(stopped, run)
+    assert losses(stopped) == losses(straight)
+
+
+@pytest.mark.slow
 def test_async_save_killed_during_the_background_write_leaves_the_previous_checkpoint(
         origins, capfd):
     """Checkpoints every 2 steps written in the background; rank 0 is SIGKILLed after step 5
