@@ -254,6 +254,35 @@ class HoldNodeAfter:
 hold_node1_after_step_4 = HoldNodeAfter(4)
 
 
+class HoldAloneAfter:
+    """While a node trains alone (the world is its own processes), its workers stop once step
+    ``step``'s checkpoint is published; its local rank 0 writes ``run.dir/node0_alone_held``, the
+    test's cue to start a second node. Torch elastic's agent then sees a waiting node and
+    restarts the group to take it in, which ends the wait."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="hold_alone_after")
+
+    @hookimpl(wrapper=True)
+    def plait_save_checkpoint(self, cfg, state, topology):
+        import time
+
+        result = yield
+        alone = os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE")
+        if alone and state.step == self.step:
+            if topology.local_rank == 0:
+                Path(cfg.run.dir, "node0_alone_held").write_text(f"after step {self.step}")
+            time.sleep(600)
+        return result
+
+
+hold_alone_after_step_2 = HoldAloneAfter(2)
+
+
 class NanLoss:
     """Makes the loss (``what="loss"``) or the gradient of this rank's first parameter
     (``what="grad"``) NaN on global rank ``rank`` for the engine's optimizer-step calls

@@ -1,8 +1,10 @@
-"""Elastic scaling survives a lost node: a 2-node job in network namespaces (each node its own
-address, as in tests/test_comm_multinode.py), started with ``launcher.nnodes=1:2``, loses every
-process of node 1 after the step-4 checkpoint. Node 0's agent spends its restart, meets alone in
-the c10d rendezvous and finishes at world size 2, from the checkpoint (resharded from dp 4 to
-dp 2), accumulating 2 micro-batches where it took 1, so the global batch stays 8 sequences.
+"""Elastic scaling grows when a node joins and shrinks when one is lost: a job in network
+namespaces (each node its own address, as in tests/test_comm_multinode.py) started with
+``launcher.nnodes=1:2`` under ZeRO-1. Node 0 starts alone (world 2, dp 2, accumulating 2
+micro-batches) and checkpoints at step 2; node 1 then starts, node 0's agent sees it waiting and
+re-forms the group at world 4 (dp 4, accumulation 1) from that checkpoint (resharded dp 2 -> 4);
+after the step-4 checkpoint every process of node 1 is lost, node 0's agent spends its restart,
+meets alone and finishes at world 2 (dp 4 -> 2). The global batch stays 8 sequences throughout.
 
 The reference is one process that accumulates the same 4 micro-batches of 2 sequences per step:
 the same global batch, never interrupted. Tolerance: fp32 losses within rel 1e-5 (the runs sum
@@ -33,9 +35,10 @@ import netns_cluster  # noqa: E402
 
 ELASTIC = ["launcher.master_port=29500", "launcher.max_restarts=1", "run.name=r"]
 
-STEPS, LOST_AFTER = 8, 4  # node 1 is lost after step 4's checkpoint
+# node 1 joins after step 2's checkpoint and is lost after step 4's
+STEPS, JOINED_AFTER, LOST_AFTER = 8, 2, 4
 RUN = [*TEST_OVERRIDES, f"train.steps={STEPS}", f"optimizer.decay_steps={STEPS}",
-       "precision=fp32", f"fault.checkpoint_every={LOST_AFTER}", "fault.keep_last=0"]
+       "precision=fp32", f"fault.checkpoint_every={JOINED_AFTER}", "fault.keep_last=0"]
 # torch's rendezvous timings, shortened: a lost node is declared dead after 3 missed 2-second
 # heartbeats; a round with fewer than 2 nodes closes 10 s after it reached 1 (both nodes start
 # well within that).
@@ -78,7 +81,8 @@ def steps_of_all_ranks(rows: Path, ranks: range, attempt: int) -> list[list[str]
 @pytest.mark.slow
 @pytest.mark.skipif(netns_cluster.can_make_namespaces() is not None,
                     reason=f"{netns_cluster.can_make_namespaces()}")
-def test_a_lost_node_shrinks_the_job_which_keeps_the_global_batch(tmp_path):
+def test_a_joining_node_grows_and_a_lost_node_shrinks_the_job_which_keeps_the_global_batch(
+        tmp_path):
     reference = tmp_path / "one_process"
     run_training(reference, [*RUN, "launcher.nproc_per_node=1", "train.grad_accum_steps=4"],
                  [inhouse.RecordBatches(tmp_path / "rows_reference")])
@@ -86,23 +90,31 @@ def test_a_lost_node_shrinks_the_job_which_keeps_the_global_batch(tmp_path):
     want_rows = steps_of_all_ranks(tmp_path / "rows_reference", range(1), 0)
 
     run_dir = tmp_path / "elastic"
-    overrides = [*RUN, RDZV, "launcher.max_restarts=1", f"run.root={tmp_path}", "run.name=elastic",
-                 "tracker=wandb", "+plugins=[inhouse:record_rows,inhouse:hold_node1_after_step_4]"]
+    overrides = [*RUN, RDZV, "strategy=zero1", "launcher.max_restarts=1", f"run.root={tmp_path}",
+                 "run.name=elastic", "tracker=wandb",
+                 "+plugins=[inhouse:record_rows,inhouse:hold_alone_after_step_2,"
+                 "inhouse:hold_node1_after_step_4]"]
     env = {"PYTHONPATH": str(Path(__file__).parent)}
-    logs = {}
+    logs, procs = {}, {}
     with netns_cluster.Cluster(2) as cluster:
-        procs = {}
-        for node in reversed(cluster.nodes):  # node 1 first: it waits for node 0's store
+        def start(node) -> None:
             logs[node.rank] = tmp_path / f"node{node.rank}.log"
             command = netns_cluster.train_command(cluster, node, 2, overrides, nnodes="1:2")
             with open(logs[node.rank], "w") as log:
                 procs[node.rank] = cluster.popen(node, command, env=env, stdout=log,
                                                  stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 400
-        while not (run_dir / "node1_held").exists():
-            assert all(p.poll() is None for p in procs.values()), logs_tail(logs)
-            assert time.monotonic() < deadline, logs_tail(logs)
-            time.sleep(0.5)
+
+        def wait_for(flag: str) -> None:
+            deadline = time.monotonic() + 400
+            while not (run_dir / flag).exists():
+                assert all(p.poll() is None for p in procs.values()), logs_tail(logs)
+                assert time.monotonic() < deadline, logs_tail(logs)
+                time.sleep(0.5)
+
+        start(cluster.nodes[0])  # alone: the round closes at MIN=1 after the last call
+        wait_for("node0_alone_held")
+        start(cluster.nodes[1])  # joins: node 0's agent re-forms the group with it
+        wait_for("node1_held")
         os.killpg(procs[1].pid, signal.SIGKILL)  # the whole node: its agent and its workers
         procs[1].wait()
         try:
@@ -114,26 +126,36 @@ def test_a_lost_node_shrinks_the_job_which_keeps_the_global_batch(tmp_path):
 
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
-    # the re-formation, as every logged step records it, in metrics.jsonl and the same W&B run
+    # each re-formation, as every logged step records it, in metrics.jsonl and the same W&B run;
+    # a node joining restarts the group without spending a restart (torch elastic's agent:
+    # "membership changes do not count as retries"), the lost node spends node 0's one restart
     sizes = [(m["nodes"], m["world_size"], m["dp"], m["grad_accum_steps"], m["restarts"])
              for m in metrics]
-    assert sizes == [(2, 4, 4, 1, 0)] * LOST_AFTER + [(1, 2, 2, 2, 1)] * (STEPS - LOST_AFTER)
-    wandb = read_wandb_run(run_dir)  # the newest offline run file: the resumed attempt's
+    assert sizes == ([(1, 2, 2, 2, 0)] * JOINED_AFTER
+                     + [(2, 4, 4, 1, 0)] * (LOST_AFTER - JOINED_AFTER)
+                     + [(1, 2, 2, 2, 1)] * (STEPS - LOST_AFTER))
+    wandb = read_wandb_run(run_dir)  # the newest offline run file: the last attempt's
     assert [(h["_step"], h["world_size"], h["dp"], h["grad_accum_steps"], h["restarts"])
             for h in wandb["history"]] == [(step, 2, 2, 2, 1)
                                            for step in range(LOST_AFTER + 1, STEPS + 1)]
     assert all(p.name.endswith(wandb["id"]) for p in run_dir.glob("wandb/offline-run-*"))
-    assert (f"plait: elastic group of 1 node(s) (launcher.nnodes=1:2): world size 2, dp 2, "
-            f"grad_accum_steps 2, train.batch_size 8 kept; continuing at step {LOST_AFTER}") in out
-    assert "plait: converting checkpoint" in out  # dp 4 -> 2 through the layout-free copy
-    # each rank keeps its micro-batch of 2 sequences: 1 per step at dp 4, 2 per step at dp 2
+    for nodes, world, dp, accumulation, step in [(2, 4, 4, 1, JOINED_AFTER),
+                                                 (1, 2, 2, 2, LOST_AFTER)]:
+        assert (f"plait: elastic group of {nodes} node(s) (launcher.nnodes=1:2): world size "
+                f"{world}, dp {dp}, grad_accum_steps {accumulation}, train.batch_size 8 kept; "
+                f"continuing at step {step}") in out
+    assert out.count("plait: converting checkpoint") == 2  # dp 2 -> 4 -> 2, layout-free copy
+    # each rank keeps its micro-batch of 2 sequences: 2 per step at dp 2, 1 per step at dp 4
     rows = run_dir / "rows"
     shapes = {(rank, attempt): {tuple(map(len, step))
                                 for step in inhouse.recorded_micro_batches(rows, rank)[attempt]}
-              for rank, attempt in [(0, 0), (3, 0), (0, -1), (1, -1)]}
-    assert shapes == {(0, 0): {(2,)}, (3, 0): {(2,)}, (0, -1): {(2, 2)}, (1, -1): {(2, 2)}}
-    # the global batch: the same 8 sequences per step before and after the shrink
-    assert steps_of_all_ranks(rows, range(4), 0)[:LOST_AFTER] == want_rows[:LOST_AFTER]
+              for rank, attempt in [(0, 0), (0, 1), (3, 0), (0, -1), (1, -1)]}
+    assert shapes == {(0, 0): {(2, 2)}, (0, 1): {(2,)}, (3, 0): {(2,)}, (0, -1): {(2, 2)},
+                      (1, -1): {(2, 2)}}
+    # the global batch: the same 8 sequences per step at every size
+    assert steps_of_all_ranks(rows, range(2), 0) == want_rows[:JOINED_AFTER]
+    grown = [inhouse.recorded_steps(rows, r)[1 if r < 2 else 0] for r in range(4)]  # node 1: 1st
+    assert [sorted(sum(step, [])) for step in zip(*grown)] == want_rows[JOINED_AFTER:LOST_AFTER]
     assert steps_of_all_ranks(rows, range(2), -1) == want_rows[LOST_AFTER:]
     assert [m["loss"] for m in metrics] == pytest.approx(want_losses, rel=1e-5)
 
