@@ -4,7 +4,8 @@ real ``plait train`` runs on gloo compared with one process on the same global b
 Every multi-process run uses the tiny GPT with 4 blocks and a global batch of 8 sequences cut
 into 4 micro-batches; the single-process reference accumulates the same 4 micro-batches
 (``train.grad_accum_steps=4``), so the only differences are fp32 summation order: losses, grad
-norms and eval losses agree to a relative 2e-5 over 20 steps.
+norms and eval losses agree to a relative 2e-5 over 8 steps (past the warm-up, into the decay;
+evaluated at steps 4 and 8).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from inhouse import TracePipelineActions
 
 TOLERANCE = 2e-5  # relative, fp32
 BF16_TOLERANCE = 2e-2  # relative per-step loss, bf16 against fp32 (as test_ddp's mixed precision)
-STEPS = 20
-COMMON = ["model.n_layer=4", f"train.steps={STEPS}", "train.batch_size=8", "train.eval_every=10",
+STEPS = 8
+COMMON = ["model.n_layer=4", f"train.steps={STEPS}", "train.batch_size=8", "train.eval_every=4",
           "train.eval_batches=1"]
 PP2 = ["parallel.pp=2", "pipeline.microbatches=4"]
 
@@ -179,7 +180,7 @@ def assert_same(run_figures, reference):
     for key in ("loss", "grad_norm", "eval/loss"):
         assert run_figures[key] == pytest.approx(reference[key], rel=TOLERANCE), key
     # The export joins the stages (and tensor-parallel shards) into the unsplit model's names,
-    # with the weights one process trained to (as in test_tensor_parallel: 20 AdamW steps turn
+    # with the weights one process trained to (as in test_tensor_parallel: AdamW steps turn
     # float rounding into up to ~1e-5 in near-zero weights).
     weights, expected = run_figures["weights"], reference["weights"]
     assert weights.keys() == expected.keys()
@@ -250,14 +251,12 @@ def test_pp2_schedule_matches_one_process(tmp_path, reference, schedule):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_pp2_in_mixed_precision_trains_close_to_fp32(tmp_path, reference, precision):
     """bf16 or fp16 autocast inside the schedule (fp16 with the loss scaler the engine applies
-    through the schedule's loss). The first 10 steps of the fp32 schedule (``decay_steps`` keeps
-    the LR the same)."""
+    through the schedule's loss), against the fp32 schedule."""
     run = tmp_path / precision
-    run_training(run, [*COMMON, *PP2, "train.steps=10", f"optimizer.decay_steps={STEPS}",
-                       f"precision={precision}"])
+    run_training(run, [*COMMON, *PP2, f"precision={precision}"])
     losses = figures(run)["loss"]
-    assert losses == pytest.approx(reference["loss"][:10], rel=BF16_TOLERANCE)
-    assert losses != reference["loss"][:10]  # autocast really ran
+    assert losses == pytest.approx(reference["loss"], rel=BF16_TOLERANCE)
+    assert losses != reference["loss"]  # autocast really ran
 
 
 @pytest.mark.slow
