@@ -226,61 +226,39 @@ class KillNodeAt:
 kill_node1_at_3 = KillNodeAt(3)
 
 
-class HoldNodeAfter:
-    """In the first attempt, every worker of node ``node`` (the launcher's ``GROUP_RANK``) stops
-    once step ``step``'s checkpoint is published: node 0's workers go on into the next step and
-    wait for it there. Its local rank 0 writes ``run.dir/node<n>_held``, the test's cue to
-    SIGKILL every process of that node (a node lost mid-run, at a known step)."""
+class HoldAfter:
+    """Every worker for which ``holds(topology)`` is true stops once step ``step``'s checkpoint
+    is published, and its local rank 0 writes ``run.dir/<flag>``: the test's cue to act on that
+    node (SIGKILL it, or start another beside it). Other nodes' workers go on into the next step
+    and wait for it there."""
 
-    def __init__(self, step: int, node: int = 1):
-        self.step, self.node = step, node
+    def __init__(self, name: str, step: int, flag: str, holds):
+        self.name, self.step, self.flag, self.holds = name, step, flag, holds
 
     @hookimpl
     def plait_declare(self):
-        return PluginInfo(name="hold_node_after")
+        return PluginInfo(name=self.name)
 
     @hookimpl(wrapper=True)
     def plait_save_checkpoint(self, cfg, state, topology):
         import time
 
         result = yield
-        if attempt() == 0 and state.step == self.step and topology.node_rank == self.node:
+        if state.step == self.step and self.holds(topology):
             if topology.local_rank == 0:
-                Path(cfg.run.dir, f"node{self.node}_held").write_text(f"after step {self.step}")
+                Path(cfg.run.dir, self.flag).write_text(f"after step {self.step}")
             time.sleep(600)
         return result
 
 
-hold_node1_after_step_4 = HoldNodeAfter(4)
-
-
-class HoldAloneAfter:
-    """While a node trains alone (the world is its own processes), its workers stop once step
-    ``step``'s checkpoint is published; its local rank 0 writes ``run.dir/node0_alone_held``, the
-    test's cue to start a second node. Torch elastic's agent then sees a waiting node and
-    restarts the group to take it in, which ends the wait."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    @hookimpl
-    def plait_declare(self):
-        return PluginInfo(name="hold_alone_after")
-
-    @hookimpl(wrapper=True)
-    def plait_save_checkpoint(self, cfg, state, topology):
-        import time
-
-        result = yield
-        alone = os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE")
-        if alone and state.step == self.step:
-            if topology.local_rank == 0:
-                Path(cfg.run.dir, "node0_alone_held").write_text(f"after step {self.step}")
-            time.sleep(600)
-        return result
-
-
-hold_alone_after_step_2 = HoldAloneAfter(2)
+# Node 1 (the launcher's GROUP_RANK) in the first attempt: a node lost mid-run at a known step.
+hold_node1_after_step_4 = HoldAfter("hold_node1", 4, "node1_held",
+                                    lambda topology: attempt() == 0 and topology.node_rank == 1)
+# A node training alone (the world is its own processes): the cue to start a second node, whose
+# arrival makes torch elastic's agent restart the group to take it in, which ends the wait.
+hold_alone_after_step_2 = HoldAfter(
+    "hold_alone", 2, "node0_alone_held",
+    lambda topology: os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE"))
 
 
 class NanLoss:
