@@ -15,7 +15,7 @@ Order of a run (``plait.train.train`` reads as this list)::
     a rank whose role is not "trainer": plait_run_role, and nothing below
     plait_build_dataset, plait_shard_data
     plait_build_model, plait_apply_tensor_parallel, plait_apply_activation_checkpointing,
-    plait_split_pipeline, plait_build_loss
+    plait_split_pipeline, plait_materialize_model, plait_build_loss
     plait_build_optimizer, plait_build_lr_schedule, plait_grad_reducer, plait_build_engine
     plait_load_checkpoint, plait_on_run_start
     per step:  plait_check_step (in the engine's step, every rank), plait_on_step_end,
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
     from pluggy import HookRelay
 
+    from plait.meta import ParameterInit
     from plait.topology import ParallelDims, Roles, Topology
     from plait.types import (
         BatchLoader,
@@ -138,7 +139,7 @@ def plait_validate(cfg: DictConfig, dims: ParallelDims, hook: HookRelay) -> list
     :param cfg: the configured (read-only) config.
     :param dims: the process layout the run will use.
     :param hook: the active plugins' hooks, to ask another plugin instead of reading its
-        settings, e.g. the model built on the meta device: ``plait.plan.meta_model(hook, cfg)``
+        settings, e.g. the model built on the meta device: ``plait.meta.meta_model(hook, cfg)``
         (None when these settings cannot build it).
     :return: problems, each naming the setting and the fix, e.g.
         ``"parallel.tp=3 does not divide model.n_head=4: choose tp in {1, 2, 4}"``; numbers out
@@ -247,7 +248,11 @@ def plait_build_model(cfg: DictConfig) -> torch.nn.Module | None:
     """Build the full (unsplit) model on the CPU, seeded, so every rank builds the same weights.
 
     Stops at the first non-None result. Also called under ``torch.device("meta")`` before launch
-    (to check a plan against the model's layers) and by ``plait estimate``. The model may carry
+    (to check a plan against the model's layers) and by ``plait estimate``. In the workers it is
+    called on the meta device first: a model that defines ``init_parameter(name, tensor,
+    generator)`` (fill the unsplit parameter ``name`` from ``generator``) stays there, is cut,
+    and each rank materializes only its part (``plait_materialize_model``, :mod:`plait.meta`);
+    any other model is built again, whole, on every rank. The model may carry
     ``tensor_parallel_plan`` (a model plugin then declares ``model:tensor_parallel_plan``),
     ``flops_per_token(seq_len)`` (for MFU; without it plait counts 6·N) and
     ``activation_bytes(batch_size, seq_len, bytes_per_value)`` (for ``plait estimate``; without
@@ -284,6 +289,26 @@ def plait_split_pipeline(
     """Cut the model into pipeline stages and return this rank's stage.
 
     Stops at the first non-None result; None keeps the whole model (``pp == 1``).
+    """
+
+
+@hookspec(firstresult=True)
+def plait_materialize_model(
+    cfg: DictConfig, model: torch.nn.Module, init: ParameterInit, topology: Topology
+) -> torch.nn.Module | None:
+    """Give the model, built on the meta device and already cut (tensor parallel, pipeline
+    stage), real memory on this rank: only what this rank keeps, with its initial values.
+
+    Stops at the first non-None result; a strategy that shards parameters answers (ZeRO-3, FSDP)
+    and materializes only its partition. None: the core allocates every local parameter and fills
+    it (:func:`plait.meta.materialize`). Called only for a model that defines
+    ``init_parameter(name, tensor, generator)``; any other is built whole by
+    ``plait_build_model``.
+
+    :param init: ``init.local(name, param)`` is this rank's initial value of ``param``, named as
+        in the unsplit model (one full parameter is made, then cut); ``init.full(name, shape,
+        dtype)`` the whole value.
+    :return: the model holding real parameters (the same object, or a wrapper).
     """
 
 

@@ -190,44 +190,6 @@ def plan_config(cfg: DictConfig, objects: Iterable[Any] = (),
     return plan
 
 
-# In-place initialisers (and all of torch.nn.init): on the meta device there are no values to
-# write.
-INITIALISERS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.zero_,
-                          torch.Tensor.fill_})
-
-
-class SkipMetaInit(torch.overrides.TorchFunctionMode):
-    """Returns a meta tensor from an in-place initialiser untouched. torch runs those through its
-    Python reference decompositions on meta, which made a meta build of gpt2_small take seconds
-    (40x the build without them); a plan builds the model several times, the planner hundreds."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        tensor = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes keywords
-        initialiser = func in INITIALISERS or getattr(func, "__module__", "") == "torch.nn.init"
-        if initialiser and getattr(tensor, "is_meta", False):
-            return tensor
-        return func(*args, **kwargs)
-
-
-@contextmanager
-def meta_device() -> Iterator[None]:
-    """Build modules on the meta device (shapes only: no memory, no initialisation)."""
-    with torch.device("meta"), SkipMetaInit():  # the innermost mode sees the call first
-        yield
-
-
-def meta_model(hook, cfg: DictConfig) -> torch.nn.Module | None:
-    """The model the model plugin builds, on the meta device (no memory, no initialisation), for
-    checks in ``plait_validate``; None when these settings cannot build it (the ``models``
-    plugin's own check says why)."""
-    try:
-        with meta_device():
-            return hook.plait_build_model(cfg=cfg)
-    except Exception:
-        return None
-
-
 def core_range_problems(cfg: DictConfig) -> list[str]:
     problems = [problem for section, ranges in CORE_RANGES.items()
                 for problem in range_problems(section, cfg[section] if section else cfg, ranges)]

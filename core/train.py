@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from plait.config import job_last_step
+from plait.meta import build_model, materialize
 from plait.metrics import StepMeter
 from plait.plugin_manager import PlaitPluginManager
 from plait.topology import TRAINER, Topology, elastic_grad_accum_steps
@@ -48,12 +49,16 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
         val_data = hook.plait_build_dataset(cfg=cfg, topology=topology, split="val")
 
     # Parallelize in a fixed order: tensor parallel, activation checkpointing, pipeline stages,
-    # then the data-parallel engine (torchtitan's order).
-    model = hook.plait_build_model(cfg=cfg)
+    # then the data-parallel engine (torchtitan's order). A model that initialises by name is cut
+    # on the meta device and only this rank's part is then given memory and values.
+    model, init = build_model(hook, cfg)
     meter = StepMeter(cfg, model, topology)  # counts FLOPs on the whole model, before the split
     hook.plait_apply_tensor_parallel(cfg=cfg, model=model, topology=topology)
     hook.plait_apply_activation_checkpointing(cfg=cfg, model=model, topology=topology)
     model = hook.plait_split_pipeline(cfg=cfg, model=model, topology=topology) or model
+    if init is not None:
+        model = (hook.plait_materialize_model(cfg=cfg, model=model, init=init, topology=topology)
+                 or materialize(model, init, topology.device))
     loss_fn = hook.plait_build_loss(cfg=cfg, model=model, topology=topology) or cross_entropy
     optimizer = hook.plait_build_optimizer(cfg=cfg, model=model)
     lr_at = hook.plait_build_lr_schedule(cfg=cfg)

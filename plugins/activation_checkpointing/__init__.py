@@ -33,7 +33,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from plait import hookimpl
-from plait.plan import meta_model
+from plait.meta import meta_model
 from plait.types import ALWAYS, PluginInfo
 
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from plait import hookimpl
 from plait.config import AT_LEAST_0, FaultConfig, Range, node_range, range_problems
-from plait.plan import meta_model
+from plait.meta import meta_model
 from plait.plugins.checkpoint import layout_free, replication
 from plait.plugins.checkpoint.background import BackgroundWrites
 from plait.types import PluginInfo, TrainState

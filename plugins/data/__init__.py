@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from plait import hookimpl
 from plait.config import Range, range_problems
-from plait.plan import meta_model
+from plait.meta import meta_model
 from plait.plugins.data.sharding import LoaderSettings
 from plait.plugins.data.token_files import looks_like_text, read_tokens, token_layout
 from plait.types import Batch, PluginInfo

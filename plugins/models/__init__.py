@@ -15,7 +15,7 @@ import torch
 from hydra.utils import instantiate
 
 from plait import hookimpl
-from plait.plan import meta_device
+from plait.meta import meta_device
 from plait.types import PluginInfo
 
 

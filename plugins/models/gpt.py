@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from plait import hookimpl
 from plait.config import AT_LEAST_1, ModelConfig, Range, range_problems
+from plait.meta import init_by_name
 from plait.plugins.models.checks import context_problems, tensor_parallel_problems
 from plait.types import PluginInfo
 
@@ -151,19 +152,22 @@ class GPT(nn.Module):
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_embeddings:
             self.head.weight = self.embed.tok.weight
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):  # GPT-2's scaled init of residual projections
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+        init_by_name(self, torch.initial_seed())  # the seed last set: plait seeds it with `seed`
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """GPT-2's initial value of the unsplit parameter ``name``, written into ``tensor`` from
+        ``generator`` (one per parameter, :mod:`plait.meta`): weights of linears and embeddings
+        ``N(0, 0.02)``, residual projections ``N(0, 0.02/√(2L))``, biases 0, LayerNorm gains 1.
+        Decided by the name alone, so any rank can make any parameter whatever it holds."""
+        module, _, kind = name.rpartition(".")
+        leaf = module.rpartition(".")[2]
+        if leaf.startswith("ln_") or leaf == "norm":
+            tensor.fill_(1.0 if kind == "weight" else 0.0)
+        elif kind == "bias":
+            tensor.zero_()
+        else:
+            std = 0.02 / math.sqrt(2 * self.n_layer) if leaf == "proj" else 0.02
+            tensor.normal_(mean=0.0, std=std, generator=generator)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: ``6·N`` for the weight matmuls (forward and backward) plus

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from plait import hookimpl
 from plait.config import AT_LEAST_1, PipelineConfig, node_range, range_problems
-from plait.plan import meta_model
+from plait.meta import meta_model
 from plait.plugins.pipeline.schedules import (
     SCHEDULES,
     schedule_problems,

@@ -180,25 +180,39 @@ def measure_part_times(model: nn.Module, sample: torch.Tensor, repeats: int = 3)
     """Forward + backward seconds of ``[embed, *blocks, norm + head]`` on ``sample`` (token ids).
 
     Each part runs on a detached copy of its input so its backward is timed alone; the median of
-    ``repeats`` runs after one warm-up is kept.
+    ``repeats`` runs after one warm-up is kept. Parts are timed one after the other, so a model on
+    the meta device is given memory one part at a time (:func:`timing_copy`).
     """
     (embed,), blocks = part_modules(model)
     tail = nn.Sequential(*tail_modules(model))
-    parts = [embed, *blocks, tail]
-    runs: list[list[float]] = [[] for _ in parts]
-    for repeat in range(repeats + 1):
-        x = sample
-        for k, part in enumerate(parts):
-            x = x.detach().requires_grad_(x.is_floating_point())
+    seconds, x = [], sample
+    for part in (embed, *blocks, tail):
+        part = timing_copy(part)
+        runs = []
+        for repeat in range(repeats + 1):
+            x_in = x.detach().requires_grad_(x.is_floating_point())
             started = time.perf_counter()
-            y = part(x) if part is not None else x
+            y = part(x_in) if part is not None else x_in
             if y.requires_grad:
                 y.backward(torch.ones_like(y))
             if repeat:
-                runs[k].append(time.perf_counter() - started)
-            x = y
+                runs.append(time.perf_counter() - started)
+        seconds.append(statistics.median(runs))
+        x = y.detach()
     model.zero_grad(set_to_none=True)
-    return [statistics.median(r) for r in runs]
+    return seconds
+
+
+def timing_copy(part: nn.Module | None) -> nn.Module | None:
+    """``part`` itself, or for a part still on the meta device (a model initialised by name,
+    :mod:`plait.meta`) a copy on the CPU with random values: time does not depend on them."""
+    if part is None or not any(p.is_meta for p in part.parameters()):
+        return part
+    copy_ = copy.deepcopy(part).to_empty(device="cpu")
+    with torch.no_grad():
+        for p in copy_.parameters():
+            p.normal_(0.0, 0.02)
+    return copy_
 
 
 class PipelineStageModules(nn.Module):

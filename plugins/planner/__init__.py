@@ -27,7 +27,8 @@ from omegaconf import OmegaConf
 from plait import hookimpl
 from plait.config import node_range
 from plait.metrics import device_peak_flops
-from plait.plan import compose_config, meta_model
+from plait.meta import meta_model
+from plait.plan import compose_config
 from plait.plugin_manager import make_plugin_manager
 from plait.types import PluginInfo
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from plait import hookimpl
 from plait.config import TensorParallelConfig
-from plait.plan import meta_model
+from plait.meta import meta_model
 from plait.plugins.tensor_parallel.plan import apply_plan, merge_shards, plan_for, plan_problems
 from plait.types import PluginInfo
 

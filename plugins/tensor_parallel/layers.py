@@ -1,8 +1,10 @@
 """Megatron-style tensor-parallel layers on plain tensors (Megatron-core's
 ``tensor_parallel/layers.py`` and ``cross_entropy.py``).
 
-Each layer is built *from the full layer* of the seeded, unsplit model by slicing its weights, so a
-split model starts from exactly the weights of the single-device model. Parameters stay ordinary
+Each layer is built *from the full layer* of the unsplit model by slicing its weights, so a split
+model starts from exactly the weights of the single-device model. On the meta device (a model
+that initialises by name, :mod:`plait.meta`) the slice is only a shape, and the shard carries
+``slice_of_full``: how to cut its value from the full initial value when it is materialized. Parameters stay ordinary
 ``torch.nn.Parameter`` (DeepSpeed ZeRO and DDP need plain tensors) and carry Megatron's attributes
 ``tensor_model_parallel``, ``partition_dim`` and ``partition_stride``, which DeepSpeed and
 :func:`plait.plugins.optim.clip_grads.clip_grad_norm_` read to count each shard once in the global
@@ -15,12 +17,14 @@ holds whole heads of each of q, k and v (Megatron's ``partition_stride``).
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from plait.meta import FullSlice
 from plait.plugins.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -49,6 +53,9 @@ def shard_parameter(full: nn.Parameter, dim: int, parts: int, rank: int, size: i
         return memo[id(full)]
     p = nn.Parameter(split_tensor(full.detach(), dim, parts, rank, size),
                      requires_grad=full.requires_grad)
+    if full.is_meta:  # the values come later, cut the same way from the full initial value
+        p.slice_of_full = FullSlice(full.shape, functools.partial(
+            split_tensor, dim=dim, parts=parts, rank=rank, size=size))
     p.tensor_model_parallel = True
     p.partition_dim = dim
     p.partition_stride = parts

@@ -71,6 +71,17 @@ def plait_backend_config(cfg, dims, hook) -> dict:
 
 
 @hookimpl
+def plait_materialize_model(cfg, model, init, topology):
+    """ZeRO-3 partitions the parameters as they are made (``materialize.py``); the other
+    stages hold whole parameters: the core makes them."""
+    if zero_config.stage_of(cfg) != 3:
+        return None
+    from plait.plugins.zero.materialize import materialize_partitioned
+
+    return materialize_partitioned(model, init, cfg, topology)
+
+
+@hookimpl
 def plait_build_engine(cfg, model, optimizer, loss_fn, grad_reducer, topology, hook):
     """DeepSpeed reduces the gradients itself: the comm plugin's reducer is not called, its
     spec is mapped onto DeepSpeed's settings (``comm.py``). The step guards

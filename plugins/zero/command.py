@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from plait.plan import make_plan, meta_model
+from plait.meta import meta_model
+from plait.plan import make_plan
 from plait.plugins.zero import config as zero_config
 from plait.plugins.zero.estimate import (
     BYTES,
