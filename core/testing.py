@@ -151,24 +151,54 @@ class StepClock:
 
 
 class MemoryProbe:
-    """A plugin for benchmarks: each worker's resident memory just before its model is built
-    (interpreter, torch, the plugins' imports, process groups and data: what no layout saves),
-    logged by the logging rank as ``memory/rss_before_model_bytes``. Peak memory is plait's own
-    ``peak_memory_bytes/max``."""
+    """A plugin for tests and benchmarks: each worker's memory around the building of its model.
+
+    ``rss_before_model``: resident memory just before the model is built (interpreter, torch, the
+    plugins' imports, process groups and data: what no layout saves), logged by the logging rank
+    as ``memory/rss_before_model_bytes``. ``build_peak``: the kernel's peak resident memory
+    (``VmHWM``, reset when the build starts) from the build until the model is materialized and
+    cut, above ``rss_before_model``: what building this rank's part cost at its worst. Every rank
+    writes both to ``run.dir/memory/rank<r>.json``. Peak memory over the run is plait's own
+    ``peak_memory_bytes/max``.
+    """
 
     rss_before_model = 0
 
     @hookimpl(wrapper=True)
     def plait_build_model(self):
-        import torch
+        # The last build in a worker is the one that counts (plan checks build on the meta
+        # device before; a model built whole is built again).
+        self.rss_before_model = resident_bytes()
+        reset_peak_resident_bytes()
+        return (yield)
 
-        if torch.get_default_device().type != "meta":  # plan checks build on the meta device
-            self.rss_before_model = resident_bytes()
+    # The first hook after the materialization; a wrapper decides nothing, and the outermost
+    # one (tryfirst) reads the peak before other plugins' wrappers allocate.
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_loss(self, cfg, topology):
+        build_peak = peak_resident_bytes() - self.rss_before_model
+        path = Path(cfg.run.dir) / "memory" / f"rank{topology.rank}.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"rss_before_model": self.rss_before_model,
+                                    "build_peak": build_peak, "after": resident_bytes() - self.rss_before_model}))
         return (yield)
 
     @hookimpl(tryfirst=True)  # before the trackers write the step
     def plait_log_metrics(self, metrics):
         metrics["memory/rss_before_model_bytes"] = float(self.rss_before_model)
+
+
+def reset_peak_resident_bytes() -> None:
+    """Start this process's peak resident memory (``VmHWM``) afresh (Linux ``clear_refs``)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory since start or the last reset (``VmHWM``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM")
 
 
 def resident_bytes() -> int:

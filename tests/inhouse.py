@@ -666,3 +666,19 @@ class HoldWriteThenKill:
     def plait_on_step_end(self, step):
         if attempt() == 0 and step == self.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RecordInitialWeights:
+    """Writes each rank's parameters as they are right after the model is built and cut, before
+    any step: ``initial_rank<r>.pt`` in ``run.dir``, ``{name: tensor}`` under the unsplit names;
+    a ZeRO-3 parameter is written as its flat partition (``ds_tensor``) under ``name#zero3``."""
+
+    @hookimpl(wrapper=True)  # the first hook after the materialization; decides nothing
+    def plait_build_loss(self, cfg, model, topology):
+        weights = {}
+        for name, p in model.named_parameters():
+            part = getattr(p, "ds_tensor", None)
+            weights[f"{name}#zero3" if part is not None else name] = (
+                part if part is not None else p).detach()
+        torch.save(weights, Path(cfg.run.dir) / f"initial_rank{topology.rank}.pt")
+        return (yield)
