@@ -20,8 +20,6 @@ layers set it), so this module reads no plugin's layout.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +28,8 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig
+
+from plait.host_memory import return_freed_memory
 
 # In-place initialisers (and all of torch.nn.init): on the meta device there are no values to
 # write.
@@ -175,23 +175,5 @@ def materialize(model: nn.Module, init: ParameterInit, device: torch.device | st
         if made and after_module is not None:
             after_module(module, made)
         if made and torch.device(device).type == "cpu":
-            return_freed_memory()
+            return_freed_memory()  # the full values cut here were freed between kept parts
     return model
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to call
-        return None
-
-
-def return_freed_memory() -> None:
-    """Hand freed heap pages back to the kernel (glibc's ``malloc_trim``). The full parameters
-    made and cut one at a time are freed between the parts a rank keeps; glibc keeps such holes
-    resident, and over a model they add up to most of a rank's share again (measured: 0.9x of
-    the full model instead of 0.58x for ZeRO-3 at dp=4)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

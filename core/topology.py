@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from plait.config import node_range
+from plait.host_memory import fix_mmap_threshold
 
 MESH_AXES = ("pp", "dp", "tp")
 TRAINER = "trainer"
@@ -124,6 +125,8 @@ def pick_device(requested: str) -> torch.device:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
+    if requested == "cpu":
+        fix_mmap_threshold()  # tensors on the host go back to the kernel when freed
     return torch.device(requested)
 
 

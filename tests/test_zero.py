@@ -69,11 +69,29 @@ def backend_config(*overrides: str) -> dict:
 def test_deepspeed_config_is_generated_from_plait_settings(stage):
     ds = backend_config(f"strategy=zero{stage}", "train.batch_size=16", "train.grad_accum_steps=2",
                         "train.grad_clip=0.5", "precision=bf16")
-    assert ds["zero_optimization"] == {"stage": stage}
+    assert ds["zero_optimization"]["stage"] == stage
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
             ds["gradient_accumulation_steps"]) == (16, 4, 2)  # 16 = 4 x 2 steps x dp 2
     assert ds["gradient_clipping"] == 0.5
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeed_buffers_are_sized_from_the_model_and_the_user_overrides_them(stage):
+    """A GPT of width 256 and 12 layers: 9,625,088 parameters, the largest (the MLP's) 262,144
+    elements; 9,625,088 / 32 = 300,784 per bucket (not DeepSpeed's 5e8); under tp=2 half of
+    that is below the largest parameter, which sets the bucket."""
+    model = ["model.n_embd=256", "model.n_layer=12", f"strategy=zero{stage}"]
+    zero = backend_config(*model)["zero_optimization"]
+    keys = (["reduce_bucket_size", "allgather_bucket_size"] if stage < 3 else
+            ["reduce_bucket_size", "stage3_prefetch_bucket_size"])
+    assert [zero[k] for k in keys] == [300_784, 300_784]
+    if stage == 3:
+        assert zero["stage3_max_live_parameters"] == zero["stage3_max_reuse_distance"] == 601_568
+    split = backend_config(*model, "parallel.tp=2", "launcher.nproc_per_node=4")
+    assert split["zero_optimization"]["reduce_bucket_size"] == 262_144  # the largest parameter
+    mine = backend_config(*model, "+strategy.deepspeed.zero_optimization.reduce_bucket_size=5")
+    assert mine["zero_optimization"]["reduce_bucket_size"] == 5
 
 
 def built_optimizer(*overrides: str):
@@ -120,7 +138,8 @@ def test_passthrough_and_config_file_are_merged(tmp_path):
                         "strategy.deepspeed.zero_optimization.reduce_bucket_size=2000",
                         "strategy.deepspeed.communication_data_type=fp32")
     assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 2000,
-                                       "overlap_comm": False}
+                                       "overlap_comm": False,
+                                       "allgather_bucket_size": 16384}  # sized by plait
     assert ds["wall_clock_breakdown"] is True
     assert ds["communication_data_type"] == "fp32"
     assert ds["train_batch_size"] == 8

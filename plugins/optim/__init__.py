@@ -37,9 +37,15 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Decay weights of dimension >= 2 (matmuls, embeddings); not biases or norms."""
     params = [p for p in model.parameters() if p.requires_grad]
     return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if dims(p) >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if dims(p) < 2], "weight_decay": 0.0},
     ]
+
+
+def dims(p: torch.nn.Parameter) -> int:
+    """The parameter's own number of dimensions, also when a ZeRO-3 partition stands in for it
+    (DeepSpeed leaves an empty 1-D tensor and keeps the shape as ``ds_shape``)."""
+    return len(getattr(p, "ds_shape", p.shape))
 
 
 def cosine_with_warmup(lr: float, min_lr: float, warmup: int, decay: int) -> Callable[[int], float]:

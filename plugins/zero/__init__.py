@@ -19,6 +19,7 @@ import functools
 from pathlib import Path
 
 from plait import hookimpl
+from plait.meta import meta_model
 from plait.plugins.zero import config as zero_config
 from plait.types import PluginInfo
 
@@ -64,7 +65,7 @@ def plait_backend_config(cfg, dims, hook) -> dict:
     comm = hook.plait_comm_spec(cfg=cfg)
     if zero_config.validate(cfg, dims, comm):
         return {}
-    ds = zero_config.deepspeed_config(cfg, dims.dp, comm)
+    ds = zero_config.deepspeed_config(cfg, dims.dp, comm, meta_model(hook, cfg))
     mapped = {owner: {key: zero_config.flatten(ds)[key]}
               for key, owner in zero_config.comm_config(cfg, comm)[1].items()}
     return {"deepspeed": ds, **({"deepspeed (from comm)": mapped} if mapped else {})}
@@ -89,7 +90,8 @@ def plait_build_engine(cfg, model, optimizer, loss_fn, grad_reducer, topology, h
     from plait.plugins.zero.engine import ZeroEngine
 
     comm = grad_reducer.spec if grad_reducer is not None else None
-    ds_config = zero_config.engine_config(cfg, topology.dims.dp, optimizer, comm)
+    ds_config = zero_config.engine_config(cfg, topology.dims.dp, optimizer, comm,
+                                          meta_model(hook, cfg))
     check_step = functools.partial(hook.plait_check_step, cfg=cfg, topology=topology)
     return ZeroEngine(model, optimizer, loss_fn, topology, ds_config, check_step)
 

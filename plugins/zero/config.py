@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from plait.config import StrategyConfig, node_range
 from plait.plugins.zero.comm import comm_settings
+from plait.plugins.zero.sizing import working_memory_settings
 from plait.types import CommSpec
 
 STAGES = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3}
@@ -48,12 +49,17 @@ def micro_batch_size(cfg: DictConfig, dp: int) -> int:
     return cfg.train.batch_size // (cfg.train.grad_accum_steps * dp)
 
 
-def generated_config(cfg: DictConfig, dp: int, comm: CommSpec | None = None) -> dict[str, Any]:
-    """The DeepSpeed config that follows from plait's settings alone and the comm plugin's
-    :class:`~plait.types.CommSpec` (``comm.py``); the optimizer section is added from the built
+def generated_config(cfg: DictConfig, dp: int, comm: CommSpec | None = None,
+                     model: torch.nn.Module | None = None) -> dict[str, Any]:
+    """The DeepSpeed config that follows from plait's settings alone, the comm plugin's
+    :class:`~plait.types.CommSpec` (``comm.py``) and, given the unsplit ``model`` (meta device),
+    buffer sizes for it (``sizing.py``); the optimizer section is added from the built
     optimizer: :func:`optimizer_section`."""
     strategy, train = cfg.strategy, cfg.train
     zero: dict[str, Any] = {"stage": stage_of(cfg)}
+    if model is not None:
+        zero.update(working_memory_settings(model, stage_of(cfg),
+                                            cfg.parallel.tp * cfg.parallel.pp))
     if strategy.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": strategy.offload_optimizer}
     if strategy.offload_params != "none":
@@ -99,9 +105,10 @@ def optimizer_section(optimizer: torch.optim.Optimizer, offload: bool) -> dict[s
 
 
 def engine_config(cfg: DictConfig, dp: int, optimizer: torch.optim.Optimizer,
-                  comm: CommSpec | None = None) -> dict[str, Any]:
+                  comm: CommSpec | None = None, model: torch.nn.Module | None = None
+                  ) -> dict[str, Any]:
     """What ``deepspeed.initialize`` gets: :func:`deepspeed_config` plus the optimizer section."""
-    ds = deepspeed_config(cfg, dp, comm)
+    ds = deepspeed_config(cfg, dp, comm, model)
     section = optimizer_section(optimizer, cfg.strategy.offload_optimizer != "none")
     if section is None:
         return {**ds, "zero_allow_untested_optimizer": True}
@@ -207,9 +214,10 @@ def conflicts(cfg: DictConfig, dp: int, comm: CommSpec | None = None) -> list[st
     return problems
 
 
-def deepspeed_config(cfg: DictConfig, dp: int, comm: CommSpec | None = None) -> dict[str, Any]:
+def deepspeed_config(cfg: DictConfig, dp: int, comm: CommSpec | None = None,
+                     model: torch.nn.Module | None = None) -> dict[str, Any]:
     """The DeepSpeed config a run uses: generated, then the file, then the passthrough."""
-    ds = generated_config(cfg, dp, comm)
+    ds = generated_config(cfg, dp, comm, model)
     for _, settings in user_sources(cfg):
         ds = deep_merge(ds, settings)
     return ds
