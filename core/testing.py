@@ -188,6 +188,9 @@ class MemoryProbe:
         metrics["memory/rss_before_model_bytes"] = float(self.rss_before_model)
 
 
+memory_probe = MemoryProbe()  # for `+plugins=[plait.testing:memory_probe]` on a command line
+
+
 def reset_peak_resident_bytes() -> None:
     """Start this process's peak resident memory (``VmHWM``) afresh (Linux ``clear_refs``)."""
     Path("/proc/self/clear_refs").write_text("5")

@@ -34,21 +34,35 @@ cores, so step times show the cost of recompute on this CPU, not the speed of a 
 memory figures do not depend on the load.
 
 ``--budget-mib B`` bisects ``model.n_layer`` (1 .. ``--max-layers``) for each ``--layouts`` case
-(ddp, zero1, zero2, zero3, tp2, pp2, zero1_pp2, zero1_pp2_tp2, each also ``+full``) on the
-``zero1_pp`` model, keeping the largest whose peak above start fits in B MiB per rank, and
-prints its parameter count and the ratio against ddp.
+(ddp, zero1, zero2, zero3, fsdp, tp2, pp2, zero1_pp2, zero1_pp2_tp2, tp2_pp2, each also
+``+full``) on the ``zero1_pp`` model, keeping the largest whose peak above start fits in B MiB per
+rank, and prints its parameter count and the ratio against ddp. ``--dp N`` runs the data-parallel
+layouts on N processes (tp2/pp2 take N processes too, dp filling the rest), ``--precision bf16``
+trains in bf16.
+
+``--job-mib M`` (root, Linux cgroup v1 or v2) answers the user's question instead: the whole job
+(launcher and every worker) runs in a memory cgroup capped at M MiB, swap off, and either finishes
+or is OOM-killed; the bisection keeps the largest n_layer that finishes, and prints the kernel's
+peak for the job (``memory.max_usage_in_bytes`` / ``memory.peak``) beside the per-rank figure.
+
+    sudo DS_ACCELERATOR=cpu python scripts/bench_memory.py --dp 4 --job-mib 4096 \
+        --layouts ddp zero1 zero2 zero3 fsdp tp2_pp2 zero1_pp2
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 from plait.plugins.models.gpt import GPT
-from plait.testing import MemoryProbe, read_metrics, run_training
+from plait.testing import TEST_OVERRIDES, MemoryProbe, read_metrics, run_training
 
 MIB = 2**20
 
@@ -71,13 +85,19 @@ COMPARISONS = {
                                               "train.activation_checkpointing=full"],
     }),
 }
-LAYOUTS = {  # for --budget-mib
-    "ddp": DP2, "zero1": [*DP2, "strategy=zero1"], "zero2": [*DP2, "strategy=zero2"],
-    "zero3": [*DP2, "strategy=zero3"], "tp2": ["parallel.tp=2", *DP2],
-    "pp2": ["parallel.pp=2", "pipeline.microbatches=2", *DP2],
-    "zero1_pp2": [*PP2_DP2, "strategy=zero1"],
-    "zero1_pp2_tp2": [*PP2_DP2, "parallel.tp=2", "launcher.nproc_per_node=8", "strategy=zero1"],
-}
+def layouts(n: int) -> dict[str, list[str]]:
+    """The ``--budget-mib`` / ``--job-mib`` cases on ``n`` processes (``--dp``)."""
+    procs = [f"launcher.nproc_per_node={n}"]
+    pp2 = ["parallel.pp=2", "pipeline.microbatches=2"]
+    return {
+        "ddp": procs, "zero1": [*procs, "strategy=zero1"], "zero2": [*procs, "strategy=zero2"],
+        "zero3": [*procs, "strategy=zero3"], "fsdp": [*procs, "strategy=fsdp"],
+        "tp2": ["parallel.tp=2", *procs], "pp2": [*pp2, *procs],
+        "tp2_pp2": ["parallel.tp=2", *pp2, *procs],
+        "zero1_pp2": [*pp2, *procs, "strategy=zero1"],
+        "zero1_pp2_tp2": [*pp2, "parallel.tp=2", f"launcher.nproc_per_node={2 * n}",
+                          "strategy=zero1"],
+    }
 
 
 def model_overrides(model: dict, n_layer: int | None = None) -> list[str]:
@@ -93,9 +113,19 @@ def n_params(model: dict, n_layer: int | None = None) -> int:
     return sum(p.numel() for p in gpt.parameters())
 
 
-def measure(root: Path, name: str, overrides: list[str], steps: int, warmup: int) -> dict:
-    run = run_training(root / re.sub(r"\W+", "_", name),
-                       [*overrides, f"train.steps={steps}"], plugins=[MemoryProbe()])
+def measure(root: Path, name: str, overrides: list[str], steps: int, warmup: int,
+            job_mib: float | None = None) -> dict | None:
+    """One run's figures; with ``job_mib`` the run is a ``plait train`` process in a memory
+    cgroup of that size, and None when the kernel killed it."""
+    run = root / re.sub(r"\W+", "_", name)
+    overrides = [*overrides, f"train.steps={steps}"]
+    job_peak = None
+    if job_mib is None:
+        run_training(run, overrides, plugins=[MemoryProbe()])
+    else:
+        job_peak = run_in_cgroup(run, overrides, job_mib)
+        if job_peak is None:
+            return None
     metrics = read_metrics(run)
     last = metrics[-1]
     return {
@@ -104,7 +134,39 @@ def measure(root: Path, name: str, overrides: list[str], steps: int, warmup: int
         "optimizer": last.get("model_state_bytes/optimizer"),
         "step_s": statistics.median(m["step_time_s/max"] for m in metrics[warmup:]),
         "recomputes": last.get("activation_checkpointing/recomputes", 0.0),
+        "job_peak": job_peak,
     }
+
+
+def run_in_cgroup(run: Path, overrides: list[str], job_mib: float) -> float | None:
+    """Run ``plait train`` (launcher and workers) inside a fresh memory cgroup capped at
+    ``job_mib`` with no swap; the kernel's peak for the whole job, or None if it was killed."""
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    group = Path("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/memory") / f"plait-bench-{os.getpid()}"
+    group.mkdir()
+    limit = str(int(job_mib * MIB))
+    try:
+        if v2:
+            (group / "memory.max").write_text(limit)
+            (group / "memory.swap.max").write_text("0")
+        else:
+            (group / "memory.limit_in_bytes").write_text(limit)
+            swap = group / "memory.memsw.limit_in_bytes"
+            if swap.exists():
+                swap.write_text(limit)
+        command = [sys.executable, "-m", "plait", "train", *TEST_OVERRIDES,
+                   f"run.root={run.parent}", f"run.name={run.name}",
+                   "+plugins=[plait.testing:memory_probe]", *overrides]
+        join = f"echo $$ > {group / 'cgroup.procs'} && exec \"$@\""
+        done = subprocess.run(["sh", "-c", join, "sh", *command], capture_output=True, text=True)
+        peak = (group / ("memory.peak" if v2 else "memory.max_usage_in_bytes")).read_text()
+        return float(peak) if done.returncode == 0 else None
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            os.kill(int(pid), 9)
+        while (group / "cgroup.procs").read_text().strip():
+            time.sleep(0.1)
+        group.rmdir()
 
 
 def ratio(value, base) -> str:
@@ -134,35 +196,45 @@ def compare(root: Path, name: str, args) -> None:
               f"| {got['recomputes']:.0f} |", flush=True)
 
 
-def largest_fitting(root: Path, layout: str, args) -> tuple[int, float]:
-    """Bisection on n_layer: the largest whose peak above start fits the budget (0 if none)."""
+def largest_fitting(root: Path, layout: str, args) -> tuple[int, dict | None]:
+    """Bisection on n_layer: the largest that fits (0 if none) and its figures. Fits: the
+    peak above start is within ``--budget-mib``, or the job finished in ``--job-mib``."""
     name, _, recompute = layout.partition("+")
-    overrides = [*LAYOUTS[name], *([f"train.activation_checkpointing={recompute}"]
-                                   if recompute else [])]
-    low, high, peak_of_low = 0, args.max_layers + 1, float("nan")
+    overrides = [*layouts(args.dp)[name], f"precision={args.precision}",
+                 *([f"train.activation_checkpointing={recompute}"] if recompute else [])]
+    low, high, fitted = 0, args.max_layers + 1, None
     while high - low > 1:
         n_layer = (low + high) // 2
         got = measure(root, f"fit-{layout}-{n_layer}",
-                      [*model_overrides(STATE_HEAVY, n_layer), *overrides], 2, 1)
-        if got["above_start"] <= args.budget_mib * MIB:
-            low, peak_of_low = n_layer, got["above_start"]
+                      [*model_overrides(STATE_HEAVY, n_layer), *overrides], 2, 1, args.job_mib)
+        fits = got is not None and (args.job_mib is not None
+                                    or got["above_start"] <= args.budget_mib * MIB)
+        if fits:
+            low, fitted = n_layer, got
         else:
             high = n_layer
-    return low, peak_of_low
+        print(f"  {layout} n_layer={n_layer}: {'fits' if fits else 'does not fit'}",
+              file=sys.stderr, flush=True)
+    return low, fitted
 
 
 def fit(root: Path, args) -> None:
-    print(f"\n## largest GPT (width {STATE_HEAVY['n_embd']}, seq {STATE_HEAVY['seq_len']}) "
-          f"fitting {args.budget_mib} MiB above start per rank\n")
-    print("| layout | n_layer | parameters | x ddp | peak above start MiB |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    budget = (f"a {args.job_mib} MiB memory cgroup for the whole job" if args.job_mib else
+              f"{args.budget_mib} MiB above start per rank")
+    print(f"\n## largest GPT (width {STATE_HEAVY['n_embd']}, seq {STATE_HEAVY['seq_len']}, "
+          f"{args.precision}, {args.dp} processes) fitting {budget}\n")
+    print("| layout | n_layer | parameters | x ddp | peak above start MiB (max rank) "
+          "| job peak MiB (kernel) | optimizer MiB |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     base = None
     for layout in args.layouts:
-        n_layer, peak = largest_fitting(root, layout, args)
+        n_layer, got = largest_fitting(root, layout, args)
         params = n_params(STATE_HEAVY, n_layer) if n_layer else 0
         base = base or params
-        print(f"| {layout} | {n_layer} | {params:,} | {ratio(params, base)} | {mib(peak)} |",
-              flush=True)
+        got = got or {}
+        print(f"| {layout} | {n_layer} | {params:,} | {ratio(params, base)} "
+              f"| {mib(got.get('above_start'))} | {mib(got.get('job_peak'))} "
+              f"| {mib(got.get('optimizer'))} |", flush=True)
 
 
 def main() -> None:
@@ -171,12 +243,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--budget-mib", type=float, help="bisect n_layer for this budget")
+    parser.add_argument("--job-mib", type=float,
+                        help="bisect n_layer for a memory cgroup of this size (root)")
     parser.add_argument("--layouts", nargs="+", default=["ddp", "zero1_pp2"],
-                        help=f"for --budget-mib: {', '.join(LAYOUTS)}, each optionally +full")
+                        help=f"for --budget-mib/--job-mib: {', '.join(layouts(2))}, each "
+                             "optionally +full")
+    parser.add_argument("--dp", type=int, default=2, help="processes of each --layouts case")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--max-layers", type=int, default=32)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_memory-") as root:
-        if args.budget_mib:
+        if args.budget_mib or args.job_mib:
             fit(Path(root), args)
         else:
             for name in args.only:
