@@ -55,6 +55,19 @@ def test_layout_with_tp_not_dividing_the_heads_is_excluded(gpt2_small_on_8):
                for text in result.examples.values())
 
 
+def test_a_budget_no_layout_meets_is_refused_naming_the_smallest_need(capsys):
+    code = main(["plan", "--search", "world_size=2", *TEST_OVERRIDES, "train.peak_flops=1e11",
+                 "--memory-gb", "0.0001"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    need = float(re.search(r"the smallest needs ([\d.]+) GiB per rank", err).group(1))
+    assert f"give --memory-gb {need:.3f} or more" in err and need > 0.0001
+    # the named need is enough: with it the planner lists that layout
+    result, *_ = search_layouts(["--search", "world_size=2", *TEST_OVERRIDES,
+                                 "train.peak_flops=1e11", "--memory-gb", f"{need + 0.0005}"])
+    assert result.accepted
+
+
 def test_planner_needs_a_memory_budget_on_cpu(capsys):
     code = main(["plan", "--search", "world_size=2", *TEST_OVERRIDES, "train.peak_flops=1e11"])
     assert code == 2

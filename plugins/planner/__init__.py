@@ -108,6 +108,13 @@ def search_layouts(argv: list[str]):
                     OmegaConf.select(cfg, "pipeline.schedule", default="1f1b"))
     top = args.top and max(args.top, args.confirm)
     result = search(pm, overrides, world_size, budget, work, fixed, top)
+    if result.estimates and result.over_budget == result.enumerated:
+        layout, smallest = min(result.estimates, key=lambda lc: lc[1].memory_bytes)
+        raise ValueError(f"--memory-gb={budget / 2**30:g}: none of the {result.enumerated} "
+                         f"layouts of world_size={world_size} fits; the smallest needs "
+                         f"{smallest.memory_bytes / 2**30:.3f} GiB per rank ({layout.describe()}):"
+                         f" give --memory-gb {smallest.memory_bytes / 2**30:.3f} or more, or a "
+                         "larger world_size, a smaller train.batch_size / train.seq_len or model")
     return result, format_search(result, world_size, budget, work, overrides), overrides, args, cfg
 
 
