@@ -19,6 +19,7 @@ from omegaconf import MISSING, ListConfig
 GROUPS = ("strategy", "parallel", "tensor_parallel", "pipeline", "comm", "data", "model",
           "optimizer", "fault", "tracker", "launcher", "tune")
 PRECISIONS = ("fp32", "bf16", "fp16")
+BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp16": 2}  # of a tensor element in each precision
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 

@@ -11,6 +11,7 @@ Order of a run (``plait.train.train`` reads as this list)::
     plait_comm_spec (asked by plugins and ``plait plan``),
     plait_assign_roles (asked by the plan and the topology),
     plait_validate, plait_backend_config, plait_launch, plait_objective
+    plait_strategy_cost (asked by ``plait estimate`` and ``plait plan --search``)
     plait_build_topology
     a rank whose role is not "trainer": plait_run_role, and nothing below
     plait_build_dataset, plait_shard_data
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
         GradReducer,
         PluginInfo,
         StepOutput,
+        StrategyCost,
         TokenDataset,
         TrainState,
     )
@@ -156,6 +158,26 @@ def plait_backend_config(cfg: DictConfig, dims: ParallelDims,
         ``hook.plait_comm_spec(cfg=cfg)`` to map the gradient communication onto the backend).
 
     :return: ``{"deepspeed": {...}}`` or similar, or None when the plugin generates nothing.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_strategy_cost(cfg: DictConfig, strategy: str, model: torch.nn.Module,
+                        dims: ParallelDims) -> StrategyCost | None:
+    """Estimate one rank of ``strategy``: its model-state and buffer bytes, and its
+    data-parallel traffic per step.
+
+    Stops at the first non-None result. ``plait estimate`` asks for the chosen strategy and
+    ``plait plan --search`` for every ``strategy.name`` an installed plugin is selected by, so a
+    strategy plugin that answers is estimated and searched like a built-in one; answer only for
+    your own ``strategy.name`` values, None for any other.
+
+    :param cfg: the run's config (its ``precision``; ``cfg.strategy`` holds the strategy's own
+        settings only when ``cfg.strategy.name == strategy``, else assume its defaults).
+    :param model: the unsplit model, on the meta device.
+    :param dims: the layout; tensor and pipeline parallelism hold about ``1/(tp·pp)`` of the
+        parameters per rank.
+    :return: a :class:`plait.types.StrategyCost`.
     """
 
 

@@ -119,6 +119,37 @@ class CommSpec:
         return self.algorithm == "allreduce"
 
 
+@dataclass(frozen=True)
+class StrategyCost:
+    """What one rank of a strategy holds and sends per optimizer step, as the strategy plugin
+    estimates it (``plait_strategy_cost``), for ``plait estimate`` and ``plait plan --search``.
+
+    ``params``, ``grads``, ``optimizer``: model-state bytes, split as the ZeRO paper splits
+    them; ``buffers``: the engine's own working memory (gradient buckets, gathered parameters);
+    ``offloaded``: which of ``"params"`` and ``"optimizer"`` live in host memory instead of the
+    device's; ``dp_bytes_per_step``: what the rank sends over its data-parallel group per step;
+    ``references``: other estimators' per-rank device bytes by name (e.g. DeepSpeed's own).
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int = 0
+    dp_bytes_per_step: float = 0.0
+    offloaded: frozenset[str] = frozenset()
+    references: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes on the device: model states not offloaded, plus the buffers."""
+        kept = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
+        return sum(v for k, v in kept.items() if k not in self.offloaded) + self.buffers
+
+
 class GradBucket(Protocol):
     """A flat gradient buffer and the gradients it holds, in the shape of
     ``torch.distributed.GradBucket`` (what DDP hands a comm hook), so torch's comm hooks run on it.

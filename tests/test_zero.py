@@ -23,7 +23,7 @@ from plait.export import export
 from plait.plan import make_plan
 from plait.plugin_manager import keep_selected, make_plugin_manager
 from plait.plugins.zero import config as zero_config
-from plait.plugins.zero.command import estimate_model_states
+from plait.plugins.planner.estimate import strategy_cost
 from plait.plugins.zero.config import engine_config
 from plait.plugins.zero.estimate import (
     measure_activation_bytes,
@@ -376,7 +376,8 @@ def test_model_state_bytes_shrink_with_each_stage_as_the_zero_paper_says(runs):
         assert measured[name] == pytest.approx(formula, rel=0.10), name
         # plait estimate's figure for the same plan, from the config alone
         overrides = [*TEST_OVERRIDES, *COMMON, f"strategy={name}"]
-        estimate = estimate_model_states(make_plan(overrides).check()).states.total
+        plan = make_plan(overrides).check()
+        estimate = strategy_cost(plan, plan.pm.hook.plait_build_model(cfg=plan.cfg)).states
         assert measured[name] == pytest.approx(estimate, rel=0.10), name
 
 

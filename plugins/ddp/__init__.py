@@ -31,7 +31,7 @@ from plait.plugins.optim.mixed_precision import (
     load_grad_scaler_state,
 )
 from plait.plugins.optim.state_by_name import load_state_by_name, state_by_name
-from plait.types import Batch, GradReducer, PluginInfo, StepOutput
+from plait.types import Batch, GradReducer, PluginInfo, StepOutput, StrategyCost
 
 
 @dataclass
@@ -220,6 +220,18 @@ def plait_validate(cfg, dims) -> list[str]:
                 "use precision=bf16 or fp32, or strategy=zero1 (DeepSpeed's scaler agrees "
                 "across ranks)"]
     return []
+
+
+@hookimpl
+def plait_strategy_cost(strategy, model, dims) -> StrategyCost | None:
+    """DDP with torch AdamW in any precision (autocast keeps parameters and gradients fp32):
+    4 + 4 + 8 bytes per parameter, DDP's gradient buckets another 4 (copies of the gradients:
+    ``gradient_as_bucket_view`` is off), and an all-reduce of the fp32 gradients per step."""
+    if strategy != "ddp":
+        return None
+    psi = sum(p.numel() for p in model.parameters()) // (dims.tp * dims.pp)
+    return StrategyCost(params=4 * psi, grads=4 * psi, optimizer=8 * psi, buffers=4 * psi,
+                        dp_bytes_per_step=2 * (dims.dp - 1) / dims.dp * psi * 4)
 
 
 @hookimpl

@@ -30,6 +30,8 @@ from plait.metrics import device_peak_flops
 from plait.meta import meta_model
 from plait.plan import compose_config
 from plait.plugin_manager import make_plugin_manager
+from plait.plugins.planner.estimate import estimated_strategies
+from plait.topology import ParallelDims
 from plait.types import PluginInfo
 
 DEFAULT_BANDWIDTH_GBS = 50.0  # GB/s per rank: one 400 Gb/s InfiniBand link per GPU
@@ -42,6 +44,10 @@ def plait_declare() -> PluginInfo:
 
 @hookimpl
 def plait_register_commands(register) -> None:
+    from plait.plugins.planner.estimate import cmd_estimate
+
+    register("estimate", cmd_estimate,
+             "per-rank bytes of model states and activations for a strategy, without training")
     register("plan --search", cmd_plan_search,
              "rank the layouts of N ranks by estimated step time (world_size=N [--memory-gb G] "
              "[--confirm K])")
@@ -103,11 +109,16 @@ def search_layouts(argv: list[str]):
     if model is None:
         raise ValueError(f"model._target_={cfg.model._target_} cannot be built with these "
                          "settings: `plait plan` with the same overrides says why")
+    def strategy_cost(strategy: str, dp: int, tp: int, pp: int):
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, nnodes=nnodes)
+        return pm.hook.plait_strategy_cost(cfg=cfg, strategy=strategy, model=model, dims=dims)
+
     work = Workload(model, cfg.train.batch_size, cfg.train.seq_len, cfg.precision,
-                    peak_flops(cfg), args.bandwidth_gbs * 1e9,
+                    peak_flops(cfg), args.bandwidth_gbs * 1e9, strategy_cost,
                     OmegaConf.select(cfg, "pipeline.schedule", default="1f1b"))
     top = args.top and max(args.top, args.confirm)
-    result = search(pm, overrides, world_size, budget, work, fixed, top)
+    strategies = estimated_strategies(pm, cfg, model, ParallelDims(1, 1, 1, 1))
+    result = search(pm, overrides, world_size, budget, work, fixed, top, strategies)
     if result.estimates and result.over_budget == result.enumerated:
         layout, smallest = min(result.estimates, key=lambda lc: lc[1].memory_bytes)
         raise ValueError(f"--memory-gb={budget / 2**30:g}: none of the {result.enumerated} "

@@ -8,8 +8,10 @@ rank.
 
 Memory per rank::
 
-    states       = the ZeRO paper's formula for the strategy on Ψ = N / (tp·pp) parameters
-                   (plait.plugins.zero.estimate; ddp keeps fp32 parameters and gradients)
+    states       = what the strategy's plugin estimates for one rank (plait_strategy_cost):
+                   model states and the engine's buffers on the device (ddp, zero0-3: the
+                   ZeRO paper's formula on Ψ = N / (tp·pp) parameters, ddp keeping fp32
+                   parameters and gradients)
     activations  = A(b, s, v, recompute) / tp / pp · in_flight
     in_flight    = 1 without pipeline, min(m, pp) under 1F1B (the first stage holds pp
                    micro-batches), m under GPipe
@@ -30,8 +32,9 @@ Clusters", sec. 2-3)::
 one). ``r`` is the recompute per token: one more forward, ``f(s)/3``, under ``full``; the
 attention core's forward, ``(f(s) − f(0))/3``, under ``selective``. Bytes each rank sends per
 step, with ring collectives (an all-reduce of ``M`` bytes over ``n`` ranks sends ``2(n−1)/n·M``,
-a reduce-scatter or all-gather ``(n−1)/n·M``) and ``g`` bytes per gradient element (4 under ddp,
-whose parameters stay fp32; ``v`` under ZeRO)::
+a reduce-scatter or all-gather ``(n−1)/n·M``); the data-parallel term is the strategy plugin's
+(``StrategyCost.dp_bytes_per_step``), with ``g`` bytes per gradient element (4 under ddp, whose
+parameters stay fp32; ``v`` under ZeRO)::
 
     dp, ddp / zero0-2:  2(dp−1)/dp · Ψ · g     (all-reduce; ZeRO-2: reduce-scatter + all-gather)
     dp, zero3:          3(dp−1)/dp · Ψ · g     (parameters gathered in forward and backward)
@@ -48,12 +51,13 @@ really take.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from plait.metrics import flops_per_token
-from plait.plugins.zero.command import model_states
-from plait.plugins.zero.estimate import BYTES
+from plait.config import BYTES_PER_VALUE
+from plait.types import StrategyCost
 
 
 @dataclass(frozen=True)
@@ -104,16 +108,15 @@ class Workload:
     precision: str
     peak_flops: float
     bandwidth: float  # bytes/s per rank
+    # (strategy, dp, tp, pp) -> what the strategy's plugin estimates for one rank
+    strategy_cost: Callable[[str, int, int, int], StrategyCost]
     schedule: str = "1f1b"
 
 
 def cost(layout: Layout, work: Workload) -> Cost:
-    model, s, v = work.model, work.seq_len, BYTES[work.precision]
+    model, s, v = work.model, work.seq_len, BYTES_PER_VALUE[work.precision]
     dp, tp, pp, b, m = layout.dp, layout.tp, layout.pp, layout.micro_batch_size, layout.microbatches
-    n_params = sum(p.numel() for p in model.parameters())
-    psi = n_params // (tp * pp)
-
-    states = model_states(layout.strategy, psi, dp, work.precision)
+    states = work.strategy_cost(layout.strategy, dp, tp, pp)
     recompute = layout.activation_checkpointing
     count = getattr(model, "activation_bytes", None)
     activations = 0
@@ -128,13 +131,11 @@ def cost(layout: Layout, work: Workload) -> Cost:
     compute = (f + r) * work.batch_size * s / (dp * tp * pp) / work.peak_flops
     bubble = compute * (pp - 1) / m
 
-    g = 4 if layout.strategy == "ddp" else v
-    dp_factor = 3 if layout.strategy == "zero3" else 2
-    sent = dp_factor * (dp - 1) / dp * psi * g
+    sent = states.dp_bytes_per_step
     h, n_layer = getattr(model, "n_embd", 0), getattr(model, "n_layer", 0)
     activation_msg = s * b * h * v
     all_reduces = 6 if recompute == "full" else 4
     sent += all_reduces * 2 * (tp - 1) / tp * activation_msg * n_layer / pp * m
     if pp > 1:
         sent += 2 * activation_msg * m
-    return Cost(states.total + activations, compute, bubble, sent / work.bandwidth)
+    return Cost(states.device_bytes + activations, compute, bubble, sent / work.bandwidth)

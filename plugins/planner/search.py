@@ -1,7 +1,8 @@
 """Enumerate the layouts of a world size, estimate each, check the best through the real plan.
 
-Searched: ``dp × tp × pp = world_size`` (every factorisation), ``strategy=ddp|zero1|zero2|zero3``
-(zero0 is DeepSpeed without sharding, costed as ddp), the micro-batch (every divisor of the
+Searched: ``dp × tp × pp = world_size`` (every factorisation), every ``strategy.name`` an
+installed plugin is selected by and estimates (``plait_strategy_cost``: ddp, zero0-3, fsdp and
+any in-house strategy that answers), the micro-batch (every divisor of the
 data-parallel rank's batch ``train.batch_size / dp``, the rest of the batch accumulated) and
 ``train.activation_checkpointing=none|selective|full``. A setting the user gives on the command
 line (``strategy=zero1``, ``parallel.tp=2``, ``train.grad_accum_steps=4``,
@@ -29,7 +30,6 @@ from plait.plan import compose_config, plan_config
 from plait.plugin_manager import PlaitPluginManager
 from plait.plugins.planner.cost import Cost, Layout, Workload, cost
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 # settings a layout sets; given on the command line, they are fixed instead of searched
 SEARCHED = ("strategy", "parallel.dp", "parallel.tp", "parallel.pp", "train.grad_accum_steps",
@@ -56,7 +56,8 @@ def split_overrides(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
     return fixed, rest
 
 
-def enumerate_layouts(world_size: int, batch_size: int, fixed: dict[str, str]) -> list[Layout]:
+def enumerate_layouts(world_size: int, batch_size: int, fixed: dict[str, str],
+                      strategies: list[str]) -> list[Layout]:
     def choices(key: str, default):
         return [type(default[0])(fixed[key])] if key in fixed else list(default)
 
@@ -69,7 +70,7 @@ def enumerate_layouts(world_size: int, batch_size: int, fixed: dict[str, str]) -
             # a dp that does not divide the batch stays in: the core's check refuses it
             accums = divisors(per_dp) if per_dp and batch_size % dp == 0 else [1]
             for accum in choices("train.grad_accum_steps", accums):
-                for strategy in choices("strategy", STRATEGIES):
+                for strategy in choices("strategy", strategies):
                     for mode in choices("train.activation_checkpointing",
                                         ACTIVATION_CHECKPOINTING):
                         layouts.append(Layout(strategy, dp, tp, pp, max(1, per_dp // accum),
@@ -107,10 +108,11 @@ def layout_config(base: DictConfig, layout: Layout) -> DictConfig:
 
 
 def search(pm: PlaitPluginManager, overrides: list[str], world_size: int, memory_bytes: float,
-           work: Workload, fixed: dict[str, str], top: int) -> SearchResult:
+           work: Workload, fixed: dict[str, str], top: int,
+           strategies: list[str]) -> SearchResult:
     """The ``top`` fastest layouts that pass the checks (all with ``top=0``), one per strategy
     and mesh: its fastest micro-batch and recompute within the budget."""
-    layouts = enumerate_layouts(world_size, work.batch_size, fixed)
+    layouts = enumerate_layouts(world_size, work.batch_size, fixed, strategies)
     costs = [(layout, cost(layout, work)) for layout in layouts]
     fitting = sorted((lc for lc in costs if lc[1].memory_bytes <= memory_bytes), key=rank_key)
     result = SearchResult(len(layouts), len(layouts) - len(fitting), 0, estimates=costs)

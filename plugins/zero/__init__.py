@@ -39,11 +39,8 @@ def plait_register_configs(config_store) -> None:
 
 @hookimpl
 def plait_register_commands(register) -> None:
-    from plait.plugins.zero.command import cmd_estimate
     from plait.plugins.zero.import_deepspeed import cmd_import_deepspeed
 
-    register("estimate", cmd_estimate,
-             "per-rank bytes of model states and activations for a strategy, without training")
     register("import-deepspeed", cmd_import_deepspeed,
              "print the plait overrides equivalent to a DeepSpeed JSON config")
 
@@ -80,6 +77,15 @@ def plait_materialize_model(cfg, model, init, topology):
     from plait.plugins.zero.materialize import materialize_partitioned
 
     return materialize_partitioned(model, init, cfg, topology)
+
+
+@hookimpl
+def plait_strategy_cost(cfg, strategy, model, dims):
+    if strategy not in zero_config.STAGES:
+        return None
+    from plait.plugins.zero.estimate import strategy_cost
+
+    return strategy_cost(cfg, strategy, model, dims)
 
 
 @hookimpl

@@ -34,8 +34,10 @@ from typing import Iterable
 
 import torch
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
+from plait.config import BYTES_PER_VALUE
+from plait.plugins.zero.config import STAGES
+from plait.plugins.zero.sizing import working_memory_settings
+from plait.types import StrategyCost
 
 @dataclass(frozen=True)
 class ModelStates:
@@ -52,7 +54,7 @@ class ModelStates:
 
 def zero_formula(n_params: int, stage: int, dp: int, precision: str) -> ModelStates:
     """The paper's per-rank bytes for ZeRO ``stage`` (0 = DDP) with DeepSpeed's optimizer K."""
-    b = BYTES[precision]
+    b = BYTES_PER_VALUE[precision]
     k = 8 if precision == "fp32" and stage in (0, 3) else 12
     params = n_params * b / (dp if stage >= 3 else 1)
     grads = n_params * b / (dp if stage >= 2 else 1)
@@ -60,10 +62,31 @@ def zero_formula(n_params: int, stage: int, dp: int, precision: str) -> ModelSta
     return ModelStates(int(params), int(grads), int(optimizer))
 
 
-def ddp_formula(n_params: int) -> ModelStates:
-    """DDP with torch AdamW in any precision: autocast keeps the parameters (and so gradients)
-    in fp32, b_p = b_g = 4, and AdamW's states are K = 8."""
-    return ModelStates(4 * n_params, 4 * n_params, 8 * n_params)
+def strategy_cost(cfg, strategy: str, model: torch.nn.Module, dims) -> StrategyCost:
+    """``plait_strategy_cost`` for ``strategy=zero0..zero3``: the paper's model states on this
+    rank's ``Ψ = N/(tp·pp)``, DeepSpeed's buffers as plait sizes them (``sizing.py``: a reduce
+    and an all-gather bucket of ``B`` elements; ZeRO-3 a reduce bucket and up to ``2B`` gathered
+    elements), and per step a reduce-scatter/all-reduce of the gradients, plus under ZeRO-3 the
+    parameters gathered in forward and in backward: ``(2 or 3)·(dp−1)/dp·Ψ·b``."""
+    stage, b = STAGES[strategy], BYTES_PER_VALUE[cfg.precision]
+    sizes = [p.numel() for p in model.parameters()]
+    psi = sum(sizes) // (dims.tp * dims.pp)
+    states = zero_formula(psi, stage, dims.dp, cfg.precision)
+    bucket = working_memory_settings(model, stage, dims.tp * dims.pp).get("reduce_bucket_size", 0)
+    own = cfg.strategy.name == strategy  # its offload settings are in cfg.strategy
+    offloaded = frozenset(name for name, setting in (("optimizer", "offload_optimizer"),
+                                                      ("params", "offload_params"))
+                          if own and cfg.strategy[setting] != "none")
+    references = {}
+    reference = own and deepspeed_estimate(
+        psi, max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+        stage, dims.dp, "optimizer" in offloaded, "params" in offloaded)
+    if reference:
+        references["DeepSpeed's estimator (device, assumes 16-bit training)"] = reference
+    return StrategyCost(params=states.params, grads=states.grads, optimizer=states.optimizer,
+                        buffers=bucket * b * (3 if stage == 3 else 2),
+                        dp_bytes_per_step=(3 if stage == 3 else 2) * (dims.dp - 1) / dims.dp
+                        * psi * b, offloaded=offloaded, references=references)
 
 
 def deepspeed_estimate(n_params: int, largest_layer_params: int, stage: int, dp: int,
