@@ -196,6 +196,24 @@ def compare(root: Path, name: str, args) -> None:
               f"| {got['recomputes']:.0f} |", flush=True)
 
 
+def estimated_bytes(overrides: list[str]) -> float | None:
+    """What ``plait estimate`` predicts per rank for these overrides (the strategy's model states
+    and buffers plus the model's activations); None for a strategy that gives no estimate."""
+    from plait.meta import meta_model
+    from plait.plan import make_plan
+    from plait.plugins.planner.estimate import activation_bytes, strategy_cost
+
+    plan = make_plan([*TEST_OVERRIDES, *overrides]).check()
+    model = meta_model(plan.pm.hook, plan.cfg)
+    try:
+        cost = strategy_cost(plan, model)
+    except ValueError:
+        return None
+    cfg = plan.cfg
+    micro = cfg.train.batch_size // (cfg.train.grad_accum_steps * plan.dims.dp)
+    return cost.device_bytes + (activation_bytes(plan, model, micro) or 0)
+
+
 def largest_fitting(root: Path, layout: str, args) -> tuple[int, dict | None]:
     """Bisection on n_layer: the largest that fits (0 if none) and its figures. Fits: the
     peak above start is within ``--budget-mib``, or the job finished in ``--job-mib``."""
@@ -211,6 +229,8 @@ def largest_fitting(root: Path, layout: str, args) -> tuple[int, dict | None]:
                                     or got["above_start"] <= args.budget_mib * MIB)
         if fits:
             low, fitted = n_layer, got
+            fitted["estimate"] = estimated_bytes([*model_overrides(STATE_HEAVY, n_layer),
+                                                  *overrides])
         else:
             high = n_layer
         print(f"  {layout} n_layer={n_layer}: {'fits' if fits else 'does not fit'}",
@@ -224,8 +244,9 @@ def fit(root: Path, args) -> None:
     print(f"\n## largest GPT (width {STATE_HEAVY['n_embd']}, seq {STATE_HEAVY['seq_len']}, "
           f"{args.precision}, {args.dp} processes) fitting {budget}\n")
     print("| layout | n_layer | parameters | x ddp | peak above start MiB (max rank) "
-          "| job peak MiB (kernel) | optimizer MiB |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| plait estimate MiB | estimate / peak above start | job peak MiB (kernel) "
+          "| optimizer MiB |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     base = None
     for layout in args.layouts:
         n_layer, got = largest_fitting(root, layout, args)
@@ -233,8 +254,9 @@ def fit(root: Path, args) -> None:
         base = base or params
         got = got or {}
         print(f"| {layout} | {n_layer} | {params:,} | {ratio(params, base)} "
-              f"| {mib(got.get('above_start'))} | {mib(got.get('job_peak'))} "
-              f"| {mib(got.get('optimizer'))} |", flush=True)
+              f"| {mib(got.get('above_start'))} | {mib(got.get('estimate'))} "
+              f"| {ratio(got.get('estimate'), got.get('above_start'))} "
+              f"| {mib(got.get('job_peak'))} | {mib(got.get('optimizer'))} |", flush=True)
 
 
 def main() -> None:
