@@ -255,7 +255,14 @@ def test_pp2_in_mixed_precision_trains_close_to_fp32(tmp_path, reference, precis
     run = tmp_path / precision
     run_training(run, [*COMMON, *PP2, f"precision={precision}"])
     losses = figures(run)["loss"]
-    assert losses == pytest.approx(reference["loss"], rel=BF16_TOLERANCE)
+    # fp16's scaler may skip the first steps while it finds its scale (an overflow at the initial
+    # 2^16): those repeat the loss they saw, and the run is that many updates behind fp32
+    skipped = [int(m.get("skipped_steps", 0)) for m in read_metrics(run)]
+    behind = skipped[-1]
+    assert skipped == [min(step, behind) for step in range(1, len(skipped) + 1)]  # the first ones
+    assert behind <= (1 if precision == "fp16" else 0)
+    expected = reference["loss"][:1] * behind + reference["loss"][:len(losses) - behind]
+    assert losses == pytest.approx(expected, rel=BF16_TOLERANCE)
     assert losses != reference["loss"]  # autocast really ran
 
 
