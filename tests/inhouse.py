@@ -671,14 +671,58 @@ class HoldWriteThenKill:
 class RecordInitialWeights:
     """Writes each rank's parameters as they are right after the model is built and cut, before
     any step: ``initial_rank<r>.pt`` in ``run.dir``, ``{name: tensor}`` under the unsplit names;
-    a ZeRO-3 parameter is written as its flat partition (``ds_tensor``) under ``name#zero3``."""
+    a ZeRO-3 parameter is written as its flat partition (``ds_tensor``) under ``name#zero3``, an
+    FSDP one (a DTensor) as its local dim-0 shard under ``name#fsdp``."""
 
     @hookimpl(wrapper=True)  # the first hook after the materialization; decides nothing
     def plait_build_loss(self, cfg, model, topology):
         weights = {}
         for name, p in model.named_parameters():
             part = getattr(p, "ds_tensor", None)
-            weights[f"{name}#zero3" if part is not None else name] = (
-                part if part is not None else p).detach()
+            if part is not None:
+                weights[f"{name}#zero3"] = part.detach()
+            elif hasattr(p, "to_local"):
+                weights[f"{name}#fsdp"] = p.to_local().detach()
+            else:
+                weights[name] = p.detach()
         torch.save(weights, Path(cfg.run.dir) / f"initial_rank{topology.rank}.pt")
+        return (yield)
+
+
+class RecordShards:
+    """Writes, on every rank right after the model is materialized, how each parameter is held:
+    ``shards_rank<r>.json`` in ``run.dir``, ``{name: {"dtensor", "mesh", "placements", "local",
+    "global"}}`` (element counts), so a test can tell a sharded layout from a silent fallback."""
+
+    @hookimpl(wrapper=True)
+    def plait_build_loss(self, cfg, model, topology):
+        from torch.distributed.tensor import DTensor
+
+        held = {}
+        for name, p in model.named_parameters():
+            is_dtensor = isinstance(p, DTensor)
+            held[name] = {
+                "dtensor": is_dtensor,
+                "mesh": list(p.device_mesh.shape) if is_dtensor else None,
+                "mesh_dims": list(p.device_mesh.mesh_dim_names or ()) if is_dtensor else None,
+                "placements": [str(x) for x in p.placements] if is_dtensor else None,
+                "local": (p.to_local() if is_dtensor else p).numel(), "global": p.numel()}
+        (Path(cfg.run.dir) / f"shards_rank{topology.rank}.json").write_text(json.dumps(held))
+        return (yield)
+
+
+class ImportFirst:
+    """Imports ``modules`` in every worker before the model is built (outermost wrapper), so
+    that a memory probe's pre-model baseline holds the libraries a strategy imports while it
+    builds (DeepSpeed, DTensor/FSDP: 30-70 MiB each) and its figure is the model's alone."""
+
+    def __init__(self, *modules: str):
+        self.modules = modules
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_model(self):
+        import importlib
+
+        for name in self.modules:
+            importlib.import_module(name)
         return (yield)

@@ -77,6 +77,7 @@ ZERO3_TARGETS = {
     "zero1": (["strategy=zero1", *DP2], 2),
     "tp2": (["strategy=ddp", "parallel.tp=2", *DP2], 1),
     "pp2": (["strategy=ddp", "parallel.pp=2", "pipeline.microbatches=2", *DP2], 1),
+    "fsdp": (["strategy=fsdp", *DP2], 2),
 }
 
 
@@ -104,6 +105,16 @@ def test_ddp_checkpoint_resumes_under_zero3(origins):
     root, runs = origins
     assert_next_losses_match(runs["ddp"],
                              resume(root, runs["ddp"], "ddp_to_zero3", [*ZERO3, *DP2]))
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_resumes_under_zero2(tmp_path):
+    """Out of FSDP: its sharded parameters and Adam states, gathered into the layout-free copy,
+    resume as ZeRO-2 with the next losses of the uninterrupted FSDP run."""
+    origin = tmp_path / "fsdp"
+    run_training(origin, [*RUN, *DP2, "strategy=fsdp"])
+    assert_next_losses_match(origin, resume(tmp_path, origin, "fsdp_to_zero2",
+                                            ["strategy=zero2", *DP2]))
 
 
 FP16_STEPS, FP16_SAVED = 6, 3

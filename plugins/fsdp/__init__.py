@@ -1,0 +1,131 @@
+"""``strategy=fsdp``: torch's FSDP2 (``fully_shard``), fully sharded data parallelism as a peer
+of DeepSpeed ZeRO-3.
+
+    plait train strategy=fsdp launcher.nproc_per_node=4
+    plait train strategy=fsdp strategy.replicate=2 launcher.nproc_per_node=4      # HSDP
+    plait train strategy=fsdp parallel.tp=2 launcher.nproc_per_node=4 precision=bf16
+
+Parameters, gradients and optimizer states are sharded over the data-parallel group (dim 0 of
+every parameter, DTensor ``Shard(0)``); each transformer block is its own FSDP unit, gathered
+before its forward and backward and freed after (``strategy.reshard_after_forward``). With
+``strategy.replicate=R`` (HSDP) the dp ranks form an ``R x dp/R`` mesh: shards within each group
+of ``dp/R`` consecutive ranks (a node, with ``launcher.nproc_per_node`` ranks per node), replicas
+across groups, the gradient reduce-scatter inside a group and an all-reduce across them.
+``precision=bf16`` is FSDP's ``MixedPrecisionPolicy`` (bf16 compute and all-gather, fp32 gradient
+reduction and fp32 sharded parameters for the optimizer). Tensor parallelism composes: plait's
+Megatron-style shards are sharded again over the dp group.
+
+What plait took from torch: ``fully_shard``, ``MixedPrecisionPolicy``, ``DeviceMesh``, DCP's
+``get_state_dict``/``set_state_dict`` (full tensors by name for the layout-free checkpoint). What
+it wrote: the materialization of a meta model's shards from plait's per-name initial values
+(:mod:`.materialize`), the gradient norm over tensor-parallel shards of DTensor gradients, and
+sum-then-divide gradient reduction: gloo computes ``ReduceOp.AVG`` wrongly under FSDP2
+(pytorch#162338), so reductions are forced to ``SUM`` and FSDP divides by the dp size itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait import hookimpl
+from plait.config import AT_LEAST_1, StrategyConfig, node_range, range_problems
+from plait.types import PluginInfo, StrategyCost
+
+
+@dataclass
+class FSDPConfig(StrategyConfig):
+    name: str = "fsdp"
+    replicate: int = 1  # HSDP: replica groups; the dp ranks of each group shard the model
+    reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3)
+    offload: str = "none"  # none | cpu: parameters, gradients, optimizer on the host (CUDA)
+
+
+RANGES = {"replicate": AT_LEAST_1}
+OFFLOAD = ("none", "cpu")
+
+
+@hookimpl
+def plait_declare() -> PluginInfo:
+    return PluginInfo(
+        name="fsdp", selected_by={"strategy.name": "fsdp"},
+        precisions=frozenset({"fp32", "bf16"}), parallel_axes=frozenset({"dp", "tp"}),
+        provides=frozenset({"engine:tensor_parallel", "engine:layout_free_state"}),
+        description="torch FSDP2 (fully_shard), HSDP with strategy.replicate")
+
+
+@hookimpl
+def plait_register_configs(config_store) -> None:
+    config_store.store(group="strategy", name="base_fsdp", node=FSDPConfig)
+
+
+@hookimpl
+def plait_validate(cfg, dims, hook) -> list[str]:
+    settings = cfg.strategy
+    problems = range_problems("strategy", settings, RANGES)
+    if settings.offload not in OFFLOAD:
+        problems.append(f"strategy.offload={settings.offload}: choose none or cpu")
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not _cuda_available())
+    if settings.offload == "cpu" and on_cpu:
+        problems.append("strategy.offload=cpu with device=cpu: the run is on the host already "
+                        "(FSDP's CPUOffloadPolicy moves shards off a GPU); use strategy.offload="
+                        "none, or device=cuda")
+    if problems:
+        return problems
+    if dims.dp % settings.replicate:
+        problems.append(f"strategy.replicate={settings.replicate} does not divide dp={dims.dp}: "
+                        f"choose a divisor of {dims.dp} (e.g. the number of nodes)")
+    if node_range(cfg.launcher.nnodes).elastic:
+        problems.append(f"launcher.nnodes={cfg.launcher.nnodes} with strategy=fsdp: an elastic "
+                        "job changes the shard count, which plait does not re-form for FSDP; use "
+                        "a fixed launcher.nnodes or strategy=zero1..zero3")
+    comm = hook.plait_comm_spec(cfg=cfg)
+    if comm is not None and (comm.algorithm != "allreduce" or comm.compression != "none"):
+        problems.append(f"comm={comm.algorithm} comm.compression={comm.compression} with "
+                        "strategy=fsdp: FSDP reduce-scatters gradients with its own collectives "
+                        "and cannot call a plait reducer; use comm=allreduce (with "
+                        "strategy.replicate for the hierarchical scheme, HSDP), or strategy=ddp")
+    return problems
+
+
+@hookimpl
+def plait_strategy_cost(cfg, strategy, model, dims) -> StrategyCost | None:
+    """Parameters, gradients and AdamW's two states all sharded over the ``dp/replicate`` ranks
+    of a shard group (fp32 sharded parameters also under bf16: FSDP's mixed precision keeps
+    them for the optimizer); the buffers: one block's gathered parameters and its unsharded
+    gradients. Per step the parameters are all-gathered in forward and backward and the
+    gradients reduce-scattered: ``3·(n−1)/n·Ψ·b`` within a shard group of ``n``."""
+    if strategy != "fsdp":
+        return None
+    from plait.config import BYTES_PER_VALUE
+
+    replicate = cfg.strategy.replicate if cfg.strategy.name == "fsdp" else 1
+    shard = max(1, dims.dp // replicate)
+    sizes = [p.numel() for p in model.parameters()]
+    psi = sum(sizes) // (dims.tp * dims.pp)
+    blocks = getattr(model, "blocks", None)
+    unit = max((sum(p.numel() for p in b.parameters()) for b in blocks.values()),
+               default=0) if blocks is not None else psi
+    b = BYTES_PER_VALUE[cfg.precision]
+    return StrategyCost(params=4 * psi // shard, grads=4 * psi // shard,
+                        optimizer=8 * psi // shard, buffers=unit // dims.tp * (b + 4),
+                        dp_bytes_per_step=3 * (shard - 1) / shard * psi * b)
+
+
+@hookimpl
+def plait_materialize_model(cfg, model, init, topology):
+    from plait.plugins.fsdp.materialize import shard_and_materialize
+
+    return shard_and_materialize(cfg, model, init, topology)
+
+
+@hookimpl
+def plait_build_engine(cfg, model, optimizer, loss_fn, topology, hook):
+    from plait.plugins.fsdp.engine import FSDPEngine
+
+    return FSDPEngine(cfg, model, optimizer, loss_fn, topology, hook)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

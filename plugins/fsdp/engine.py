@@ -1,0 +1,168 @@
+"""The FSDP2 engine: plait's :class:`~plait.types.Engine` over a ``fully_shard``-ed model.
+
+One optimizer step::
+
+    for each micro-batch (gradient sync only on the last: set_requires_gradient_sync):
+        loss = loss_fn(model(x), y) / n;  loss.backward()   # reduce-scatter on the last
+    norm = ||g|| over dp shards and tensor-parallel shards;  clip;  guard;  optimizer.step()
+
+The optimizer plait's optimizer plugin built steps the sharded (DTensor) parameters; plait's LR
+schedule is set on its param groups each step, as under DDP.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from plait.plugins.fsdp.materialize import shard
+from plait.plugins.optim.clip_grads import is_tensor_parallel
+from plait.plugins.optim.hyperparameters import keep_hyperparameters
+from plait.plugins.optim.mixed_precision import autocast
+from plait.types import Batch, StepOutput
+
+
+def full_options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+class FSDPEngine:
+    def __init__(self, cfg, model, optimizer, loss_fn, topology, hook):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.device = topology.device
+        self.check_step = functools.partial(hook.plait_check_step, cfg=cfg, topology=topology)
+        if not isinstance(model, FSDPModule):  # built whole, not materialized by this plugin
+            model = shard(cfg, model.to(self.device), topology)
+            optimizer = hook.plait_build_optimizer(cfg=cfg, model=model)
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.precision = cfg.precision
+        self.grad_clip = cfg.train.grad_clip
+        self.dp_group = topology.get_data_parallel_group()
+        self.dp_size = topology.dims.dp
+        self.tp_group = topology.get_tensor_model_parallel_group() if topology.dims.tp > 1 else None
+        self.tp_rank = topology.tp_rank
+        mesh = next(p for p in model.parameters()).device_mesh
+        # the ranks a parameter's shards are spread over (not the HSDP replicas)
+        self.shard_group = mesh.get_group(mesh.ndim - 1)
+        self.checkpoint_name = f"fsdp_tp{topology.tp_rank}_dp{topology.dp_rank}.pt"
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        with autocast("fp32", self.device):  # FSDP's MixedPrecisionPolicy casts per module
+            return self.loss_fn(self.model(x), y)
+
+    def grad_norm(self) -> torch.Tensor:
+        """``||g||`` over every shard: squares summed over this rank's FSDP shards, then over
+        the shard group (shards are disjoint there; HSDP replicas hold the same) and the
+        tensor-parallel group (a replicated parameter counted on tp rank 0 only)."""
+        squares = torch.zeros((), device=self.device, dtype=torch.float32)
+        for p in self.model.parameters():
+            if p.grad is not None and (is_tensor_parallel(p) or self.tp_rank == 0):
+                squares += p.grad.to_local().float().pow(2).sum()
+        dist.all_reduce(squares, group=self.shard_group)
+        if self.tp_group is not None:
+            dist.all_reduce(squares, group=self.tp_group)
+        return squares.sqrt()
+
+    def clip(self, norm: torch.Tensor) -> None:
+        if self.grad_clip <= 0:
+            return
+        coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.to_local().mul_(coef)
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            self.model.set_requires_gradient_sync(i == n - 1)
+            loss = self._loss(batch)
+            (loss / n).backward()
+            total += loss.detach()
+        mean_loss = total / n
+        dist.all_reduce(mean_loss, group=self.dp_group)  # gloo has no AVG
+        norm = self.grad_norm()
+        self.clip(norm)
+        skipped = any(self.check_step(loss=total / n, grad_norm=norm))
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepOutput(loss=mean_loss.item() / self.dp_size, grad_norm=float(norm),
+                          skipped=skipped)
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch) -> float:
+        self.model.eval()
+        loss = self._loss(batch).detach().float()
+        self.model.train()
+        dist.all_reduce(loss, group=self.dp_group)
+        return loss.item() / self.dp_size
+
+    def save_state(self, directory: Path) -> None:
+        """Each rank's own shards (DTensors' local parts) with the optimizer's."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        torch.save({"model": {k: v.to_local() for k, v in model_state.items()},
+                    "optimizer": _local(optim_state)}, directory / self.checkpoint_name)
+
+    def load_state(self, directory: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        saved = torch.load(directory / self.checkpoint_name, map_location=self.device,
+                           weights_only=True)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        with torch.no_grad():
+            for name, value in model_state.items():
+                value.to_local().copy_(saved["model"][name])
+            _copy_local(optim_state["state"], saved["optimizer"]["state"])
+        with keep_hyperparameters(self.optimizer):
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
+                           optim_state_dict=optim_state)
+
+    def layout_free_state(self) -> dict:
+        """Full tensors by the unsplit names (the dp shards gathered; tensor-parallel shards stay
+        this rank's): the form :mod:`plait.plugins.checkpoint.layout_free` writes."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer,
+                                                  options=full_options())
+        return {"model": model_state, "optim": optim_state["state"]}
+
+    def load_layout_free_state(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        _, current = get_state_dict(self.model, self.optimizer, options=full_options())
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict={"state": state["optim"],
+                                         "param_groups": current["param_groups"]},
+                       options=full_options())
+
+
+def _local(optim_state: dict) -> dict:
+    return {"state": {name: {k: v.to_local() if hasattr(v, "to_local") else v
+                             for k, v in entries.items()}
+                      for name, entries in optim_state["state"].items()},
+            "param_groups": optim_state["param_groups"]}
+
+
+def _copy_local(current: dict, saved: dict) -> None:
+    for name, entries in current.items():
+        for key, value in entries.items():
+            if hasattr(value, "to_local"):
+                value.to_local().copy_(saved[name][key])
+            else:
+                entries[key] = saved[name][key]

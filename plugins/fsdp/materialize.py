@@ -1,0 +1,94 @@
+"""Shard a model with ``fully_shard`` and give each rank only its shards' memory and values.
+
+On a model built on the meta device (:mod:`plait.meta`), FSDP2 shards the meta parameters (every
+parameter becomes a DTensor, ``Shard(0)`` over the dp mesh), ``to_empty`` allocates this rank's
+shards only, and each is filled from plait's initial value of the parameter: the full value (one
+parameter at a time), cut first by tensor parallelism where the parameter is a tensor-parallel
+shard, then by FSDP's placement, locally (``distribute_tensor`` with ``src_data_rank=None``: no
+communication). A model built whole is sharded as it is. Either way the parameters lose the
+attributes plait's tensor-parallel layers set on them; they are carried over by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from plait.host_memory import return_freed_memory
+from plait.meta import ParameterInit
+
+TENSOR_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
+
+
+def dp_mesh(cfg, topology):
+    """The data-parallel mesh: 1-D, or under ``strategy.replicate=R`` 2-D ``(replicate, shard)``
+    with the shard groups of ``dp/R`` consecutive dp ranks (HSDP)."""
+    replicate = cfg.strategy.replicate
+    if replicate == 1:
+        return topology.mesh["dp"]
+    dims = topology.dims
+    return topology.mesh._unflatten("dp", (replicate, dims.dp // replicate),
+                                    ("replicate", "shard"))["replicate", "shard"]
+
+
+def mixed_precision(cfg):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if cfg.precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """The FSDP units: each block of a model with a ``blocks`` ModuleDict (plait's layout), then
+    the root, which takes every parameter left (embeddings, final norm, head)."""
+    blocks = getattr(model, "blocks", None)
+    inner = list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else []
+    return [*inner, model]
+
+
+def tensor_parallel_attrs(model: nn.Module) -> dict[str, dict]:
+    return {name: {a: getattr(p, a) for a in TENSOR_PARALLEL_ATTRS if hasattr(p, a)}
+            for name, p in model.named_parameters()}
+
+
+def restore(model: nn.Module, attrs: dict[str, dict]) -> nn.Module:
+    """Put the tensor-parallel attributes back on the (replaced) parameters, by name."""
+    for name, p in model.named_parameters():
+        for attr, value in attrs.get(name, {}).items():
+            setattr(p, attr, value)
+    return model
+
+
+def shard(cfg, model: nn.Module, topology) -> nn.Module:
+    """``fully_shard`` every unit over the dp mesh, reductions summed then divided (gloo)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    attrs = tensor_parallel_attrs(model)
+    offload = CPUOffloadPolicy() if cfg.strategy.offload == "cpu" else OffloadPolicy()
+    mesh = dp_mesh(cfg, topology)
+    for unit in units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.strategy.reshard_after_forward,
+                    mp_policy=mixed_precision(cfg), offload_policy=offload)
+        unit.set_force_sum_reduction_for_comms(True)  # gloo's AVG is wrong (pytorch#162338)
+        unit.set_gradient_divide_factor(float(topology.dims.dp))
+    return restore(model, attrs)
+
+
+def shard_and_materialize(cfg, model: nn.Module, init: ParameterInit, topology) -> nn.Module:
+    from torch.distributed.tensor import distribute_tensor
+
+    cuts = {name: p for name, p in model.named_parameters()}  # meta: shapes, slice_of_full
+    shard(cfg, model, topology)
+    device = "cpu" if cfg.strategy.offload == "cpu" else topology.device
+    attrs = tensor_parallel_attrs(model)  # to_empty replaces the parameters again
+    restore(model.to_empty(device=device), attrs)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full = init.local(name, cuts[name])  # the whole (tensor-parallel) parameter
+            local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(local.to_local())
+            del full, local
+            if torch.device(device).type == "cpu":
+                return_freed_memory()
+    return model

@@ -1,0 +1,82 @@
+"""``strategy=fsdp`` (torch FSDP2): the same math as one process, really sharded.
+
+Parity: 20 steps against one process (fp32, clipping off: loss within 1e-5, grad norm within
+1e-4, relative) at dp=2, FSDP x tp=2 and HSDP (``strategy.replicate=2``, 2 replica groups of 2
+shards, 4 processes). Layout: every parameter is a DTensor sharded over the dp (or shard) mesh,
+each rank holding 1/shard of it, so a silent fallback to DDP fails. Switch-off run once: without
+restoring the tensor-parallel attributes on the sharded parameters the FSDP x tp grad norm was
+4.69 instead of 5.08 (red). The gloo ``ReduceOp.AVG`` trap (pytorch#162338) could not be shown
+here: on torch 2.13 FSDP2's default reduction also gave parity at dp=2 (switched off once: still
+green), so the forced sum-then-divide is kept as the issue asks and proven only as working.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from inhouse import RecordShards
+
+from plait.testing import compose, read_metrics, run_training
+from plait.types import PlanError
+
+STEPS = 20
+COMMON = [f"train.steps={STEPS}", f"optimizer.decay_steps={STEPS}", "train.grad_clip=0",
+          "precision=fp32", "fault.save_final=false"]
+LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
+LAYOUTS = {
+    "dp2": (["strategy=fsdp", "launcher.nproc_per_node=2"], 2, [2], ["dp"]),
+    "tp2": (["strategy=fsdp", "parallel.tp=2", "launcher.nproc_per_node=4"], 4, [2], ["dp"]),
+    "hsdp": (["strategy=fsdp", "strategy.replicate=2", "launcher.nproc_per_node=4"], 4, [2, 2],
+             ["replicate", "shard"]),
+}
+
+
+def figures(run_dir: Path) -> tuple[list[float], list[float]]:
+    metrics = read_metrics(run_dir)
+    return [m["loss"] for m in metrics], [m["grad_norm"] for m in metrics]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> tuple[list[float], list[float]]:
+    run = tmp_path_factory.mktemp("fsdp") / "one"
+    run_training(run, [*COMMON, "launcher.nproc_per_node=1"])
+    return figures(run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fsdp_equals_one_process_and_really_shards(one_process, layout, tmp_path):
+    overrides, ranks, mesh, mesh_dims = LAYOUTS[layout]
+    run = tmp_path / layout
+    run_training(run, [*COMMON, *overrides], plugins=[RecordShards()])
+    losses, norms = figures(run)
+    assert len(losses) == STEPS
+    assert losses == pytest.approx(one_process[0], rel=LOSS_RTOL)
+    assert norms == pytest.approx(one_process[1], rel=GRAD_NORM_RTOL)
+    shard = mesh[-1]
+    for rank in range(ranks):
+        held = json.loads((run / f"shards_rank{rank}.json").read_text())
+        for name, p in held.items():
+            assert p["dtensor"] and p["mesh"] == mesh and p["mesh_dims"] == mesh_dims, name
+            assert p["placements"][-1] == "S(0)", name  # Shard(dim=0)
+            assert p["local"] <= -(-p["global"] // shard) < p["global"], name  # 1/shard of it
+    if layout == "tp2":  # the tensor-parallel split happened too: qkv holds half its rows
+        held = json.loads((run / "shards_rank0.json").read_text())
+        assert held["blocks.0.attn.qkv.weight"]["global"] == 3 * 64 * 64 // 2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["strategy.replicate=3", "launcher.nproc_per_node=4"],
+     "strategy.replicate=3 does not divide dp=4"),
+    (["parallel.pp=2", "launcher.nproc_per_node=2"],
+     "plugin 'fsdp' does not support pp parallelism (parallel.pp=2)"),
+    (["comm=ring"], "FSDP reduce-scatters gradients with its own collectives"),
+    (["strategy.offload=cpu", "device=cpu"], "strategy.offload=cpu with device=cpu"),
+    (["precision=fp16"], "plugin 'fsdp' does not support precision=fp16: choose one of bf16, fp32"),
+])
+def test_what_fsdp_cannot_run_is_refused_before_launch(overrides, message):
+    with pytest.raises(PlanError) as refused:
+        compose(["strategy=fsdp", *overrides])
+    assert message in str(refused.value)
