@@ -423,6 +423,8 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"device={cfg.device} precision={cfg.precision} run.dir={cfg.run.dir}")
     lines.append("decisions:")
     for hook, names in sorted(deciders(plan.pm).items()):
+        if not names and getattr(plan.pm.hook, hook).spec.warn_on_impl:
+            continue  # a deprecated hook no plugin implements
         lines.append(f"  {hook:28s} {', '.join(names) if names else '(core default)'}")
     lines.append("active plugins:")
     for record in plan.pm.records.values():

@@ -94,6 +94,7 @@ def test_the_deprecated_comm_hook_warns_once_naming_its_replacement(first_spec_s
     assert {"first_spec_observer", "first_spec_comm_hook"} <= set(pm.records)
 
 
+@pytest.mark.slow
 def test_first_spec_plugins_run_and_equal_the_built_in_fp16_compression(first_spec_site):
     steps, overrides = 4, ["train.steps=4", "train.log_every=2"]
     with pytest.warns(FutureWarning, match="plait_comm_hook is deprecated"):
