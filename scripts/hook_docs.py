@@ -43,6 +43,23 @@ argument, the spec's arguments and the plait version it declares: every command 
 `plait.testing` (`compose`, `run_training`, `run_losses`, `read_metrics`, `spawn`) is the
 supported way to test a plugin and is kept stable under the same policy.
 
+## A new plugin, step by step
+
+    plait new-plugin demo --kind observer   # or --kind comm
+    pip install -e plait-demo               # registers the entry point `demo` in the plait group
+    plait plugins --check                   # lists demo; exit 2 if any plugin is broken
+    plait train train.steps=20              # an observer is active in every run
+    python -m pytest plait-demo/tests       # the generated test: 2 processes, plait.testing
+
+`plait-demo/plait_demo/__init__.py` holds the hookimpl: for `observer`, `plait_on_step_end(step,
+metrics)`, which prints each step's loss (or appends it to `$PLAIT_DEMO_OUT`); for `comm`,
+`plait_declare` (selected by `comm.name=demo`) and `plait_grad_reducer`, which returns a
+`plait.types.GradReducer` averaging each gradient bucket with one all-reduce. The generated test
+reads the run back with `plait.testing.read_metrics` (observer: every step's loss; comm: the same
+losses as the built-in all-reduce). Change the hookimpl, keep the test.
+
+## Hooks
+
 Hooks appear in the order a run calls them. Hooks marked *firstresult* are decisions: the first non-None answer wins, and two active plugins
 answering the same one are refused before launch. See the README for a complete example.
 """
