@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -27,6 +28,7 @@ from plait import HOOKSPEC_VERSION, PROJECT_NAME, __version__, hookspecs
 from plait.types import PluginInfo
 
 BLOCK_ENV = "PLAIT_BLOCK_PLUGINS"
+_WARNED: set[tuple[str, str]] = set()  # (plugin, message): a deprecation warns once per process
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,15 @@ class PlaitPluginManager(pluggy.PluginManager):
                 f"two plugins are named {name!r}: {self.records[name].source} and {source}; "
                 "rename one of them"
             )
-        self.register(plugin, name=name)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            self.register(plugin, name=name)
+        for warning in warned:  # pluggy's deprecation warnings, once per process
+            key = (name, str(warning.message))
+            if key not in _WARNED:
+                _WARNED.add(key)
+                warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                       warning.lineno)
         self.records[name] = PluginRecord(name, plugin, source, declaration_of(self, plugin, name))
 
     def unregister_plugin(self, name: str) -> None:
