@@ -7,7 +7,7 @@ Examples::
     plait train --cfg job strategy=zero2                          # print the composed config
     plait plan parallel.tp=2 launcher.nproc_per_node=4
     plait plan --search world_size=8 model=gpt2_small --memory-gb 80   # the layout planner
-    plait plugins
+    plait plugins --check                                          # exit 2 if a plugin is broken
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from plait import api
 from plait.export import cmd_export
 from plait.plan import CONFIG_NAME, compose_config, format_plan, hydra_app, make_plan
-from plait.plugin_manager import make_plugin_manager
+from plait.plugin_manager import broken_problems, make_plugin_manager
 from plait.types import PlanError
 
 USAGE = """usage: plait <command> [key=value ...]
@@ -91,7 +91,10 @@ def cmd_plan(overrides: list[str]) -> int:
 
 
 def cmd_plugins(overrides: list[str]) -> int:
-    """List every registered plugin, where it came from, what selects it and its hooks."""
+    """List every registered plugin, where it came from, what selects it and its hooks, then the
+    broken ones with their reason. ``--check``: exit 2 when any plugin is broken (for CI)."""
+    check = "--check" in overrides
+    overrides = [o for o in overrides if o != "--check"]
     cfg = compose_config(overrides, make_plugin_manager())  # config-listed plugins count too
     pm = make_plugin_manager(cfg)
     for record in pm.records.values():
@@ -101,6 +104,14 @@ def cmd_plugins(overrides: list[str]) -> int:
         where = getattr(plugin, "__name__", None) or f"{type(plugin).__module__}.{type(plugin).__qualname__}"
         print(f"    object: {where}")
         print(f"    hooks:  {', '.join(record.hooks(pm))}")
+    for broken in pm.broken.values():
+        print(f"{broken.name}  [{broken.source}]  BROKEN\n    reason: {broken.reason}")
+    if check:
+        for problem in broken_problems(pm):
+            print(f"plait: {problem}", file=sys.stderr)
+        print(f"plait: {len(pm.records)} plugins load, {len(pm.broken)} broken",
+              file=sys.stderr if pm.broken else sys.stdout)
+        return 2 if pm.broken else 0
     return 0
 
 
@@ -121,6 +132,16 @@ def commands() -> dict[str, tuple[Callable[[list[str]], int], str]]:
     return table
 
 
+def refuse_broken_plugins(command: str) -> int | None:
+    """Exit 2 before any command but ``plait plugins`` when an installed plugin is broken."""
+    if command == "plugins":
+        return None
+    problems = broken_problems(make_plugin_manager())
+    for problem in problems:
+        print(f"plait: {problem}", file=sys.stderr)
+    return 2 if problems else None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     table = commands()
@@ -133,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     # planner's "plan --search"): it receives the flag and the rest of the line.
     flagged = f"{argv[0]} {argv[1].split('=', 1)[0]}" if len(argv) > 1 else argv[0]
     command, overrides = table.get(flagged, table[argv[0]])[0], argv[1:]
+    refused = refuse_broken_plugins(argv[0])
+    if refused is not None:
+        return refused
     try:
         return command(overrides) or 0
     except (PlanError, HydraException, OmegaConfBaseException, ValueError) as e:

@@ -376,6 +376,24 @@ def plait_grad_reducer(cfg: DictConfig, topology: Topology) -> GradReducer | Non
     """
 
 
+@hookspec(
+    firstresult=True,
+    warn_on_impl=FutureWarning(  # shown to users, unlike DeprecationWarning
+        "plait_comm_hook is deprecated since hook spec 1.1 and goes in 2.0: implement "
+        "plait_grad_reducer (a plait.types.GradReducer) instead; strategy=ddp adapts it meanwhile"
+    ),
+)
+def plait_comm_hook(cfg: DictConfig, topology: Topology) -> tuple[Any, Callable] | None:
+    """Deprecated (hook spec 1.1): use ``plait_grad_reducer``. A torch DDP comm hook.
+
+    Stops at the first non-None result. Only ``strategy=ddp`` takes it (through an adapter onto
+    the reducer contract, in place of the comm plugin's reducer); a plan whose engine cannot
+    take a reducer refuses it.
+
+    :return: ``(state, hook)`` in the form of ``DistributedDataParallel.register_comm_hook``.
+    """
+
+
 @hookspec(firstresult=True)
 def plait_build_engine(
     cfg: DictConfig,
@@ -490,10 +508,15 @@ def plait_on_run_start(cfg: DictConfig, state: TrainState, topology: Topology) -
 
 
 @hookspec
-def plait_on_step_end(step: int, output: StepOutput, state: TrainState) -> None:
+def plait_on_step_end(step: int, output: StepOutput, state: TrainState,
+                      metrics: dict[str, float]) -> None:
     """Every optimizer step has finished: ``output`` is what the engine reported (the global
     mean loss, the global gradient norm, engine figures). No collective happened for it, so this
-    is the cheap per-step point, e.g. for early stopping or a profiler's step marker."""
+    is the cheap per-step point, e.g. for early stopping or a profiler's step marker.
+
+    :param metrics: on a logged step the dict ``plait_log_metrics`` gets; on the other steps
+        loss, lr, grad_norm and the engine's figures (hook spec 1.0's argument, kept).
+    """
 
 
 @hookspec

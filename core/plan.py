@@ -37,6 +37,7 @@ from plait.config import (
 )
 from plait.plugin_manager import (
     PlaitPluginManager,
+    broken_problems,
     check_conflicts,
     deciders,
     keep_selected,
@@ -166,6 +167,7 @@ def plan_config(cfg: DictConfig, objects: Iterable[Any] = (),
 
     plan = Plan(cfg=cfg, pm=pm, dims=None)
     # Out-of-range numbers first: the layout and the plugins' checks compute with them.
+    plan.problems += broken_problems(pm) + comm_hook_problems(pm, cfg)
     plan.problems += core_range_problems(cfg)
     if not plan.problems:
         try:
@@ -188,6 +190,17 @@ def plan_config(cfg: DictConfig, objects: Iterable[Any] = (),
         for generated in pm.hook.plait_backend_config(cfg=cfg, dims=plan.dims, hook=pm.hook):
             plan.backend_configs.update(generated or {})
     return plan
+
+
+def comm_hook_problems(pm: PlaitPluginManager, cfg: DictConfig) -> list[str]:
+    """A deprecated ``plait_comm_hook`` (hook spec 1.0) needs an engine that adapts it."""
+    users = [i.plugin_name for i in pm.hook.plait_comm_hook.get_hookimpls()]
+    takers = [r.name for r in pm.records.values() if "engine:comm_hook" in r.info.provides]
+    if not users or takers:
+        return []
+    return [f"plugin {users[0]!r} implements plait_comm_hook (a torch DDP comm hook), which only "
+            f"strategy=ddp takes, not strategy={cfg.strategy.name}: use strategy=ddp, or port it "
+            "to plait_grad_reducer, which every strategy with a reducer takes"]
 
 
 def core_range_problems(cfg: DictConfig) -> list[str]:
@@ -372,6 +385,8 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"device={cfg.device} precision={cfg.precision} run.dir={cfg.run.dir}")
     lines.append("decisions:")
     for hook, names in sorted(deciders(plan.pm).items()):
+        if not names and getattr(plan.pm.hook, hook).spec.warn_on_impl:
+            continue  # a deprecated hook no plugin implements
         lines.append(f"  {hook:28s} {', '.join(names) if names else '(core default)'}")
     lines.append("active plugins:")
     for record in plan.pm.records.values():

@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import pluggy
 from omegaconf import DictConfig, OmegaConf
 
-from plait import PROJECT_NAME, hookspecs
+from pluggy._hooks import varnames  # pluggy's own reading of a hookimpl's arguments
+
+from plait import HOOKSPEC_VERSION, PROJECT_NAME, __version__, hookspecs
 from plait.types import PluginInfo
 
 BLOCK_ENV = "PLAIT_BLOCK_PLUGINS"
+_WARNED: set[tuple[str, str]] = set()  # (plugin, message): a deprecation warns once per process
 
 
 @dataclass(frozen=True)
@@ -40,11 +44,25 @@ class PluginRecord:
         return sorted(c.name for c in pm.get_hookcallers(self.plugin) or [] if c.name != "plait_declare")
 
 
+@dataclass(frozen=True)
+class BrokenPlugin:
+    """An entry-point plugin that could not be loaded: not registered, refused by every command
+    but ``plait plugins``, which lists it with ``reason``."""
+
+    name: str
+    source: str
+    reason: str
+
+    def message(self) -> str:
+        return f"plugin {self.name!r} [{self.source}] is broken: {self.reason}"
+
+
 class PlaitPluginManager(pluggy.PluginManager):
     def __init__(self) -> None:
         super().__init__(PROJECT_NAME)
         self.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
+        self.broken: dict[str, BrokenPlugin] = {}
 
     def register_plugin(self, plugin: Any, name: str, source: str) -> None:
         if name in self.records:
@@ -52,7 +70,15 @@ class PlaitPluginManager(pluggy.PluginManager):
                 f"two plugins are named {name!r}: {self.records[name].source} and {source}; "
                 "rename one of them"
             )
-        self.register(plugin, name=name)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            self.register(plugin, name=name)
+        for warning in warned:  # pluggy's deprecation warnings, once per process
+            key = (name, str(warning.message))
+            if key not in _WARNED:
+                _WARNED.add(key)
+                warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                       warning.lineno)
         self.records[name] = PluginRecord(name, plugin, source, declaration_of(self, plugin, name))
 
     def unregister_plugin(self, name: str) -> None:
@@ -104,9 +130,65 @@ def make_plugin_manager(
             if ep.name in blocked or ep.value in dotted:
                 continue
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
-            pm.register_plugin(ep.load(), ep.name, f"entry point ({dist})")
+            reason = load_entry_point(pm, ep, f"entry point ({dist})")
+            if reason:
+                pm.broken[ep.name] = BrokenPlugin(ep.name, f"entry point ({dist}: {ep.name} = "
+                                                  f"{ep.value})", f"{reason}; {written_for(ep)}")
     pm.check_pending()
     return pm
+
+
+def load_entry_point(pm: PlaitPluginManager, ep: Any, source: str) -> str | None:
+    """Import and register one entry point; the reason it is broken, or None when it loaded."""
+    try:
+        plugin = ep.load()
+    except Exception as e:  # noqa: BLE001 - any import failure makes the plugin broken
+        return f"importing {ep.value} raised {type(e).__name__}: {e}"
+    reason = hook_problem(pm, plugin)
+    if reason:
+        return reason
+    try:
+        pm.register_plugin(plugin, ep.name, source)
+    except pluggy.PluginValidationError as e:
+        if pm.get_plugin(ep.name) is not None:
+            pm.unregister(name=ep.name)
+        return str(e)
+    return None
+
+
+def hook_problem(pm: pluggy.PluginManager, plugin: Any) -> str | None:
+    """An implementation of a hook the spec lacks, or taking an argument its spec lacks."""
+    for attr in dir(plugin):
+        if pm.parse_hookimpl_opts(plugin, attr) is None:
+            continue
+        function = getattr(plugin, attr)
+        caller = getattr(pm.hook, attr, None)
+        if caller is None or caller.spec is None:
+            return (f"it implements {attr}, which is not in plait's hook spec "
+                    f"{HOOKSPEC_VERSION}; see docs/plugins.md for the hooks there are")
+        spec_args = caller.spec.argnames
+        unknown = [a for a in varnames(function)[0] if a not in spec_args]
+        if unknown:
+            return (f"its {attr} takes {', '.join(map(repr, unknown))}, which hook spec "
+                    f"{HOOKSPEC_VERSION} does not have; {attr} has ({', '.join(spec_args)})")
+    return None
+
+
+def written_for(ep: Any) -> str:
+    """The plait versions a plugin's distribution declares it was written for."""
+    wanted = [r for r in (ep.dist.requires or []) if r.split(";")[0].strip().startswith(PROJECT_NAME)
+              and r[len(PROJECT_NAME):len(PROJECT_NAME) + 1] in " <>=!~(["] if ep.dist else []
+    have = f"this is plait {__version__} (hook spec {HOOKSPEC_VERSION})"
+    if wanted:
+        return f"it was written for {', '.join(wanted)}; {have}"
+    return (f"it declares no plait version, so it was probably written for a plait other than "
+            f"{__version__}; {have}")
+
+
+def broken_problems(pm: PlaitPluginManager) -> list[str]:
+    """One refusal per broken plugin, naming it and the fix."""
+    return [f"{b.message()}. Fix or uninstall its distribution, or keep it out with "
+            f"{BLOCK_ENV}={b.name}" for b in pm.broken.values()]
 
 
 def is_selected(info: PluginInfo, cfg: DictConfig) -> bool:

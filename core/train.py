@@ -94,7 +94,10 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
             if val_data is not None and (state.step % cfg.train.eval_every == 0 or final):
                 metrics["eval/loss"] = evaluate(cfg, engine, val_data, topology)
             if logging:
-                hook.plait_on_step_end(step=state.step, output=out, state=state)
+                step_metrics = metrics or {"loss": out.loss, "lr": lr,
+                                           "grad_norm": out.grad_norm, **out.metrics}
+                hook.plait_on_step_end(step=state.step, output=out, state=state,
+                                       metrics=step_metrics)
                 if metrics:
                     state.metrics.update(metrics)
                     hook.plait_log_metrics(step=state.step, metrics=metrics, state=state)

@@ -2,23 +2,64 @@
 
     python scripts/hook_docs.py          # rewrite docs/plugins.md
     python scripts/hook_docs.py --check  # exit 1 if docs/plugins.md is out of date (a test runs this)
+    python scripts/hook_docs.py --record # rewrite tests/hookspec_signatures.json, the recorded
+                                         # hook names and arguments tests/test_hookspec_guard.py
+                                         # compares with (its "deprecations" are kept)
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import sys
 from pathlib import Path
 
-from plait import hookspecs
+from plait import HOOKSPEC_VERSION, hookspecs
 
 DOC = Path(__file__).parents[1] / "docs" / "plugins.md"
+SIGNATURES = Path(__file__).parents[1] / "tests" / "hookspec_signatures.json"
 
 INTRO = """# Hook reference
 
 Generated from `core/hookspecs.py` by `python scripts/hook_docs.py`; do not edit by hand.
 
 A plugin implements any of these with `@plait.hookimpl`, taking only the arguments it needs.
+
+## Stability
+
+The hook spec has its own version, `plait.HOOKSPEC_VERSION`, which follows semver. Within a major
+version hooks and arguments are only added, never removed or renamed, so a plugin written against
+1.0 runs on every 1.x. A removal or rename goes through a deprecation first: the old hook or
+argument keeps working, registering it warns (`FutureWarning`) naming the replacement, and it
+stays for at least one minor version. `tests/hookspec_signatures.json` records every hook and its
+arguments; a test fails when one disappears without a deprecation entry there. Deprecated now:
+`plait_comm_hook` (since 1.1, use `plait_grad_reducer`; `strategy=ddp` adapts it).
+
+A plugin that cannot be loaded (its import raises, it implements a hook the spec lacks, or a hook
+with an argument the spec lacks) is named with its distribution and entry point, the hook, the
+argument, the spec's arguments and the plait version it declares: every command but
+`plait plugins` refuses with exit 2, `plait plugins` lists it as BROKEN with the reason, and
+`plait plugins --check` exits 2 when any plugin is broken (put it in your plugin's CI).
+`plait.testing` (`compose`, `run_training`, `run_losses`, `read_metrics`, `spawn`) is the
+supported way to test a plugin and is kept stable under the same policy.
+
+## A new plugin, step by step
+
+    plait new-plugin demo --kind observer   # or --kind comm
+    pip install -e plait-demo               # registers the entry point `demo` in the plait group
+    plait plugins --check                   # lists demo; exit 2 if any plugin is broken
+    plait train train.steps=20              # an observer is active in every run
+    python -m pytest plait-demo/tests       # the generated test: 2 processes, plait.testing
+
+`plait-demo/plait_demo/__init__.py` holds the hookimpl: for `observer`, `plait_on_step_end(step,
+metrics)`, which prints each step's loss (or appends it to `$PLAIT_DEMO_OUT`); for `comm`,
+`plait_declare` (selected by `comm.name=demo`) and `plait_grad_reducer`, which returns a
+`plait.types.GradReducer` averaging each gradient bucket with one all-reduce. The generated test
+reads the run back with `plait.testing.read_metrics` (observer: every step's loss; comm: the same
+losses as the built-in all-reduce). Change the hookimpl, keep the test.
+
+## Hooks
+
 Hooks appear in the order a run calls them. Hooks marked *firstresult* are decisions: the first non-None answer wins, and two active plugins
 answering the same one are refused before launch. See the README for a complete example.
 """
@@ -36,7 +77,22 @@ def render() -> str:
     return "\n".join(parts)
 
 
+def signatures() -> dict[str, list[str]]:
+    """Every hook's name and argument names, as the spec has them now."""
+    return {n: list(inspect.signature(f).parameters)
+            for n, f in inspect.getmembers(hookspecs, inspect.isfunction) if n.startswith("plait_")}
+
+
+def record() -> None:
+    old = json.loads(SIGNATURES.read_text()) if SIGNATURES.exists() else {}
+    SIGNATURES.write_text(json.dumps({"version": HOOKSPEC_VERSION, "hooks": signatures(),
+                                      "deprecations": old.get("deprecations", {})},
+                                     indent=1, sort_keys=True) + "\n")
+
+
 if __name__ == "__main__":
+    if "--record" in sys.argv:
+        sys.exit(record())
     text = render()
     if "--check" in sys.argv:
         sys.exit(0 if DOC.exists() and DOC.read_text() == text else 1)

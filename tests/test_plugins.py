@@ -66,7 +66,7 @@ def test_capabilities_refuse_an_unsupported_precision_and_axis():
 def test_unknown_strategy_name_lists_what_is_installed():
     plan = make_plan(["strategy.name=nope"])
     assert any("strategy.name=nope selects no plugin that decides plait_build_engine; "
-               "installed plugins offer: ddp, diloco, local_sgd, parameter_server, zero0, zero1, zero2, "
+               "installed plugins offer: ddp, diloco, fsdp, local_sgd, parameter_server, zero0, zero1, zero2, "
                "zero3" in p for p in plan.problems)
 
 

@@ -31,7 +31,7 @@ from plait.plugins.optim.mixed_precision import (
     load_grad_scaler_state,
 )
 from plait.plugins.optim.state_by_name import load_state_by_name, state_by_name
-from plait.types import Batch, GradReducer, PluginInfo, StepOutput, StrategyCost
+from plait.types import Batch, CommSpec, GradReducer, PluginInfo, StepOutput, StrategyCost
 
 
 @dataclass
@@ -65,6 +65,29 @@ def register_reducer(ddp: DistributedDataParallel, reducer: GradReducer | None,
     ddp.register_comm_hook((reducer, group), reduce_bucket)
 
 
+class CommHookReducer:
+    """Hook spec 1.0's ``plait_comm_hook`` answer, a torch DDP comm hook ``(state, hook)``, as a
+    :class:`plait.types.GradReducer` (deprecated since hook spec 1.1, kept until 2.0): ``reduce``
+    calls ``hook(state, bucket)``; the bucket size stays the comm plugin's."""
+
+    def __init__(self, state, hook, bucket_bytes: int | None):
+        self.state, self.hook = state, hook
+        self.spec = CommSpec(algorithm="comm_hook", bucket_bytes=bucket_bytes)
+
+    def reduce(self, bucket, group):
+        return self.hook(self.state, bucket)
+
+
+def legacy_comm_hook(cfg, topology, grad_reducer: GradReducer | None, hook) -> GradReducer | None:
+    """An in-house ``plait_comm_hook`` (hook spec 1.0) in place of the comm plugin's reducer."""
+    answer = hook.plait_comm_hook(cfg=cfg, topology=topology)
+    if answer is None:
+        return grad_reducer
+    state, comm_hook = answer
+    bucket_bytes = grad_reducer.spec.bucket_bytes if grad_reducer is not None else None
+    return CommHookReducer(state, comm_hook, bucket_bytes)
+
+
 def ddp_options(reducer: GradReducer | None) -> dict:
     """DDP's constructor arguments that the comm plugin decides: the bucket size."""
     if reducer is None or reducer.spec.bucket_bytes is None:
@@ -91,6 +114,7 @@ class DDPEngine:
         self.checkpoint_name = f"model_pp{topology.pp_rank}_tp{topology.tp_rank}.pt"
         self.saves_checkpoint = topology.dp_rank == 0
         self.wrapped = model
+        grad_reducer = legacy_comm_hook(cfg, topology, grad_reducer, hook)
         if self.dp_size > 1:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.wrapped = DistributedDataParallel(model, device_ids=device_ids,
@@ -203,7 +227,8 @@ def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="ddp", selected_by={"strategy.name": "ddp"},
         provides=frozenset({"engine:tensor_parallel", "engine:pipeline", "engine:grad_reducer",
-                            "engine:grad_comm", "engine:layout_free_state"}),
+                            "engine:grad_comm", "engine:layout_free_state",
+                            "engine:comm_hook"}),
         description="torch DistributedDataParallel")
 
 

@@ -1,0 +1,1 @@
+import team_internal_sdk_not_installed  # noqa: F401
