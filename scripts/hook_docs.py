@@ -45,7 +45,7 @@ supported way to test a plugin and is kept stable under the same policy.
 
 ## A new plugin, step by step
 
-    plait new-plugin demo --kind observer   # or --kind comm
+    plait new-plugin demo --kind observer   # or comm, model, data, strategy
     pip install -e plait-demo               # registers the entry point `demo` in the plait group
     plait plugins --check                   # lists demo; exit 2 if any plugin is broken
     plait train train.steps=20              # an observer is active in every run
@@ -56,7 +56,11 @@ metrics)`, which prints each step's loss (or appends it to `$PLAIT_DEMO_OUT`); f
 `plait_declare` (selected by `comm.name=demo`) and `plait_grad_reducer`, which returns a
 `plait.types.GradReducer` averaging each gradient bucket with one all-reduce. The generated test
 reads the run back with `plait.testing.read_metrics` (observer: every step's loss; comm: the same
-losses as the built-in all-reduce). Change the hookimpl, keep the test.
+losses as the built-in all-reduce). For `model`, a `TinyLM` module with its schema stored as the
+`model=demo` option (`plait_register_configs`); for `data`, `plait_build_dataset` returning a
+`plait.types.TokenDataset` (a counting stream, `data=demo`); for `strategy`, `plait_build_engine`
+returning the smallest `plait.types.Engine` (`strategy=demo`: a per-parameter all-reduce, whose
+test equals one process). Change the hookimpl, keep the test.
 
 ## Hooks
 

@@ -60,3 +60,29 @@ def test_generated_tests_pass_as_generated(generated):
                "plait-demo/tests", "plait-demo-comm/tests")
     assert done.returncode == 0, done.stdout[-3000:]
     assert "4 passed" in done.stdout
+
+
+@pytest.mark.slow
+def test_model_data_and_strategy_kinds_install_and_pass_their_generated_tests(tmp_path):
+    """The other three kinds: ``model=demo_model`` (a TinyLM trains on 2 processes), ``data=
+    demo_data`` (a counting stream is learnt), ``strategy=demo_strategy`` (a per-parameter
+    all-reduce engine equals one process, rel 1e-5)."""
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}"
+                                       f"{os.environ.get('PYTHONPATH', '')}"}
+    kinds = ("model", "data", "strategy")
+    for kind in kinds:
+        done = run(tmp_path, env, "-m", "plait", "new-plugin", f"demo_{kind}", "--kind", kind)
+        assert done.returncode == 0, done.stderr
+    installed = run(tmp_path, env, "-m", "pip", "install", "-q", "--no-deps",
+                    "--no-build-isolation", "--target", str(tmp_path / "site"),
+                    *(f"./plait-demo-{kind}" for kind in kinds))
+    assert installed.returncode == 0, installed.stderr
+    listed = run(tmp_path, env, "-m", "plait", "plugins", "--check")
+    assert listed.returncode == 0, listed.stderr
+    for selector in ("model._target_=plait_demo_model.TinyLM", "data.name=demo_data",
+                     "strategy.name=demo_strategy"):
+        assert f"selected by: {selector}" in listed.stdout
+    done = run(tmp_path, env, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               *(f"plait-demo-{kind}/tests" for kind in kinds), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "4 passed" in done.stdout

@@ -1,4 +1,4 @@
-"""``plait new-plugin <name> --kind observer|comm``: write a pip-installable in-house plugin.
+"""``plait new-plugin <name> --kind observer|comm|model|data|strategy``: write a pip-installable in-house plugin.
 
     plait new-plugin demo --kind observer     # ./plait-demo/: pyproject.toml (the entry point),
                                               # plait_demo/__init__.py (one documented hookimpl),
@@ -27,7 +27,7 @@ def plait_declare() -> PluginInfo:
 @hookimpl
 def plait_register_commands(register) -> None:
     register("new-plugin", cmd_new_plugin,
-             "write a pip-installable plugin package (<name> --kind observer|comm [--dir D])")
+             "write a pip-installable plugin package (<name> --kind observer|comm|model|data|strategy [--dir D])")
 
 
 def cmd_new_plugin(argv: list[str]) -> int:
