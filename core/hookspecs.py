@@ -507,15 +507,19 @@ def plait_on_run_start(cfg: DictConfig, state: TrainState, topology: Topology) -
     """
 
 
-@hookspec
+@hookspec(warn_on_impl_args={"metrics": FutureWarning(
+    "plait_on_step_end's argument metrics is deprecated since hook spec 1.2 and goes in 2.0: "
+    "read output (output.loss, output.grad_norm, output.metrics: the engine's figures), or "
+    "implement plait_log_metrics(step, metrics) for every logged metric")})
 def plait_on_step_end(step: int, output: StepOutput, state: TrainState,
                       metrics: dict[str, float]) -> None:
     """Every optimizer step has finished: ``output`` is what the engine reported (the global
     mean loss, the global gradient norm, engine figures). No collective happened for it, so this
     is the cheap per-step point, e.g. for early stopping or a profiler's step marker.
 
-    :param metrics: on a logged step the dict ``plait_log_metrics`` gets; on the other steps
-        loss, lr, grad_norm and the engine's figures (hook spec 1.0's argument, kept).
+    :param metrics: deprecated (hook spec 1.2; hook spec 1.0's argument, kept working until
+        2.0): on a logged step the dict ``plait_log_metrics`` gets; on the other steps loss, lr,
+        grad_norm and the engine's figures. Read ``output``, or implement ``plait_log_metrics``.
     """
 
 

@@ -726,3 +726,6 @@ class ImportFirst:
         for name in self.modules:
             importlib.import_module(name)
         return (yield)
+
+
+record_shards = RecordShards()  # for `+plugins=[inhouse:record_shards]` on a command line

@@ -1,8 +1,8 @@
 """``strategy=fsdp`` (torch FSDP2): the same math as one process, really sharded.
 
 Parity: 20 steps against one process (fp32, clipping off: loss within 1e-5, grad norm within
-1e-4, relative) at dp=2, FSDP x tp=2 and HSDP (``strategy.replicate=2``, 2 replica groups of 2
-shards, 4 processes). Layout: every parameter is a DTensor sharded over the dp (or shard) mesh,
+1e-4, relative) at dp=2, FSDP x tp=2 and HSDP on 2 nodes x 2 processes (``strategy.replicate=2``,
+two launcher agents on loopback). Layout: every parameter is a DTensor sharded over the dp (or shard) mesh,
 each rank holding 1/shard of it, so a silent fallback to DDP fails. Switch-off run once: without
 restoring the tensor-parallel attributes on the sharded parameters the FSDP x tp grad norm was
 4.69 instead of 5.08 (red). The gloo ``ReduceOp.AVG`` trap (pytorch#162338) could not be shown
@@ -13,12 +13,15 @@ green), so the forced sum-then-divide is kept as the issue asks and proven only 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from inhouse import RecordShards
 
-from plait.testing import compose, read_metrics, run_training
+from plait.testing import TEST_OVERRIDES, compose, free_port, read_metrics, run_training
 from plait.types import PlanError
 
 STEPS = 20
@@ -28,9 +31,17 @@ LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
 LAYOUTS = {
     "dp2": (["strategy=fsdp", "launcher.nproc_per_node=2"], 2, [2], ["dp"]),
     "tp2": (["strategy=fsdp", "parallel.tp=2", "launcher.nproc_per_node=4"], 4, [2], ["dp"]),
-    "hsdp": (["strategy=fsdp", "strategy.replicate=2", "launcher.nproc_per_node=4"], 4, [2, 2],
-             ["replicate", "shard"]),
 }
+
+
+def assert_sharded(run: Path, ranks: int, mesh: list[int], mesh_dims: list[str]) -> None:
+    shard = mesh[-1]
+    for rank in range(ranks):
+        held = json.loads((run / f"shards_rank{rank}.json").read_text())
+        for name, p in held.items():
+            assert p["dtensor"] and p["mesh"] == mesh and p["mesh_dims"] == mesh_dims, name
+            assert p["placements"][-1] == "S(0)", name  # Shard(dim=0)
+            assert p["local"] <= -(-p["global"] // shard) < p["global"], name  # 1/shard of it
 
 
 def figures(run_dir: Path) -> tuple[list[float], list[float]]:
@@ -55,13 +66,7 @@ def test_fsdp_equals_one_process_and_really_shards(one_process, layout, tmp_path
     assert len(losses) == STEPS
     assert losses == pytest.approx(one_process[0], rel=LOSS_RTOL)
     assert norms == pytest.approx(one_process[1], rel=GRAD_NORM_RTOL)
-    shard = mesh[-1]
-    for rank in range(ranks):
-        held = json.loads((run / f"shards_rank{rank}.json").read_text())
-        for name, p in held.items():
-            assert p["dtensor"] and p["mesh"] == mesh and p["mesh_dims"] == mesh_dims, name
-            assert p["placements"][-1] == "S(0)", name  # Shard(dim=0)
-            assert p["local"] <= -(-p["global"] // shard) < p["global"], name  # 1/shard of it
+    assert_sharded(run, ranks, mesh, mesh_dims)
     if layout == "tp2":  # the tensor-parallel split happened too: qkv holds half its rows
         held = json.loads((run / "shards_rank0.json").read_text())
         assert held["blocks.0.attn.qkv.weight"]["global"] == 3 * 64 * 64 // 2
@@ -80,3 +85,25 @@ def test_what_fsdp_cannot_run_is_refused_before_launch(overrides, message):
     with pytest.raises(PlanError) as refused:
         compose(["strategy=fsdp", *overrides])
     assert message in str(refused.value)
+
+
+@pytest.mark.slow
+def test_hsdp_on_two_nodes_equals_one_process(one_process, tmp_path):
+    """HSDP on 2 nodes x 2 processes: two launcher agents on loopback (the README's multi-node
+    command, no root needed), ``strategy.replicate=2``: each node's two ranks shard the model,
+    the nodes are replicas (mesh ``(replicate 2, shard 2)``)."""
+    overrides = [*TEST_OVERRIDES, *COMMON, "strategy=fsdp", "strategy.replicate=2",
+                 "launcher.nnodes=2", "launcher.nproc_per_node=2", "launcher.master_addr=127.0.0.1",
+                 f"launcher.master_port={free_port()}", f"run.root={tmp_path}", "run.name=hsdp",
+                 "+plugins=[inhouse:record_shards]"]
+    env = {**os.environ, "PYTHONPATH": f"{Path(__file__).parent}{os.pathsep}"
+                                       f"{os.environ.get('PYTHONPATH', '')}"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "plait", "train", *overrides,
+                               f"launcher.node_rank={rank}"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=500)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    losses, norms = figures(tmp_path / "hsdp")
+    assert losses == pytest.approx(one_process[0], rel=LOSS_RTOL)
+    assert norms == pytest.approx(one_process[1], rel=GRAD_NORM_RTOL)
+    assert_sharded(tmp_path / "hsdp", 4, [2, 2], ["replicate", "shard"])

@@ -94,10 +94,14 @@ def test_the_deprecated_comm_hook_warns_once_naming_its_replacement(first_spec_s
     [warning] = [w for w in warned if "plait_comm_hook" in str(w.message)]
     assert "implement plait_grad_reducer" in str(warning.message)
     assert warning.filename.endswith("first_spec_comm_hook.py")  # the user's own line
+    [warning] = [w for w in warned if "argument metrics is deprecated" in str(w.message)]
+    assert "read output" in str(warning.message) and "plait_log_metrics" in str(warning.message)
+    assert warning.filename.endswith("first_spec_observer.py")
     assert {"first_spec_observer", "first_spec_comm_hook"} <= set(pm.records)
     done = plait(first_spec_site / "site", "plan")  # builds its plugin manager several times
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("FutureWarning: plait_comm_hook is deprecated") == 1
+    assert done.stderr.count("argument metrics is deprecated") == 1
 
 
 @pytest.mark.slow

@@ -49,14 +49,15 @@ OUT_ENV = "PLAIT_{upper}_OUT"
 
 
 @hookimpl
-def plait_on_step_end(step, metrics):
+def plait_on_step_end(step, output):
     """Called on the logging rank after every optimizer step.
 
     :param step: the optimizer step just finished (1 for the first).
-    :param metrics: loss, lr, grad_norm and the engine's figures (every logged step: what the
-        loggers get, step times and memory too).
+    :param output: what the engine reported: ``loss`` (the global batch's mean), ``grad_norm``,
+        ``metrics`` (the engine's own figures). Every logged metric (step times, memory, eval
+        loss) comes to ``plait_log_metrics(step, metrics)`` instead.
     """
-    line = json.dumps({{"step": step, "loss": metrics["loss"]}})
+    line = json.dumps({{"step": step, "loss": output.loss}})
     path = os.environ.get(OUT_ENV)
     if path:
         with open(path, "a") as f:
