@@ -102,7 +102,9 @@ def test_zero_maps_each_comm_choice_onto_deepspeed():
     assert fp32["zero_optimization"]["reduce_bucket_size"] == 2**20 // 2
     default = make_plan(["tracker=none", "strategy=zero2"]).backend_configs["deepspeed"]
     assert "communication_data_type" not in default
-    assert "reduce_bucket_size" not in default["zero_optimization"]
+    # without comm.bucket_mb the bucket is sized from the model (plugins/zero/sizing.py: the
+    # default GPT's largest parameter, 256 x 64), not set by the comm plugin
+    assert default["zero_optimization"]["reduce_bucket_size"] == 256 * 64
 
 
 def test_zero_refuses_what_deepspeed_cannot_do():
