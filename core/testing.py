@@ -180,7 +180,7 @@ class MemoryProbe:
         path = Path(cfg.run.dir) / "memory" / f"rank{topology.rank}.json"
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps({"rss_before_model": self.rss_before_model,
-                                    "build_peak": build_peak, "after": resident_bytes() - self.rss_before_model}))
+                                    "build_peak": build_peak}))
         return (yield)
 
     @hookimpl(tryfirst=True)  # before the trackers write the step

@@ -107,3 +107,18 @@ def test_hsdp_on_two_nodes_equals_one_process(one_process, tmp_path):
     assert losses == pytest.approx(one_process[0], rel=LOSS_RTOL)
     assert norms == pytest.approx(one_process[1], rel=GRAD_NORM_RTOL)
     assert_sharded(tmp_path / "hsdp", 4, [2, 2], ["replicate", "shard"])
+
+
+@pytest.mark.slow
+def test_fsdp_resumes_from_its_own_checkpoint_exactly(tmp_path):
+    """Each rank's shards and Adam states (``save_state``), saved at step 4 of 8: the resumed
+    run's steps 5-8 are the uninterrupted run's, exactly."""
+    run = ["strategy=fsdp", "launcher.nproc_per_node=2", "train.steps=8",
+           "optimizer.decay_steps=8", "fault.checkpoint_every=4", "fault.keep_last=0"]
+    origin = run_training(tmp_path / "origin", run)
+    resumed = run_training(tmp_path / "resumed",
+                           [*run, f"resume={origin / 'checkpoints' / 'step_00000004'}"])
+    want = {m["step"]: m["loss"] for m in read_metrics(origin)}
+    got = {m["step"]: m["loss"] for m in read_metrics(resumed)}
+    assert sorted(got) == [5, 6, 7, 8]
+    assert [got[s] for s in got] == [want[s] for s in got]
