@@ -20,6 +20,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -149,6 +150,10 @@ _worker: dict[str, Any] = {}
 
 
 def _init_worker(name: str, tokenizer_json: Optional[str], dtype: str) -> None:
+    # A forked worker inherits the parent's signal dispositions (torch elastic installs Python
+    # handlers in a process that has launched workers, as the test process has); with the
+    # default, the pool's terminate() on an error ends a worker whatever it is doing.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     _worker.update(tokenizer=from_spec(name, tokenizer_json), dtype=dtype)
 
@@ -333,6 +338,8 @@ def prepare(data, out: Path, log=print) -> Path:
         for tokens, lengths, nbytes in pool.imap(tokenize_task, tasks[progress.tasks_done:]):
             writer.add(tokens, lengths, nbytes)
             bar.update(nbytes)
+        pool.close()  # workers leave on their own; the with-block's terminate is for errors
+        pool.join()
     bar.close()
     shards = writer.finish(tokenizer)
     log(f"plait prepare: {shards} shards, {tokenizer.name} tokenizer (vocab "
