@@ -16,7 +16,8 @@ from typing import Any, Mapping, NamedTuple, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, ListConfig
 
-GROUPS = ("strategy", "parallel", "tensor_parallel", "pipeline", "comm", "data", "model",
+GROUPS = ("strategy", "parallel", "tensor_parallel", "expert_parallel", "pipeline", "comm", "data",
+          "model",
           "optimizer", "fault", "tracker", "launcher", "tune")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp16": 2}  # of a tensor element in each precision
@@ -67,6 +68,7 @@ class ParallelConfig:
     dp: int = -1  # -1: world_size // (tp * pp)
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism: experts spread over ep of the dp ranks (ep divides dp)
 
 
 @dataclass
@@ -119,6 +121,11 @@ class TensorParallelConfig:
 
 
 @dataclass
+class ExpertParallelConfig:
+    name: str = MISSING
+
+
+@dataclass
 class PipelineConfig:
     name: str = MISSING
 
@@ -164,6 +171,7 @@ class PlaitConfig:
     strategy: StrategyConfig = MISSING
     parallel: ParallelConfig = MISSING
     tensor_parallel: TensorParallelConfig = MISSING
+    expert_parallel: ExpertParallelConfig = MISSING
     pipeline: PipelineConfig = MISSING
     comm: CommConfig = MISSING
     data: DataConfig = MISSING
@@ -240,7 +248,8 @@ def range_problems(section: str, settings: Any, ranges: Mapping[str, Range]) -> 
 def store_core_schemas(cs: ConfigStore) -> None:
     cs.store(name="base_config", node=PlaitConfig)
     for group, node in [("strategy", StrategyConfig), ("parallel", ParallelConfig),
-                        ("tensor_parallel", TensorParallelConfig), ("pipeline", PipelineConfig),
+                        ("tensor_parallel", TensorParallelConfig),
+                        ("expert_parallel", ExpertParallelConfig), ("pipeline", PipelineConfig),
                         ("comm", CommConfig), ("data", DataConfig), ("model", ModelConfig),
                         ("optimizer", OptimizerConfig), ("fault", FaultConfig),
                         ("tracker", TrackerConfig), ("launcher", LauncherConfig),

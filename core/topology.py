@@ -11,6 +11,14 @@ from rank numbers::
     2 nodes x 4 processes, tp=2, dp=4:   dp group [0, 2, 4, 6] = node 0: [0, 2] | node 1: [4, 6]
     intra-node groups [0, 2], [4, 6]     inter-node groups [0, 4], [2, 6]   (strided by tp)
 
+Expert parallelism is carved out of the data-parallel ranks (Megatron's and torchtitan's
+layout, and DeepSpeed's ``_get_expert_parallel_ranks``): each dp group of ``dp`` ranks splits into
+``dp / ep`` expert-parallel groups of ``ep`` consecutive dp ranks, which hold different experts
+and exchange tokens, and ``ep`` expert-data-parallel groups of the ranks that hold the same
+experts (every ``ep``-th dp rank), over which those experts' gradients are averaged::
+
+    dp=4, ep=2:   dp group [0, 1, 2, 3]   ep groups [0, 1], [2, 3]   edp groups [0, 2], [1, 3]
+
 A strategy may carve the ranks into roles (``plait_assign_roles``), e.g. parameter servers and
 trainers. The mesh then holds the trainers only; every collective of the core and the shared
 plugins runs over the trainer group (``trainer_group``, or ``step_group`` for per-step figures),
@@ -49,9 +57,10 @@ class ParallelDims:
     pp: int
     world_size: int
     nnodes: int = 1
+    ep: int = 1  # expert parallelism, within dp: dp = edp x ep
 
     def __post_init__(self) -> None:
-        for axis in ("dp", "tp", "pp", "world_size", "nnodes"):
+        for axis in ("dp", "tp", "pp", "world_size", "nnodes", "ep"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"{axis}={getattr(self, axis)} must be at least 1")
         if self.dp * self.tp * self.pp != self.world_size:
@@ -60,6 +69,15 @@ class ParallelDims:
                 "set parallel.dp=-1 to fill the remaining ranks with data parallelism, or change "
                 "launcher.nproc_per_node / launcher.nnodes"
             )
+        if self.ep > self.dp:
+            raise ValueError(
+                f"parallel.ep={self.ep} is larger than the data-parallel world dp={self.dp}: "
+                "experts are spread over data-parallel ranks; set parallel.ep to a divisor of "
+                f"{self.dp}, or give data parallelism more ranks (launcher.nproc_per_node)")
+        if self.dp % self.ep:
+            raise ValueError(
+                f"parallel.ep={self.ep} does not divide the data-parallel world dp={self.dp}: "
+                f"choose parallel.ep in {[e for e in range(1, self.dp + 1) if self.dp % e == 0]}")
 
     @classmethod
     def from_config(cls, cfg, world_size: int | None = None) -> ParallelDims:
@@ -79,11 +97,17 @@ class ParallelDims:
                     "parallel.tp / parallel.pp or launcher.nproc_per_node"
                 )
             dp = world_size // (tp * pp)
-        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, nnodes=nnodes)
+        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, nnodes=nnodes,
+                   ep=getattr(cfg.parallel, "ep", 1))
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the ranks holding the same experts."""
+        return self.dp // self.ep
 
     @property
     def enabled_axes(self) -> frozenset[str]:
-        return frozenset(a for a in ("dp", "tp", "pp") if getattr(self, a) > 1)
+        return frozenset(a for a in ("dp", "tp", "pp", "ep") if getattr(self, a) > 1)
 
 
 def elastic_grad_accum_steps(cfg, dims: ParallelDims, local_world_size: int) -> int:
@@ -156,6 +180,18 @@ def mesh_groups(dims: ParallelDims, axis: str, ranks: list[int] | None = None) -
     mesh = torch.tensor(ranks).reshape(dims.pp, dims.dp, dims.tp)
     dim = MESH_AXES.index(axis)
     return mesh.movedim(dim, -1).reshape(-1, mesh.shape[dim]).tolist()
+
+
+def expert_groups(dims: ParallelDims, ranks: list[int] | None = None
+                  ) -> tuple[list[list[int]], list[list[int]]]:
+    """The expert-parallel and expert-data-parallel groups (global ranks): each dp group cut into
+    runs of ``ep`` consecutive dp ranks, and the ranks at the same place in each run."""
+    ep_groups, edp_groups = [], []
+    for group in mesh_groups(dims, "dp", ranks):
+        runs = [group[i:i + dims.ep] for i in range(0, dims.dp, dims.ep)]
+        ep_groups += runs
+        edp_groups += [list(peers) for peers in zip(*runs)]
+    return ep_groups, edp_groups
 
 
 def split_by_node(ranks: list[int], node_of: list[int]) -> list[list[int]] | None:
@@ -307,6 +343,9 @@ class Topology:
     # a plain run). trainer_group: start-up and checkpoints; step_group: per-step figures.
     trainer_group: dist.ProcessGroup | None = None
     step_group: dist.ProcessGroup | None = None
+    # parallel.ep > 1: this rank's expert-parallel and expert-data-parallel groups
+    ep_group: dist.ProcessGroup | None = None
+    edp_group: dist.ProcessGroup | None = None
     _node_groups: dict[str, NodeGroups] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -341,6 +380,10 @@ class Topology:
             groups["trainer_group"] = groups["step_group"] = dist.new_group(trainers)
         if not roles.lockstep:
             groups["step_group"] = dist.new_subgroups_by_enumeration([[r] for r in trainers])[0]
+        if dims.ep > 1:  # every rank takes part in creating each group
+            ep_ranks, edp_ranks = expert_groups(dims, trainers)
+            groups["ep_group"] = dist.new_subgroups_by_enumeration(ep_ranks)[0]
+            groups["edp_group"] = dist.new_subgroups_by_enumeration(edp_ranks)[0]
         return cls(dims=dims, device=device, mesh=mesh, rank=dist.get_rank(),
                    local_rank=local_rank, node_rank=node_rank,
                    local_world_size=local_world_size, node_of=node_of, roles=roles, **groups)
@@ -393,9 +436,25 @@ class Topology:
     def get_pipeline_model_parallel_group(self) -> dist.ProcessGroup:
         return self.group("pp")
 
+    def get_expert_parallel_group(self) -> dist.ProcessGroup | None:
+        return self.ep_group
+
+    def get_expert_data_parallel_group(self) -> dist.ProcessGroup:
+        """Where expert parameters are averaged: the dp group while ``ep == 1``."""
+        return self.edp_group if self.dims.ep > 1 else self.group("dp")
+
     @property
     def dp_rank(self) -> int:
         return self.axis_rank("dp")
+
+    @property
+    def ep_rank(self) -> int:
+        """Which share of the experts this rank holds (its place in its expert-parallel group)."""
+        return self.dp_rank % self.dims.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.dp_rank // self.dims.ep
 
     @property
     def tp_rank(self) -> int:
@@ -418,7 +477,8 @@ class Topology:
         return (
             f"rank {self.rank}/{d.world_size} (node {self.node_rank}, local {self.local_rank}/"
             f"{self.local_world_size}) pp={self.pp_rank}/{d.pp} dp={self.dp_rank}/{d.dp} "
-            f"tp={self.tp_rank}/{d.tp} on {self.device}"
+            f"tp={self.tp_rank}/{d.tp}" + (f" ep={self.ep_rank}/{d.ep}" if d.ep > 1 else "")
+            + f" on {self.device}"
         )
 
 

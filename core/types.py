@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 ALL_DEVICES = frozenset({"cpu", "cuda"})
 ALL_PRECISIONS = frozenset({"fp32", "bf16", "fp16"})
-ALL_AXES = frozenset({"dp", "tp", "pp"})
+ALL_AXES = frozenset({"dp", "tp", "pp", "ep"})
 
 
 ALWAYS = "always"
@@ -36,7 +36,7 @@ class PluginInfo:
     Plugins meet each other through capabilities, never through each other's names:
     ``provides`` lists what this plugin offers the others (``"engine:pipeline"``: a strategy
     whose engine a pipeline can drive), and ``requires`` maps a parallel axis (``"dp"``,
-    ``"tp"``, ``"pp"``: needed while that axis is larger than 1) or :data:`ALWAYS` to the
+    ``"tp"``, ``"pp"``, ``"ep"``: needed while that axis is larger than 1) or :data:`ALWAYS` to the
     capabilities some active plugin must provide. ``docs/architecture.md`` lists the built-in
     capability names; a third-party plugin may use them or coin its own.
     """

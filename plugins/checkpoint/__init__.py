@@ -324,12 +324,14 @@ def plait_backend_config(cfg, dims) -> dict:
 
 
 def current_layout(cfg, dims) -> dict:
-    return {"strategy": cfg.strategy.name, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp}
+    return {"strategy": cfg.strategy.name, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp,
+            "ep": dims.ep}
 
 
 def describe(layout: dict) -> str:
     return (f"strategy={layout['strategy']} parallel.dp={layout['dp']} parallel.tp="
-            f"{layout['tp']} parallel.pp={layout['pp']}")
+            f"{layout['tp']} parallel.pp={layout['pp']}"
+            + (f" parallel.ep={layout['ep']}" if layout.get("ep", 1) > 1 else ""))
 
 
 def saved_layout(path: Path) -> dict | None:
@@ -345,7 +347,7 @@ def needs_conversion(saved: dict | None, layout: dict) -> bool:
     """The engine's own files cannot be loaded: another layout wrote them, or there are none."""
     if saved is None:
         return False
-    return not saved["engine_files"] or {k: saved[k] for k in layout} != layout
+    return not saved["engine_files"] or {k: saved.get(k, 1) for k in layout} != layout
 
 
 def reshard_problems(cfg, dims, hook, reshardable: bool) -> list[str]:
@@ -479,15 +481,18 @@ def save(cfg, engine, state, topology) -> Path:
     partial, complete = root / f".{name}.partial", root / name
     reshardable = hasattr(engine, "layout_free_state")
     in_background = cfg.fault.async_save and reshardable
+    # an engine whose own format cannot hold this layout (ZeRO with experts) writes only the
+    # layout-free copy, from which a resume at any layout loads
+    engine_files = not in_background and getattr(engine, "saves_engine_files", True)
     makes_directory = (topology.local_trainer_rank == 0) if node_local else topology.is_logging_rank
     if makes_directory:
         remove_leftovers(root)
         partial.mkdir(parents=True)
     barrier(topology)
-    if not in_background:
+    if engine_files:
         engine.save_state(partial)
     torch.save(rng_state(), partial / f"rng_rank{topology.rank}.pt")
-    record = {**current_layout(cfg, topology.dims), "engine_files": not in_background,
+    record = {**current_layout(cfg, topology.dims), "engine_files": engine_files,
               "layout_free": reshardable}
     state.run_name = cfg.run.name  # a run resumed elsewhere (a PBT copy) names its source
     trainer_state = json.dumps(state.to_dict())

@@ -5,6 +5,9 @@ gradient communication is the comm plugin's reducer, adapted as a DDP comm hook 
 (:func:`register_reducer`), and DDP's bucket size is the comm plugin's (``comm.bucket_mb``).
 With ``precision=fp16`` torch's dynamic ``GradScaler`` scales the loss; the step logs
 ``loss_scale`` and ``skipped_steps`` (steps skipped on an overflow), as ``strategy=zero*`` does.
+Under expert parallelism (``parallel.ep > 1``) DDP leaves this rank's experts alone; after the
+last micro-batch their gradients are averaged over the expert-data-parallel group
+(:mod:`plait.plugins.expert_parallel.grads`), and each (pp, tp, ep) position saves its own file.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from plait import hookimpl
 from plait.config import StrategyConfig
+from plait.plugins.expert_parallel.grads import average_expert_gradients, expert_names
 from plait.plugins.optim.clip_grads import clip_grad_norm_
 from plait.plugins.optim.hyperparameters import keep_hyperparameters
 from plait.plugins.optim.mixed_precision import (
@@ -111,11 +115,22 @@ class DDPEngine:
         # Tensor-parallel shards: the gradient norm is summed over the tp group.
         self.tp_group = topology.get_tensor_model_parallel_group() if topology.dims.tp > 1 else None
         self.tp_rank = topology.tp_rank
+        # Expert parallelism: experts differ across the ep group, their gradients are averaged
+        # over the ranks that hold the same ones (edp), and their norm summed over ep.
+        self.ep = topology.dims.ep
+        self.ep_group = topology.get_expert_parallel_group() if self.ep > 1 else None
+        self.edp_group = topology.get_expert_data_parallel_group() if self.ep > 1 else None
         self.checkpoint_name = f"model_pp{topology.pp_rank}_tp{topology.tp_rank}.pt"
         self.saves_checkpoint = topology.dp_rank == 0
+        if self.ep > 1:  # one file per position holding other experts, from its first replica
+            self.checkpoint_name = self.checkpoint_name.replace(".pt", f"_ep{topology.ep_rank}.pt")
+            self.saves_checkpoint = topology.edp_rank == 0
         self.wrapped = model
         grad_reducer = legacy_comm_hook(cfg, topology, grad_reducer, hook)
         if self.dp_size > 1:
+            if self.ep > 1:
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                    model, expert_names(model))
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.wrapped = DistributedDataParallel(model, device_ids=device_ids,
                                                    process_group=self.dp_group,
@@ -157,9 +172,12 @@ class DDPEngine:
                 self.scaler.scale(loss / n).backward()
             total += loss.detach()
         mean_loss = self._mean_over_dp(total / n)
+        if self.ep > 1:
+            average_expert_gradients(self.model.parameters(), self.edp_group, self.dp_size)
         self.scaler.unscale_(self.optimizer)
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, self.tp_group, self.tp_rank)
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, self.tp_group, self.tp_rank,
+                                    ep_group=self.ep_group)
         # fp16: the loss scaler skips a step whose gradients overflowed and lowers the scale,
         # routinely in the first steps, so the guard judges the loss alone.
         guarded_norm = torch.zeros_like(grad_norm) if self.scaler.is_enabled() else grad_norm
@@ -228,7 +246,7 @@ def plait_declare() -> PluginInfo:
         name="ddp", selected_by={"strategy.name": "ddp"},
         provides=frozenset({"engine:tensor_parallel", "engine:pipeline", "engine:grad_reducer",
                             "engine:grad_comm", "engine:layout_free_state",
-                            "engine:comm_hook"}),
+                            "engine:comm_hook", "engine:expert_parallel"}),
         description="torch DistributedDataParallel")
 
 
@@ -261,11 +279,13 @@ def plait_strategy_cost(strategy, model, dims) -> StrategyCost | None:
 
 @hookimpl
 def plait_read_model_shards(checkpoint) -> dict[tuple[int, int], dict]:
-    shards = {}
+    """Each (pp, tp) position's state dict; under expert parallelism the files of its ep ranks
+    together (their experts have distinct global names)."""
+    shards: dict[tuple[int, int], dict] = {}
     for path in sorted(checkpoint.glob("model_pp*_tp*.pt")):
-        pp, tp = (int(part[2:]) for part in path.stem.split("_")[1:])
+        pp, tp = (int(part[2:]) for part in path.stem.split("_")[1:3])
         state = torch.load(path, map_location="cpu", weights_only=True)["model"]
-        shards[(pp, tp)] = {k: v.float() for k, v in state.items()}
+        shards.setdefault((pp, tp), {}).update({k: v.float() for k, v in state.items()})
     return shards
 
 

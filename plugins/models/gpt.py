@@ -2,7 +2,9 @@
 
 Modules are named so that splitting plans read like Megatron's: ``blocks.<i>.attn.qkv`` (column
 parallel), ``blocks.<i>.attn.proj`` (row parallel), ``blocks.<i>.mlp.fc`` / ``mlp.proj``,
-``embed.tok`` (vocab parallel), ``head``. Blocks live in a ``ModuleDict`` keyed by layer index and
+``embed.tok`` (vocab parallel), ``head``. With ``model.n_experts=E`` every ``model.moe_every``-th
+block's MLP is a mixture of experts (:mod:`.moe`): ``blocks.<i>.mlp.router``,
+``blocks.<i>.mlp.experts.<e>.fc``/``proj``, ``blocks.<i>.mlp.shared.*``. Blocks live in a ``ModuleDict`` keyed by layer index and
 every part may be set to None, so a pipeline stage keeps only its share and the same ``forward``
 runs on each stage (torchtitan's pattern).
 """
@@ -11,15 +13,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from plait import hookimpl
-from plait.config import AT_LEAST_1, ModelConfig, Range, range_problems
+from plait.config import AT_LEAST_0, AT_LEAST_1, POSITIVE, ModelConfig, Range, range_problems
 from plait.meta import init_by_name
 from plait.plugins.models.checks import context_problems, tensor_parallel_problems
+from plait.plugins.models.moe import ROUTERS, MoE
 from plait.types import PluginInfo
 
 
@@ -34,10 +38,23 @@ class GPTConfig(ModelConfig):
     dropout: float = 0.0
     bias: bool = True
     tie_embeddings: bool = False
+    # Mixture of experts (moe.py): 0 experts keeps every block's dense MLP.
+    n_experts: int = 0
+    top_k: int = 2  # experts each token is routed to
+    moe_every: int = 1  # block i is MoE when i % moe_every == 0 (Megatron's moe_layer_freq)
+    shared_expert: bool = False  # one more expert every token goes through
+    router: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    aux_loss_coeff: float = 0.01  # load-balancing loss weight (Switch Transformer)
+    z_loss_coeff: float = 0.001  # router z-loss weight (ST-MoE)
+    capacity_factor: Optional[float] = None  # None: dropless; c: each expert takes c·T·k/E
+    expert_hidden: Optional[int] = None  # an expert's MLP width; None: 4 x n_embd
 
 
 RANGES = {"vocab_size": AT_LEAST_1, "block_size": AT_LEAST_1, "n_layer": AT_LEAST_1,
-          "n_head": AT_LEAST_1, "n_embd": AT_LEAST_1, "dropout": Range(0, 1, high_open=True)}
+          "n_head": AT_LEAST_1, "n_embd": AT_LEAST_1, "dropout": Range(0, 1, high_open=True),
+          "n_experts": Range(0, meaning="0: dense MLPs"), "top_k": AT_LEAST_1,
+          "moe_every": AT_LEAST_1, "aux_loss_coeff": AT_LEAST_0, "z_loss_coeff": AT_LEAST_0,
+          "capacity_factor": POSITIVE, "expert_hidden": AT_LEAST_1}
 
 
 class CoreAttention(nn.Module):
@@ -75,10 +92,11 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, n_embd: int, dropout: float, bias: bool):
+    def __init__(self, n_embd: int, dropout: float, bias: bool, hidden: int | None = None):
         super().__init__()
-        self.fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
-        self.proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        hidden = hidden or 4 * n_embd
+        self.fc = nn.Linear(n_embd, hidden, bias=bias)
+        self.proj = nn.Linear(hidden, n_embd, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,12 +104,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool,
+                 mlp: nn.Module | None = None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
-        self.mlp = MLP(n_embd, dropout, bias)
+        self.mlp = mlp if mlp is not None else MLP(n_embd, dropout, bias)
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,6 +150,14 @@ class GPT(nn.Module):
         "norm": "norm",
         "head": "vocab",
     }
+    # A mixture-of-experts block splits each expert as the dense MLP (Megatron's expert tensor
+    # parallelism equal to tp); the router stays whole on every tensor-parallel rank.
+    moe_tensor_parallel_plan = {
+        "blocks.*.mlp.experts.*.fc": "colwise",
+        "blocks.*.mlp.experts.*.proj": "rowwise",
+        "blocks.*.mlp.shared.fc": "colwise",
+        "blocks.*.mlp.shared.proj": "rowwise",
+    }
     # What each train.activation_checkpointing mode recomputes (module-name patterns): every
     # block, or only the attention core (Korthikanti et al. 2022, "selective").
     activation_checkpointing_plan = {"full": "blocks.*",
@@ -138,16 +165,35 @@ class GPT(nn.Module):
 
     def __init__(self, vocab_size: int = 256, block_size: int = 64, n_layer: int = 2,
                  n_head: int = 4, n_embd: int = 64, dropout: float = 0.0, bias: bool = True,
-                 tie_embeddings: bool = False):
+                 tie_embeddings: bool = False, n_experts: int = 0, top_k: int = 2,
+                 moe_every: int = 1, shared_expert: bool = False, router: str = "softmax",
+                 aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.001,
+                 capacity_factor: float | None = None, expert_hidden: int | None = None):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"model.n_embd={n_embd} is not divisible by model.n_head={n_head}")
         self.block_size = block_size
         self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
+        self.n_experts, self.top_k = n_experts, top_k
         self.embed = Embedding(vocab_size, block_size, n_embd, dropout)
+
+        def mlp(i: int) -> nn.Module | None:
+            if not n_experts or i % moe_every:
+                return None
+            return MoE(n_embd, n_experts, top_k, lambda: MLP(n_embd, dropout, bias, expert_hidden),
+                       shared_expert, router, aux_loss_coeff, z_loss_coeff, capacity_factor,
+                       layer_index=i)
+
         self.blocks = nn.ModuleDict(
-            {str(i): Block(n_embd, n_head, dropout, bias) for i in range(n_layer)}
+            {str(i): Block(n_embd, n_head, dropout, bias, mlp(i)) for i in range(n_layer)}
         )
+        if n_experts:
+            dense = any(i % moe_every for i in range(n_layer))
+            self.tensor_parallel_plan = {  # patterns must match modules of this model
+                k: v for k, v in {**GPT.tensor_parallel_plan, **self.moe_tensor_parallel_plan}.items()
+                if not (k.startswith("blocks.*.mlp.shared") and not shared_expert)
+                and not (k in ("blocks.*.mlp.fc", "blocks.*.mlp.proj") and not dense)
+                and k != "embed"}  # no sequence parallelism: routing needs whole sequences
         self.norm = nn.LayerNorm(n_embd, bias=bias)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_embeddings:
@@ -172,8 +218,13 @@ class GPT(nn.Module):
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: ``6·N`` for the weight matmuls (forward and backward) plus
         ``12·L·E·T`` for attention's score and value matmuls over ``T`` positions (PaLM, appendix
-        B; ``E`` = heads × head size). Position embeddings are a lookup, not a matmul."""
-        n = sum(p.numel() for p in self.parameters()) - self.embed.pos.weight.numel()
+        B; ``E`` = heads × head size). Position embeddings are a lookup, not a matmul. ``N``
+        counts the parameters a token goes through: of a mixture of experts' routed experts,
+        ``top_k / n_experts`` (the active parameters)."""
+        routed = sum(p.numel() for name, p in self.named_parameters() if ".mlp.experts." in name)
+        n = sum(p.numel() for p in self.parameters()) - self.embed.pos.weight.numel() - routed
+        if self.n_experts:
+            n += routed * self.top_k // self.n_experts
         return 6 * n + 12 * self.n_layer * self.n_embd * seq_len
 
     def activation_bytes(self, batch_size: int, seq_len: int, bytes_per_value: int,
@@ -224,7 +275,7 @@ def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="gpt", selected_by={"model._target_": GPTConfig._target_},
         provides=frozenset({"model:tensor_parallel_plan", "model:pipeline_stages",
-                            "model:activation_checkpointing_plan"}),
+                            "model:activation_checkpointing_plan", "model:experts"}),
         description="plait's GPT: schema, checks, and what it lets split")
 
 
@@ -243,5 +294,34 @@ def plait_validate(cfg, dims) -> list[str]:
     if m.n_embd % m.n_head:
         problems.append(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}: "
                         "choose n_embd as a multiple of n_head")
-    return problems + tensor_parallel_problems(
-        cfg, dims.tp, {"n_head": "attention heads", "vocab_size": "vocabulary"})
+    divides = {"n_head": "attention heads", "vocab_size": "vocabulary"}
+    if m.n_experts and m.expert_hidden is not None:
+        divides["expert_hidden"] = "an expert's MLP width"
+    return problems + expert_problems(cfg, dims) + tensor_parallel_problems(cfg, dims.tp, divides)
+
+
+def expert_problems(cfg, dims) -> list[str]:
+    """The mixture-of-experts settings, and how parallel.ep must divide them."""
+    m, problems = cfg.model, []
+    if not m.n_experts:
+        if dims.ep > 1:
+            problems.append(f"parallel.ep={dims.ep} spreads a mixture of experts' experts over "
+                            f"ranks, but model.n_experts=0 (dense MLPs): set model.n_experts to a "
+                            f"multiple of {dims.ep}, or parallel.ep=1")
+        return problems
+    if m.router not in ROUTERS:
+        problems.append(f"model.router={m.router}: choose one of {', '.join(ROUTERS)}")
+    if m.top_k > m.n_experts:
+        problems.append(f"model.top_k={m.top_k} is larger than model.n_experts={m.n_experts}: each "
+                        f"token goes to top_k different experts; set model.top_k <= "
+                        f"{m.n_experts}")
+    if m.n_experts % dims.ep:
+        fits = [e for e in range(1, dims.dp + 1) if dims.dp % e == 0 and m.n_experts % e == 0]
+        problems.append(f"parallel.ep={dims.ep} does not divide model.n_experts={m.n_experts}: "
+                        f"each expert-parallel rank holds n_experts/ep experts; choose "
+                        f"parallel.ep in {fits}, or model.n_experts as a multiple of {dims.ep}")
+    if cfg.precision == "fp16" and (m.aux_loss_coeff or m.z_loss_coeff):
+        problems.append("precision=fp16 with model.n_experts: the router's auxiliary losses enter "
+                        "the backward unscaled by the fp16 loss scale; use precision=bf16 or "
+                        "fp32, or model.aux_loss_coeff=0 model.z_loss_coeff=0")
+    return problems

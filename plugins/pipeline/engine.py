@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from plait.plugins.comm.buckets import average_gradients
+from plait.plugins.expert_parallel.grads import average_expert_gradients, is_expert
 from plait.plugins.optim.clip_grads import clip_grad_norm_
 from plait.plugins.optim.mixed_precision import autocast
 from plait.plugins.pipeline.schedules import SCHEDULES, make_schedule, stage_to_rank
@@ -55,7 +56,14 @@ class PipelineEngine:
     overflow on any stage makes the global norm non-finite, so every rank sees it at once: the
     step is skipped everywhere and the scale backs off (given explicitly: the scaler's own
     found-inf is per rank, and another stage's overflow is not in it).
+
+    Expert parallelism: experts' gradients are averaged over the expert-data-parallel group
+    instead of dp, and their norm summed over the expert-parallel group.
     """
+
+    # torch's schedules backpropagate each micro-batch's loss unscaled, then scale every
+    # gradient by 1/m (scale_grads): what a mixture of experts' auxiliary losses must know
+    scales_grads_after_backward = True
 
     def __init__(self, cfg, inner, loss_fn, grad_reducer, topology, hook):
         from torch.distributed import pipelining
@@ -73,6 +81,9 @@ class PipelineEngine:
         self.grad_reducer = grad_reducer  # the comm plugin's: averages each bucket over dp
         self.tp_group = topology.get_tensor_model_parallel_group()
         self.tp_size, self.tp_rank = topology.dims.tp, topology.tp_rank
+        self.ep = topology.dims.ep
+        self.ep_group = topology.get_expert_parallel_group() if self.ep > 1 else None
+        self.edp_group = topology.get_expert_data_parallel_group()
         n_stages = self.model.n_stages
         self.stages = [
             pipelining.PipelineStage(chunk, index, n_stages, self.device, group=self.pp_group)
@@ -123,13 +134,16 @@ class PipelineEngine:
         if hasattr(self.inner, "step_after_backward"):  # the strategy reduces and steps (ZeRO)
             return self.inner.step_after_backward(loss, local_loss.detach())
         if self.dp_size > 1:
-            average_gradients(self.model.parameters(), self.grad_reducer, self.dp_group)
+            dense = [p for p in self.model.parameters() if not is_expert(p)]
+            average_gradients(dense, self.grad_reducer, self.dp_group)
+            if self.ep > 1:
+                average_expert_gradients(self.model.parameters(), self.edp_group, self.dp_size)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm,
                                     self.tp_group if self.tp_size > 1 else None, self.tp_rank,
-                                    self.pp_group)
+                                    self.pp_group, self.ep_group)
         overflow = self.scaler is not None and not bool(torch.isfinite(grad_norm))
         # fp16: an overflow is the scaler's to skip (as under DDP); the guard judges the loss
         guarded_norm = torch.zeros_like(grad_norm) if self.scaler else grad_norm

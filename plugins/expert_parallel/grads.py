@@ -1,0 +1,53 @@
+"""Expert parameters: how they are marked, and how engines average their gradients.
+
+Under ``parallel.ep > 1`` a rank holds only its share of each layer's experts, so an expert's
+gradient is averaged over the ranks that hold the same expert (the expert-data-parallel group,
+``dp / ep`` ranks), not over all of dp. Each of them already summed, through the all-to-all's
+backward, the gradients from the tokens of its ``ep`` peers; the global batch's mean over ``dp``
+ranks is therefore (Megatron's and DeepSpeed's expert scaling)::
+
+    g_expert = (1 / dp) · Σ_{edp group} g_local          g_dense = (1 / dp) · Σ_{dp group} g_local
+
+Expert parameters carry DeepSpeed's marks (``allreduce = False``, ``group_name = "ep_size_<ep>"``,
+read by ``deepspeed.moe.utils.is_moe_param`` and its optimizer-group split), so the DDP engine,
+the pipeline engine and DeepSpeed's ZeRO all recognise them the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from plait.plugins.optim.clip_grads import is_expert
+
+
+def mark_expert(p: torch.nn.Parameter, ep: int) -> None:
+    p.allreduce = False
+    p.group_name = f"ep_size_{ep}"
+
+
+def expert_names(model: torch.nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if is_expert(p)]
+
+
+def average_expert_gradients(params: Iterable[torch.Tensor], edp_group, dp_size: int) -> None:
+    """``g = Σ_edp g / dp`` for the expert parameters among ``params``, one flat all-reduce per
+    dtype (every rank of the group calls this with the same parameters in the same order)."""
+    grads = []
+    for p in params:
+        if not is_expert(p):
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    for dtype in sorted({g.dtype for g in grads}, key=str):
+        same = [g for g in grads if g.dtype == dtype]
+        flat = _flatten_dense_tensors(same)
+        if dist.get_world_size(edp_group) > 1:
+            dist.all_reduce(flat, group=edp_group)
+        flat.div_(dp_size)
+        for grad, value in zip(same, _unflatten_dense_tensors(flat, same)):
+            grad.copy_(value)
