@@ -81,6 +81,19 @@ def build_model(hook, cfg: DictConfig) -> tuple[nn.Module, ParameterInit | None]
     return model, init
 
 
+def parameters_per_rank(model: nn.Module, dims) -> tuple[int, int]:
+    """``(dense, experts)``: parameters one rank holds of the unsplit ``model`` at layout
+    ``dims``, for estimates. Tensor and pipeline parallelism split every weight (approximately);
+    expert parallelism also splits the experts ``dims.ep`` ways (a model with experts says how
+    many parameters they have: ``expert_parameter_count()``), which are averaged over the
+    ``dp / ep`` ranks holding the same ones instead of over dp."""
+    total = sum(p.numel() for p in model.parameters())
+    count = getattr(model, "expert_parameter_count", None)
+    experts = count() if callable(count) else 0
+    split = dims.tp * dims.pp
+    return (total - experts) // split, experts // (getattr(dims, "ep", 1) * split)
+
+
 def seed_of(seed: int, name: str) -> int:
     """The seed of parameter ``name``'s generator: a stable hash of the run's seed and the name,
     the same in every process and every layout."""

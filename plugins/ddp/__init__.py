@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from plait import hookimpl
 from plait.config import StrategyConfig
+from plait.meta import parameters_per_rank
 from plait.plugins.expert_parallel.grads import average_expert_gradients, expert_names
 from plait.plugins.optim.clip_grads import clip_grad_norm_
 from plait.plugins.optim.hyperparameters import keep_hyperparameters
@@ -269,10 +270,11 @@ def plait_validate(cfg, dims) -> list[str]:
 def plait_strategy_cost(strategy, model, dims) -> StrategyCost | None:
     """DDP with torch AdamW in any precision (autocast keeps parameters and gradients fp32):
     4 + 4 + 8 bytes per parameter, DDP's gradient buckets another 4 (copies of the gradients:
-    ``gradient_as_bucket_view`` is off), and an all-reduce of the fp32 gradients per step."""
+    ``gradient_as_bucket_view`` is off), and an all-reduce of the fp32 gradients per step
+    (experts' over their expert-data-parallel group, counted here as over dp)."""
     if strategy != "ddp":
         return None
-    psi = sum(p.numel() for p in model.parameters()) // (dims.tp * dims.pp)
+    psi = sum(parameters_per_rank(model, dims))
     return StrategyCost(params=4 * psi, grads=4 * psi, optimizer=8 * psi, buffers=4 * psi,
                         dp_bytes_per_step=2 * (dims.dp - 1) / dims.dp * psi * 4)
 

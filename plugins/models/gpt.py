@@ -215,13 +215,17 @@ class GPT(nn.Module):
             std = 0.02 / math.sqrt(2 * self.n_layer) if leaf == "proj" else 0.02
             tensor.normal_(mean=0.0, std=std, generator=generator)
 
+    def expert_parameter_count(self) -> int:
+        """Parameters of the routed experts (what expert parallelism spreads over ranks)."""
+        return sum(p.numel() for name, p in self.named_parameters() if ".mlp.experts." in name)
+
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: ``6·N`` for the weight matmuls (forward and backward) plus
         ``12·L·E·T`` for attention's score and value matmuls over ``T`` positions (PaLM, appendix
         B; ``E`` = heads × head size). Position embeddings are a lookup, not a matmul. ``N``
         counts the parameters a token goes through: of a mixture of experts' routed experts,
         ``top_k / n_experts`` (the active parameters)."""
-        routed = sum(p.numel() for name, p in self.named_parameters() if ".mlp.experts." in name)
+        routed = self.expert_parameter_count()
         n = sum(p.numel() for p in self.parameters()) - self.embed.pos.weight.numel() - routed
         if self.n_experts:
             n += routed * self.top_k // self.n_experts

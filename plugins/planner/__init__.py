@@ -109,8 +109,8 @@ def search_layouts(argv: list[str]):
     if model is None:
         raise ValueError(f"model._target_={cfg.model._target_} cannot be built with these "
                          "settings: `plait plan` with the same overrides says why")
-    def strategy_cost(strategy: str, dp: int, tp: int, pp: int):
-        dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, nnodes=nnodes)
+    def strategy_cost(strategy: str, dp: int, tp: int, pp: int, ep: int = 1):
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, nnodes=nnodes, ep=ep)
         return pm.hook.plait_strategy_cost(cfg=cfg, strategy=strategy, model=model, dims=dims)
 
     work = Workload(model, cfg.train.batch_size, cfg.train.seq_len, cfg.precision,

@@ -42,6 +42,9 @@ parameters stay fp32; ``v`` under ZeRO)::
                                                backward; 6 when full recompute repeats the
                                                forward's)
     pp:  2 · s·b·h·v · m                       (activations forward, gradients backward)
+    ep:  4 · (ep−1)/ep · k·s·b·h·v · L_moe/pp · m   (a mixture of experts' all-to-all: tokens
+                                               out and back in forward, their gradients in
+                                               backward; k = top_k choices per token)
 
 Without ``h`` and ``L`` on the model (``n_embd``, ``n_layer``) the tp and pp terms are 0. The
 figures rank layouts; ``plait plan --search ... --confirm K`` runs the top K and prints what they
@@ -71,14 +74,17 @@ class Layout:
     micro_batch_size: int
     microbatches: int  # per optimizer step: train.grad_accum_steps (and pipeline.microbatches)
     activation_checkpointing: str
+    ep: int = 1  # expert parallelism, within dp (a model with experts)
 
     def describe(self) -> str:
-        return (f"{self.strategy} dp{self.dp} tp{self.tp} pp{self.pp} micro {self.micro_batch_size}"
-                f"x{self.microbatches} recompute {self.activation_checkpointing}")
+        experts = f" ep{self.ep}" if self.ep > 1 else ""
+        return (f"{self.strategy} dp{self.dp} tp{self.tp} pp{self.pp}{experts} micro "
+                f"{self.micro_batch_size}x{self.microbatches} recompute "
+                f"{self.activation_checkpointing}")
 
     def overrides(self) -> list[str]:
         settings = [f"strategy={self.strategy}", f"parallel.dp={self.dp}",
-                    f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
+                    f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.ep={self.ep}",
                     f"train.grad_accum_steps={self.microbatches}",
                     f"train.activation_checkpointing={self.activation_checkpointing}"]
         if self.pp > 1:
@@ -108,15 +114,15 @@ class Workload:
     precision: str
     peak_flops: float
     bandwidth: float  # bytes/s per rank
-    # (strategy, dp, tp, pp) -> what the strategy's plugin estimates for one rank
-    strategy_cost: Callable[[str, int, int, int], StrategyCost]
+    # (strategy, dp, tp, pp, ep) -> what the strategy's plugin estimates for one rank
+    strategy_cost: Callable[[str, int, int, int, int], StrategyCost]
     schedule: str = "1f1b"
 
 
 def cost(layout: Layout, work: Workload) -> Cost:
     model, s, v = work.model, work.seq_len, BYTES_PER_VALUE[work.precision]
     dp, tp, pp, b, m = layout.dp, layout.tp, layout.pp, layout.micro_batch_size, layout.microbatches
-    states = work.strategy_cost(layout.strategy, dp, tp, pp)
+    states = work.strategy_cost(layout.strategy, dp, tp, pp, layout.ep)
     recompute = layout.activation_checkpointing
     count = getattr(model, "activation_bytes", None)
     activations = 0
@@ -138,4 +144,8 @@ def cost(layout: Layout, work: Workload) -> Cost:
     sent += all_reduces * 2 * (tp - 1) / tp * activation_msg * n_layer / pp * m
     if pp > 1:
         sent += 2 * activation_msg * m
+    moe = [layer for layer in model.modules() if getattr(layer, "is_moe_layer", False)]
+    if moe and layout.ep > 1:
+        ep = layout.ep
+        sent += 4 * (ep - 1) / ep * moe[0].top_k * activation_msg * len(moe) / pp * m
     return Cost(states.device_bytes + activations, compute, bubble, sent / work.bandwidth)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from plait.config import BYTES_PER_VALUE
-from plait.meta import meta_model
+from plait.meta import meta_model, parameters_per_rank
 from plait.plan import make_plan
 from plait.types import StrategyCost
 
@@ -66,7 +66,7 @@ def estimate_lines(plan) -> list[str]:
     cfg, dims = plan.cfg, plan.dims
     model = meta_model(plan.pm.hook, cfg)
     n_params = sum(p.numel() for p in model.parameters())  # a tied weight is listed once
-    per_rank_params = n_params // (dims.tp * dims.pp)  # tp/pp split the weights (approximately)
+    per_rank_params = sum(parameters_per_rank(model, dims))  # tp/pp (and ep) split the weights
     est = strategy_cost(plan, model)
     micro = cfg.train.batch_size // (cfg.train.grad_accum_steps * dims.dp)
     activations = activation_bytes(plan, model, micro)
@@ -76,8 +76,8 @@ def estimate_lines(plan) -> list[str]:
 
     lines = [
         f"model: {n_params:,} parameters ({per_rank_params:,} per rank after "
-        f"tp={dims.tp} x pp={dims.pp}); strategy={cfg.strategy.name} dp={dims.dp} "
-        f"precision={cfg.precision}",
+        f"tp={dims.tp} x pp={dims.pp}" + (f" x ep={dims.ep}" if dims.ep > 1 else "")
+        + f"); strategy={cfg.strategy.name} dp={dims.dp} precision={cfg.precision}",
         "model states per rank (the strategy's estimate; DDP and ZeRO: the ZeRO paper's formula):",
         f"  parameters      {gib(est.params)}{host('params')}",
         f"  gradients       {gib(est.grads)}",

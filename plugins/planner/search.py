@@ -1,6 +1,7 @@
 """Enumerate the layouts of a world size, estimate each, check the best through the real plan.
 
-Searched: ``dp × tp × pp = world_size`` (every factorisation), every ``strategy.name`` an
+Searched: ``dp × tp × pp = world_size`` (every factorisation), for a model with experts
+``parallel.ep`` (every divisor of dp that divides ``model.n_experts``), every ``strategy.name`` an
 installed plugin is selected by and estimates (``plait_strategy_cost``: ddp, zero0-3, fsdp and
 any in-house strategy that answers), the micro-batch (every divisor of the
 data-parallel rank's batch ``train.batch_size / dp``, the rest of the batch accumulated) and
@@ -32,7 +33,8 @@ from plait.plugins.planner.cost import Cost, Layout, Workload, cost
 
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 # settings a layout sets; given on the command line, they are fixed instead of searched
-SEARCHED = ("strategy", "parallel.dp", "parallel.tp", "parallel.pp", "train.grad_accum_steps",
+SEARCHED = ("strategy", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep",
+            "train.grad_accum_steps",
             "pipeline.microbatches", "train.activation_checkpointing")
 # A refusal naming none of these holds for every micro-batch and recompute of its mesh: the
 # mesh's other variants are not checked.
@@ -57,7 +59,7 @@ def split_overrides(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def enumerate_layouts(world_size: int, batch_size: int, fixed: dict[str, str],
-                      strategies: list[str]) -> list[Layout]:
+                      strategies: list[str], n_experts: int = 0) -> list[Layout]:
     def choices(key: str, default):
         return [type(default[0])(fixed[key])] if key in fixed else list(default)
 
@@ -69,12 +71,14 @@ def enumerate_layouts(world_size: int, batch_size: int, fixed: dict[str, str],
             per_dp = batch_size // dp
             # a dp that does not divide the batch stays in: the core's check refuses it
             accums = divisors(per_dp) if per_dp and batch_size % dp == 0 else [1]
-            for accum in choices("train.grad_accum_steps", accums):
+            eps = [e for e in divisors(dp) if n_experts % e == 0] if n_experts else [1]
+            for accum, ep in ((a, e) for a in choices("train.grad_accum_steps", accums)
+                              for e in choices("parallel.ep", eps)):
                 for strategy in choices("strategy", strategies):
                     for mode in choices("train.activation_checkpointing",
                                         ACTIVATION_CHECKPOINTING):
                         layouts.append(Layout(strategy, dp, tp, pp, max(1, per_dp // accum),
-                                              accum, mode))
+                                              accum, mode, ep))
     return layouts
 
 
@@ -112,16 +116,17 @@ def search(pm: PlaitPluginManager, overrides: list[str], world_size: int, memory
            strategies: list[str]) -> SearchResult:
     """The ``top`` fastest layouts that pass the checks (all with ``top=0``), one per strategy
     and mesh: its fastest micro-batch and recompute within the budget."""
-    layouts = enumerate_layouts(world_size, work.batch_size, fixed, strategies)
+    layouts = enumerate_layouts(world_size, work.batch_size, fixed, strategies,
+                                getattr(work.model, "n_experts", 0))
     costs = [(layout, cost(layout, work)) for layout in layouts]
     fitting = sorted((lc for lc in costs if lc[1].memory_bytes <= memory_bytes), key=rank_key)
     result = SearchResult(len(layouts), len(layouts) - len(fitting), 0, estimates=costs)
     bases: dict[str, DictConfig] = {}
-    settled = set()  # (strategy, dp, tp, pp) accepted, or refused whatever its variant
+    settled = set()  # (strategy, dp, tp, pp, ep) accepted, or refused whatever its variant
     for layout, estimate in fitting:
         if top and len(result.accepted) == top:
             break
-        mesh = (layout.strategy, layout.dp, layout.tp, layout.pp)
+        mesh = (layout.strategy, layout.dp, layout.tp, layout.pp, layout.ep)
         if mesh in settled:
             continue
         if layout.strategy not in bases:

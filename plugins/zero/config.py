@@ -226,7 +226,8 @@ def deepspeed_config(cfg: DictConfig, dp: int, comm: CommSpec | None = None,
 def validate(cfg: DictConfig, dims, comm: CommSpec | None = None) -> list[str]:
     """Refusals before launch (the capability checks of ``PluginInfo`` cover devices/axes)."""
     strategy, stage = cfg.strategy, stage_of(cfg)
-    problems = list(comm_config(cfg, comm)[2]) + pipeline_problems(cfg, dims)
+    problems = (list(comm_config(cfg, comm)[2]) + pipeline_problems(cfg, dims)
+                + expert_parallel_problems(cfg, dims))
     for setting in ("offload_optimizer", "offload_params"):
         value = strategy[setting]
         if value not in OFFLOAD_DEVICES:
@@ -260,6 +261,27 @@ def validate(cfg: DictConfig, dims, comm: CommSpec | None = None) -> list[str]:
             problems.append(f"strategy.config_file={strategy.config_file} is not valid JSON ({e})")
             return problems
     return problems + conflicts(cfg, dims.dp, comm) + zero_section_problems(cfg, dims.dp)
+
+
+def expert_parallel_problems(cfg: DictConfig, dims) -> list[str]:
+    """Expert parallelism runs on ZeRO-1 and ZeRO-2 (DeepSpeed-MoE's expert param groups,
+    partitioned over the expert-data-parallel groups)."""
+    if dims.ep == 1:
+        return []
+    stage, ep = stage_of(cfg), f"parallel.ep={dims.ep}"
+    if stage == 3:
+        return [f"strategy=zero3 with {ep}: DeepSpeed partitions ZeRO-3 parameters over the whole "
+                "dp group, not expert parameters over their expert-data-parallel group (it "
+                "refuses its own MoE layers under stage 3); use strategy=zero1 or zero2, or ddp"]
+    if stage == 0:
+        return [f"strategy=zero0 with {ep}: DeepSpeed's stage-0 gradient norm averages the "
+                "ranks' norms instead of adding their experts' squares, so clipping would "
+                "differ from one process; use strategy=zero1 or zero2, or ddp"]
+    if dims.pp > 1:
+        return [f"strategy={cfg.strategy.name} with {ep} and parallel.pp={dims.pp}: expert "
+                "parameters under DeepSpeed's pipeline ZeRO-1 path are not supported by plait "
+                "yet; use strategy=ddp with pipeline stages, or parallel.pp=1"]
+    return []
 
 
 def pipeline_problems(cfg: DictConfig, dims) -> list[str]:

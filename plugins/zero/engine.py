@@ -122,14 +122,26 @@ class ZeroEngine:
         self.dp_group = topology.get_data_parallel_group()
         self.dp_size = topology.dims.dp
         client = "optimizer" not in ds_config  # an in-house optimizer plugin's torch optimizer
+        param_groups = None if client else optimizer_param_groups(optimizer)
+        # Expert parallelism: DeepSpeed-MoE's expert param groups (experts.py)
+        self.saves_engine_files = topology.dims.ep == 1
+        if topology.dims.ep > 1:
+            from plait.plugins.zero.experts import moe_marker, named_param_groups
+
+            n_experts = max(m.n_experts for m in model.modules()
+                            if getattr(m, "is_moe_layer", False))
+            model.add_module("deepspeed_moe_marker", moe_marker(topology, n_experts))
+            param_groups = param_groups and named_param_groups(param_groups)
         self.ds, *_ = deepspeed.initialize(
             model=model,
-            model_parameters=None if client else optimizer_param_groups(optimizer),
+            model_parameters=param_groups,
             optimizer=optimizer if client else None,
             config=ds_config,
             mpu=TopologyMPU(topology),
             dist_init_required=False,
         )
+        if topology.dims.ep > 1:  # DeepSpeed has read it; the model is plait's again
+            del model._modules["deepspeed_moe_marker"]
         self.model = self.ds.module
         self.stage = ds_config.get("zero_optimization", {}).get("stage", 0)
         self.optimizer = self.ds.optimizer  # its param_groups are the stepping optimizer's

@@ -35,6 +35,7 @@ from typing import Iterable
 import torch
 
 from plait.config import BYTES_PER_VALUE
+from plait.meta import parameters_per_rank
 from plait.plugins.zero.config import STAGES
 from plait.plugins.zero.sizing import working_memory_settings
 from plait.types import StrategyCost
@@ -64,14 +65,18 @@ def zero_formula(n_params: int, stage: int, dp: int, precision: str) -> ModelSta
 
 def strategy_cost(cfg, strategy: str, model: torch.nn.Module, dims) -> StrategyCost:
     """``plait_strategy_cost`` for ``strategy=zero0..zero3``: the paper's model states on this
-    rank's ``Ψ = N/(tp·pp)``, DeepSpeed's buffers as plait sizes them (``sizing.py``: a reduce
+    rank's ``Ψ = N/(tp·pp)`` (experts: over ``ep`` too, partitioned over ``dp/ep``), DeepSpeed's buffers as plait sizes them (``sizing.py``: a reduce
     and an all-gather bucket of ``B`` elements; ZeRO-3 a reduce bucket and up to ``2B`` gathered
     elements), and per step a reduce-scatter/all-reduce of the gradients, plus under ZeRO-3 the
     parameters gathered in forward and in backward: ``(2 or 3)·(dp−1)/dp·Ψ·b``."""
     stage, b = STAGES[strategy], BYTES_PER_VALUE[cfg.precision]
-    sizes = [p.numel() for p in model.parameters()]
-    psi = sum(sizes) // (dims.tp * dims.pp)
-    states = zero_formula(psi, stage, dims.dp, cfg.precision)
+    dense, experts = parameters_per_rank(model, dims)
+    psi = dense + experts
+    states = zero_formula(dense, stage, dims.dp, cfg.precision)
+    if experts:  # partitioned over the ranks that hold the same experts (experts.py)
+        more = zero_formula(experts, stage, dims.dp // dims.ep, cfg.precision)
+        states = ModelStates(states.params + more.params, states.grads + more.grads,
+                             states.optimizer + more.optimizer)
     bucket = working_memory_settings(model, stage, dims.tp * dims.pp).get("reduce_bucket_size", 0)
     own = cfg.strategy.name == strategy  # its offload settings are in cfg.strategy
     offloaded = frozenset(name for name, setting in (("optimizer", "offload_optimizer"),
