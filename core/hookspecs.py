@@ -16,7 +16,8 @@ Order of a run (``plait.train.train`` reads as this list)::
     a rank whose role is not "trainer": plait_run_role, and nothing below
     plait_build_dataset, plait_shard_data
     plait_build_model, plait_apply_tensor_parallel, plait_apply_expert_parallel,
-    plait_apply_activation_checkpointing, plait_split_pipeline, plait_materialize_model, plait_build_loss
+    plait_apply_activation_checkpointing, plait_split_pipeline, plait_materialize_model,
+    plait_build_loss
     plait_build_optimizer, plait_build_lr_schedule, plait_grad_reducer, plait_build_engine
     plait_load_checkpoint, plait_on_run_start
     per step:  plait_check_step (in the engine's step, every rank), plait_on_step_end,

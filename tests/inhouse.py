@@ -729,3 +729,77 @@ class ImportFirst:
 
 
 record_shards = RecordShards()  # for `+plugins=[inhouse:record_shards]` on a command line
+
+
+class ExpertProbe:
+    """Mixture of experts, from inside every worker: the experts each rank holds (each MoE
+    layer's expert indices), ZeRO's partition of each param group under ``strategy=zero*``, and
+    per step the ``torch.distributed.all_to_all_single`` calls of the rank and the bytes they
+    sent to other ranks, counted where torch.distributed is called (so experts replicated on
+    every rank, with no all-to-all, show none): ``run.dir/experts_rank<r>.json`` and
+    ``run.dir/alltoall_rank<r>.jsonl`` (one line per step)."""
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="expert_probe")
+
+    @hookimpl(wrapper=True)
+    def plait_build_engine(self, cfg, model, topology):
+        engine = yield
+        layers = {name: sorted(m.experts.keys(), key=int) for name, m in model.named_modules()
+                  if getattr(m, "is_moe_layer", False)}
+        record = {"experts": layers, "zero_groups": _zero_groups(engine)}
+        run_dir = Path(cfg.run.dir)
+        (run_dir / f"experts_rank{topology.rank}.json").write_text(json.dumps(record))
+        return AllToAllCounting(engine, run_dir / f"alltoall_rank{topology.rank}.jsonl")
+
+
+def _zero_groups(engine) -> list[dict]:
+    """Each param group of DeepSpeed's ZeRO optimizer: expert (``moe``) or not, how many
+    partitions it is cut into, and its elements."""
+    if not hasattr(engine, "ds"):
+        return []
+    zero = engine.ds.optimizer
+    return [{"moe": bool(group.get("moe", False)), "partitions": zero.partition_count[i],
+             "numel": sum(p.numel() for p in zero.bit16_groups[i])}
+            for i, group in enumerate(zero.optimizer.param_groups)]
+
+
+class AllToAllCounting:
+    def __init__(self, engine, path):
+        self.engine, self.path, self.calls, self.bytes = engine, path, 0, 0
+        original = dist.all_to_all_single
+
+        def counting(output, input, output_split_sizes=None, input_split_sizes=None,
+                     group=None, async_op=False):
+            rows = input_split_sizes or [input.shape[0] // dist.get_world_size(group)] * \
+                dist.get_world_size(group)
+            row_bytes = input[:1].numel() * input.element_size() if input.dim() > 1 else \
+                input.element_size()
+            self.calls += 1
+            self.bytes += (sum(rows) - rows[dist.get_rank(group)]) * row_bytes
+            return original(output, input, output_split_sizes, input_split_sizes, group,
+                            async_op)
+
+        dist.all_to_all_single = counting
+
+    def train_step(self, micro_batches, lr):
+        out = self.engine.train_step(micro_batches, lr)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"calls": self.calls, "bytes": self.bytes}) + "\n")
+        self.calls = self.bytes = 0
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def read_expert_probe(run_dir) -> tuple[dict[int, dict], dict[int, list[dict]]]:
+    """``(experts and ZeRO groups by rank, all-to-all counts per step by rank)``."""
+    run_dir = Path(run_dir)
+    held = {int(p.stem.removeprefix("experts_rank")): json.loads(p.read_text())
+            for p in run_dir.glob("experts_rank*.json")}
+    counts = {int(p.stem.removeprefix("alltoall_rank")):
+              [json.loads(line) for line in p.read_text().splitlines()]
+              for p in run_dir.glob("alltoall_rank*.jsonl")}
+    return held, counts

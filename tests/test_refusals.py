@@ -26,9 +26,10 @@ CASES = [
       "set train.log_every >= 1", "set train.eval_every >= 0 (0: no evaluation)",
       "set train.eval_batches >= 1", "train.peak_flops=0.0 is out of range: set "
       "train.peak_flops > 0", "train.stop_at=0 is out of range: set train.stop_at >= 1"]),
-    ("parallel.tp=0 parallel.pp=-2 launcher.nproc_per_node=0 launcher.nnodes=0 "
+    ("parallel.tp=0 parallel.pp=-2 parallel.ep=0 launcher.nproc_per_node=0 launcher.nnodes=0 "
      "launcher.timeout_s=0 seed=-1",
      ["parallel.tp=0 is out of range: set parallel.tp >= 1", "set parallel.pp >= 1",
+      "parallel.ep=0 is out of range: set parallel.ep >= 1",
       "set launcher.nproc_per_node >= 1", "set launcher.nnodes >= 1",
       "set launcher.timeout_s >= 1", "seed=-1 is out of range: set seed in [0, 4294967295]"]),
     ("parallel.dp=0", ["parallel.dp=0 is out of range: set parallel.dp >= 1, or -1"]),
@@ -94,6 +95,43 @@ CASES = [
     ("model=custom model._target_=torch.nn.Embedding +model.num_embeddings=-3 "
      "+model.embedding_dim=4",
      ["model._target_=torch.nn.Embedding cannot be built with these settings (RuntimeError"]),
+    # mixture of experts and expert parallelism
+    ("model.n_experts=-1 model.top_k=0 model.moe_every=0 model.aux_loss_coeff=-1 "
+     "model.z_loss_coeff=-0.1 model.capacity_factor=0 model.expert_hidden=0",
+     ["model.n_experts=-1 is out of range: set model.n_experts >= 0 (0: dense MLPs)",
+      "set model.top_k >= 1", "set model.moe_every >= 1", "set model.aux_loss_coeff >= 0",
+      "set model.z_loss_coeff >= 0", "model.capacity_factor=0.0 is out of range: set "
+      "model.capacity_factor > 0", "set model.expert_hidden >= 1"]),
+    ("model.n_experts=6 parallel.ep=4 launcher.nproc_per_node=4",
+     ["parallel.ep=4 does not divide model.n_experts=6: each expert-parallel rank holds "
+      "n_experts/ep experts; choose parallel.ep in [1, 2], or model.n_experts as a multiple "
+      "of 4"]),
+    ("model.n_experts=4 parallel.ep=4", ["parallel.ep=4 is larger than the data-parallel world "
+                                         "dp=2: experts are spread over data-parallel ranks"]),
+    ("model.n_experts=4 parallel.ep=3 launcher.nproc_per_node=4",
+     ["parallel.ep=3 does not divide the data-parallel world dp=4: choose parallel.ep in "
+      "[1, 2, 4]"]),
+    ("model.n_experts=4 model.top_k=5 model.router=tanh",
+     ["model.top_k=5 is larger than model.n_experts=4: each token goes to top_k different "
+      "experts; set model.top_k <= 4", "model.router=tanh: choose one of softmax, sigmoid"]),
+    ("parallel.ep=2", ["parallel.ep=2 spreads a mixture of experts' experts over ranks, but "
+                       "model.n_experts=0 (dense MLPs): set model.n_experts to a multiple of 2"]),
+    ("model.n_experts=4 parallel.ep=2 strategy=zero3",
+     ["strategy=zero3 with parallel.ep=2: DeepSpeed partitions ZeRO-3 parameters over the whole "
+      "dp group"]),
+    ("model.n_experts=4 parallel.ep=2 strategy=zero0", ["strategy=zero0 with parallel.ep=2: "
+                                                        "DeepSpeed's stage-0 gradient norm"]),
+    ("model.n_experts=4 parallel.ep=2 strategy=fsdp strategy.replicate=2 "
+     "launcher.nproc_per_node=4",
+     ["strategy.replicate=2 with parallel.ep=2: plait shards experts over their "
+      "expert-data-parallel group, not over HSDP's replica groups"]),
+    ("model.n_experts=4 parallel.ep=2 strategy=local_sgd",
+     ["plugin 'local_sgd' does not support ep parallelism (parallel.ep=2)"]),
+    ("model.n_experts=4 precision=fp16", ["precision=fp16 with model.n_experts: the router's "
+                                          "auxiliary losses enter the backward unscaled"]),
+    ("model.n_experts=4 parallel.tp=2 tensor_parallel.sequence_parallel=true",
+     ["tensor_parallel.sequence_parallel=true: the tensor-parallel plan of model._target_="
+      "plait.plugins.models.gpt.GPT has no 'sequence_scatter' entry"]),
     # DeepSpeed's own checks of the zero_optimization section
     ("strategy=zero2 strategy.deepspeed.zero_optimization.reduce_bucket_size=-1",
      ["strategy.deepspeed.zero_optimization.reduce_bucket_size=-1 is refused by DeepSpeed "

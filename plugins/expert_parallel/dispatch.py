@@ -47,7 +47,7 @@ def all_to_all(tensor: torch.Tensor, send: list[int], receive: list[int], group,
     tensor = tensor.contiguous()
     out = tensor.new_empty((sum(receive), *tensor.shape[1:]))
     me = dist.get_rank(group)
-    row_bytes = tensor[:1].numel() * tensor.element_size() if tensor.dim() > 1 else tensor.element_size()
+    row_bytes = tensor[:1].numel() * tensor.element_size()
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
     start = time.perf_counter()

@@ -4,9 +4,9 @@ Modules are named so that splitting plans read like Megatron's: ``blocks.<i>.att
 parallel), ``blocks.<i>.attn.proj`` (row parallel), ``blocks.<i>.mlp.fc`` / ``mlp.proj``,
 ``embed.tok`` (vocab parallel), ``head``. With ``model.n_experts=E`` every ``model.moe_every``-th
 block's MLP is a mixture of experts (:mod:`.moe`): ``blocks.<i>.mlp.router``,
-``blocks.<i>.mlp.experts.<e>.fc``/``proj``, ``blocks.<i>.mlp.shared.*``. Blocks live in a ``ModuleDict`` keyed by layer index and
-every part may be set to None, so a pipeline stage keeps only its share and the same ``forward``
-runs on each stage (torchtitan's pattern).
+``blocks.<i>.mlp.experts.<e>.fc``/``proj``, ``blocks.<i>.mlp.shared.*``. Blocks live in a
+``ModuleDict`` keyed by layer index and every part may be set to None, so a pipeline stage keeps
+only its share and the same ``forward`` runs on each stage (torchtitan's pattern).
 """
 
 from __future__ import annotations
@@ -189,8 +189,9 @@ class GPT(nn.Module):
         )
         if n_experts:
             dense = any(i % moe_every for i in range(n_layer))
+            styles = {**GPT.tensor_parallel_plan, **self.moe_tensor_parallel_plan}
             self.tensor_parallel_plan = {  # patterns must match modules of this model
-                k: v for k, v in {**GPT.tensor_parallel_plan, **self.moe_tensor_parallel_plan}.items()
+                k: v for k, v in styles.items()
                 if not (k.startswith("blocks.*.mlp.shared") and not shared_expert)
                 and not (k in ("blocks.*.mlp.fc", "blocks.*.mlp.proj") and not dense)
                 and k != "embed"}  # no sequence parallelism: routing needs whole sequences
@@ -245,6 +246,9 @@ class GPT(nn.Module):
         input, output, mean and rstd, the token ids and positions (int64), and the loss's fp32
         log-softmax over the vocabulary (``s·b·V``) with its targets.
 
+        A mixture-of-experts block counts its routed choices instead of the dense MLP
+        (:meth:`_moe_activation_bytes`).
+
         With ``recompute`` (``train.activation_checkpointing``): ``selective`` recomputes the
         attention core, whose inputs q, k, v the checkpoint keeps and whose output the
         projection saves, so only the log-sum-exp goes; ``full`` keeps each block's input,
@@ -260,7 +264,21 @@ class GPT(nn.Module):
         }[recompute]
         tail = (2 * s * b * h + 2 * s * b) * v + s * b * self.head.out_features * fp32
         ids = (2 * s * b + s) * int64  # inputs, targets, positions
-        return self.n_layer * per_layer + tail + ids
+        moe = [blk.mlp for blk in self.blocks.values() if getattr(blk.mlp, "is_moe_layer", False)]
+        extra = 0 if recompute == "full" else sum(self._moe_activation_bytes(m, s * b, v)
+                                                  for m in moe) - len(moe) * 8 * s * b * h * v
+        return self.n_layer * per_layer + tail + ids + extra
+
+    def _moe_activation_bytes(self, moe: nn.Module, tokens: int, v: int) -> int:
+        """A mixture-of-experts MLP instead of the dense one's ``8·s·b·h`` values: each of the
+        ``k`` choices of a token keeps its dispatched input and expert output (``h`` each) and
+        its expert's GELU input and output (``H`` each, the expert's width), a shared expert its
+        GELU input and output, and the router its fp32 logits and probabilities (``E`` each).
+        Under expert parallelism a rank computes as many choices as it sends on average."""
+        width = next(iter(moe.experts.values())).fc.out_features
+        routed = moe.top_k * tokens * (2 * self.n_embd + 2 * width) * v
+        shared = 2 * tokens * width * v if moe.shared is not None else 0
+        return routed + shared + 2 * tokens * moe.n_experts * 4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:

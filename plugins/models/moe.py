@@ -137,7 +137,8 @@ class MoEStats:
     rows: list[torch.Tensor] = field(default_factory=list)  # [E + 3] float64 each
 
     def add(self, routing: Routing, aux: torch.Tensor, z: torch.Tensor) -> None:
-        extra = torch.tensor([routing.dropped, float(aux), float(z)], dtype=torch.float64)
+        extra = torch.tensor([routing.dropped, float(aux.detach()), float(z.detach())],
+                             dtype=torch.float64)
         self.rows.append(torch.cat([routing.tokens_per_expert.detach().cpu().double(), extra]))
 
     def last(self, forwards: int) -> list[torch.Tensor]:
@@ -176,8 +177,8 @@ class MoE(nn.Module):
 
     is_moe_layer = True
 
-    def __init__(self, n_embd: int, n_experts: int, top_k: int, make_expert: Callable[[], nn.Module],
-                 shared_expert: bool = False, router: str = "softmax",
+    def __init__(self, n_embd: int, n_experts: int, top_k: int,
+                 make_expert: Callable[[], nn.Module], shared_expert: bool = False, router: str = "softmax",
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
                  capacity_factor: float | None = None, layer_index: int = 0):
         super().__init__()

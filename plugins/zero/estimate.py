@@ -65,9 +65,9 @@ def zero_formula(n_params: int, stage: int, dp: int, precision: str) -> ModelSta
 
 def strategy_cost(cfg, strategy: str, model: torch.nn.Module, dims) -> StrategyCost:
     """``plait_strategy_cost`` for ``strategy=zero0..zero3``: the paper's model states on this
-    rank's ``Ψ = N/(tp·pp)`` (experts: over ``ep`` too, partitioned over ``dp/ep``), DeepSpeed's buffers as plait sizes them (``sizing.py``: a reduce
-    and an all-gather bucket of ``B`` elements; ZeRO-3 a reduce bucket and up to ``2B`` gathered
-    elements), and per step a reduce-scatter/all-reduce of the gradients, plus under ZeRO-3 the
+    rank's ``Ψ = N/(tp·pp)`` (experts: over ``ep`` too, and partitioned over ``dp/ep``),
+    DeepSpeed's buffers as plait sizes them (``sizing.py``: a reduce and an all-gather bucket of
+    ``B`` elements; ZeRO-3 a reduce bucket and up to ``2B`` gathered elements), and per step a reduce-scatter/all-reduce of the gradients, plus under ZeRO-3 the
     parameters gathered in forward and in backward: ``(2 or 3)·(dp−1)/dp·Ψ·b``."""
     stage, b = STAGES[strategy], BYTES_PER_VALUE[cfg.precision]
     dense, experts = parameters_per_rank(model, dims)
