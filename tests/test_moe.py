@@ -10,8 +10,9 @@ routers' auxiliary losses are per micro-batch, so the reference accumulates the 
 gradient clipping at the default 1.0 (the early norms are above it: a wrong norm over expert
 shards changes the losses). Each expert-parallel layout equals the 1-process run within 1e-5 in
 loss and 1e-4 (relative) in gradient norm: ep=4 (dp=4, every expert on its own rank), ep=2 x dp
-(dp=4: two expert-data-parallel replicas, under ZeRO-2), ep=2 x tp=2, ep=2 x pp=2. The ep=4 run
-saves at step 4; that checkpoint resumes at ep=2 and at ep=1 with the uninterrupted losses.
+(dp=4: two expert-data-parallel replicas, under ZeRO-2), ep=2 x tp=2, ep=2 x pp=2, ep=2 under
+FSDP (2 processes). The ep=4 run saves at step 4; that checkpoint resumes at ep=2 and at ep=1
+with the uninterrupted losses.
 """
 
 from __future__ import annotations
@@ -210,6 +211,8 @@ LAYOUTS = {
                 "train.grad_accum_steps=2"],
     "ep2_pp2": ["launcher.nproc_per_node=4", "parallel.ep=2", "parallel.pp=2",
                 "pipeline.microbatches=2"],
+    "ep2_fsdp": ["launcher.nproc_per_node=2", "parallel.ep=2", "strategy=fsdp",
+                 "train.grad_accum_steps=2"],
 }
 PROBED = ("one", "ep4", "ep2_dp4_zero2")
 
@@ -228,7 +231,7 @@ def figures(run_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ep4", "ep2_dp4_zero2", "ep2_tp2", "ep2_pp2"])
+@pytest.mark.parametrize("layout", ["ep4", "ep2_dp4_zero2", "ep2_tp2", "ep2_pp2", "ep2_fsdp"])
 def test_expert_parallel_layouts_train_like_one_process(runs, layout):
     losses, norms = figures(runs[layout])
     want_losses, want_norms = figures(runs["one"])

@@ -48,8 +48,9 @@ OFFLOAD = ("none", "cpu")
 def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="fsdp", selected_by={"strategy.name": "fsdp"},
-        precisions=frozenset({"fp32", "bf16"}), parallel_axes=frozenset({"dp", "tp"}),
-        provides=frozenset({"engine:tensor_parallel", "engine:layout_free_state"}),
+        precisions=frozenset({"fp32", "bf16"}), parallel_axes=frozenset({"dp", "tp", "ep"}),
+        provides=frozenset({"engine:tensor_parallel", "engine:layout_free_state",
+                            "engine:expert_parallel"}),
         description="torch FSDP2 (fully_shard), HSDP with strategy.replicate")
 
 
@@ -74,6 +75,10 @@ def plait_validate(cfg, dims, hook) -> list[str]:
     if dims.dp % settings.replicate:
         problems.append(f"strategy.replicate={settings.replicate} does not divide dp={dims.dp}: "
                         f"choose a divisor of {dims.dp} (e.g. the number of nodes)")
+    if dims.ep > 1 and settings.replicate > 1:
+        problems.append(f"strategy.replicate={settings.replicate} with parallel.ep={dims.ep}: "
+                        "plait shards experts over their expert-data-parallel group, not over "
+                        "HSDP's replica groups; use strategy.replicate=1 or parallel.ep=1")
     if node_range(cfg.launcher.nnodes).elastic:
         problems.append(f"launcher.nnodes={cfg.launcher.nnodes} with strategy=fsdp: an elastic "
                         "job changes the shard count, which plait does not re-form for FSDP; use "
@@ -93,15 +98,18 @@ def plait_strategy_cost(cfg, strategy, model, dims) -> StrategyCost | None:
     of a shard group (fp32 sharded parameters also under bf16: FSDP's mixed precision keeps
     them for the optimizer); the buffers: one block's gathered parameters and its unsharded
     gradients. Per step the parameters are all-gathered in forward and backward and the
-    gradients reduce-scattered: ``3·(n−1)/n·Ψ·b`` within a shard group of ``n``."""
+    gradients reduce-scattered: ``3·(n−1)/n·Ψ·b`` within a shard group of ``n``. Experts
+    (``parallel.ep``) are sharded over their ``dp/ep`` replicas instead (counted as ``Ψ_e·ep/dp``
+    per rank, traffic as over dp)."""
     if strategy != "fsdp":
         return None
     from plait.config import BYTES_PER_VALUE
+    from plait.meta import parameters_per_rank
 
     replicate = cfg.strategy.replicate if cfg.strategy.name == "fsdp" else 1
     shard = max(1, dims.dp // replicate)
-    sizes = [p.numel() for p in model.parameters()]
-    psi = sum(sizes) // (dims.tp * dims.pp)
+    dense, experts = parameters_per_rank(model, dims)
+    psi = dense + experts * getattr(dims, "ep", 1)  # shards of Ψ/shard per rank, experts too
     blocks = getattr(model, "blocks", None)
     unit = max((sum(p.numel() for p in b.parameters()) for b in blocks.values()),
                default=0) if blocks is not None else psi

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plait.plugins.fsdp.materialize import shard
-from plait.plugins.optim.clip_grads import is_tensor_parallel
+from plait.plugins.fsdp.materialize import experts_divided_by_engine, shard
+from plait.plugins.optim.clip_grads import is_expert, is_tensor_parallel
 from plait.plugins.optim.hyperparameters import keep_hyperparameters
 from plait.plugins.optim.mixed_precision import autocast
 from plait.types import Batch, StepOutput
@@ -52,6 +52,10 @@ class FSDPEngine:
         mesh = next(p for p in model.parameters()).device_mesh
         # the ranks a parameter's shards are spread over (not the HSDP replicas)
         self.shard_group = mesh.get_group(mesh.ndim - 1)
+        # expert parallelism: experts are sharded over their edp group and differ across ep
+        self.ep_group = topology.get_expert_parallel_group() if topology.dims.ep > 1 else None
+        self.edp_group = topology.get_expert_data_parallel_group()
+        self.divide_experts = experts_divided_by_engine(topology)
         self.checkpoint_name = f"fsdp_tp{topology.tp_rank}_dp{topology.dp_rank}.pt"
 
     def _loss(self, batch: Batch) -> torch.Tensor:
@@ -62,12 +66,19 @@ class FSDPEngine:
     def grad_norm(self) -> torch.Tensor:
         """``||g||`` over every shard: squares summed over this rank's FSDP shards, then over
         the shard group (shards are disjoint there; HSDP replicas hold the same) and the
-        tensor-parallel group (a replicated parameter counted on tp rank 0 only)."""
+        tensor-parallel group (a replicated parameter counted on tp rank 0 only); experts'
+        over their expert-data-parallel shards, then the expert-parallel group."""
         squares = torch.zeros((), device=self.device, dtype=torch.float32)
+        experts = torch.zeros((), device=self.device, dtype=torch.float32)
         for p in self.model.parameters():
             if p.grad is not None and (is_tensor_parallel(p) or self.tp_rank == 0):
-                squares += p.grad.to_local().float().pow(2).sum()
+                target = experts if self.ep_group is not None and is_expert(p) else squares
+                target += p.grad.to_local().float().pow(2).sum()
         dist.all_reduce(squares, group=self.shard_group)
+        if self.ep_group is not None:
+            dist.all_reduce(experts, group=self.edp_group)
+            dist.all_reduce(experts, group=self.ep_group)
+            squares += experts
         if self.tp_group is not None:
             dist.all_reduce(squares, group=self.tp_group)
         return squares.sqrt()
@@ -92,6 +103,10 @@ class FSDPEngine:
             total += loss.detach()
         mean_loss = total / n
         dist.all_reduce(mean_loss, group=self.dp_group)  # gloo has no AVG
+        if self.divide_experts:
+            for p in self.model.parameters():
+                if p.grad is not None and is_expert(p):
+                    p.grad.to_local().div_(self.dp_size)
         norm = self.grad_norm()
         self.clip(norm)
         skipped = any(self.check_step(loss=total / n, grad_norm=norm))

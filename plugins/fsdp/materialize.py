@@ -17,7 +17,9 @@ import torch.nn as nn
 from plait.host_memory import return_freed_memory
 from plait.meta import ParameterInit
 
-TENSOR_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
+# carried over the parameters fully_shard replaces: tensor-parallel shards' and experts' marks
+TENSOR_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride",
+                         "allreduce", "group_name")
 
 
 def dp_mesh(cfg, topology):
@@ -29,6 +31,21 @@ def dp_mesh(cfg, topology):
     dims = topology.dims
     return topology.mesh._unflatten("dp", (replicate, dims.dp // replicate),
                                     ("replicate", "shard"))["replicate", "shard"]
+
+
+def expert_data_parallel_mesh(topology):
+    """The ranks holding the same experts: the dp mesh unflattened into ``(edp, ep)``, ep
+    innermost (``plait.topology``'s layout), its ``edp`` axis."""
+    dims = topology.dims
+    return topology.mesh._unflatten("dp", (dims.edp, dims.ep), ("edp", "ep"))["edp"]
+
+
+def expert_units(model: nn.Module) -> list[nn.Module]:
+    """Each expert of every MoE layer this rank holds (expert parallelism): its own FSDP unit
+    over the expert-data-parallel mesh, as torchtitan shards experts; the dispatcher calls each
+    expert, so each gathers its parameters when it runs."""
+    return [expert for m in model.modules() if getattr(m, "is_moe_layer", False)
+            for expert in m.experts.values()]
 
 
 def mixed_precision(cfg):
@@ -61,18 +78,33 @@ def restore(model: nn.Module, attrs: dict[str, dict]) -> nn.Module:
 
 
 def shard(cfg, model: nn.Module, topology) -> nn.Module:
-    """``fully_shard`` every unit over the dp mesh, reductions summed then divided (gloo)."""
+    """``fully_shard`` every unit over the dp mesh, reductions summed then divided (gloo).
+    Under expert parallelism each expert first over the expert-data-parallel mesh, its
+    gradients summed there and divided by dp too: ``g = Σ_edp g / dp``. On a mesh of one rank
+    (``ep == dp``) torch 2.13 divides a gradient by the factor twice (``foreach_reduce``'s
+    single-rank copy, then its post-divide), so there no factor is set and the engine divides
+    (:func:`experts_divided_by_engine`)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     attrs = tensor_parallel_attrs(model)
     offload = CPUOffloadPolicy() if cfg.strategy.offload == "cpu" else OffloadPolicy()
     mesh = dp_mesh(cfg, topology)
-    for unit in units(model):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.strategy.reshard_after_forward,
+    experts = expert_units(model) if topology.dims.ep > 1 else []
+    edp_mesh = expert_data_parallel_mesh(topology) if experts else None
+    plan = [(expert, edp_mesh) for expert in experts] + [(unit, mesh) for unit in units(model)]
+    for unit, unit_mesh in plan:
+        fully_shard(unit, mesh=unit_mesh, reshard_after_forward=cfg.strategy.reshard_after_forward,
                     mp_policy=mixed_precision(cfg), offload_policy=offload)
         unit.set_force_sum_reduction_for_comms(True)  # gloo's AVG is wrong (pytorch#162338)
-        unit.set_gradient_divide_factor(float(topology.dims.dp))
+        if unit_mesh.size() > 1 or topology.dims.dp == 1:
+            unit.set_gradient_divide_factor(float(topology.dims.dp))
     return restore(model, attrs)
+
+
+def experts_divided_by_engine(topology) -> bool:
+    """Expert gradients are left undivided by FSDP (their mesh has one rank, see
+    :func:`shard`): the engine divides them by dp."""
+    return topology.dims.ep > 1 and topology.dims.edp == 1
 
 
 def shard_and_materialize(cfg, model: nn.Module, init: ParameterInit, topology) -> nn.Module:
