@@ -31,6 +31,7 @@ from typing import Any, Callable
 # The environment the server started with: a forked worker's variables that differ from it were
 # set for that worker by torch elastic.
 SERVER_ENV = dict(os.environ)
+SERVER_PID = os.getpid()  # another pid in a worker: this module was imported by the server
 START_METHODS = ("forkserver", "spawn")
 # What every worker imports before its first step; DeepSpeed on CPU runs only (see above).
 PRELOAD = ("torch", "torch._dynamo", "plait.worker", "wandb")
@@ -48,10 +49,13 @@ def use_forkserver(on_cpu: bool) -> None:
 def worker_entry(entrypoint: Callable[..., Any], launcher_env: dict[str, str],
                  *args: Any) -> Any:
     """Run ``entrypoint(*args)`` in a forked worker as if it had been spawned by the launcher."""
-    set_by_torch = {k: v for k, v in os.environ.items() if SERVER_ENV.get(k) != v}
-    os.environ.clear()
-    os.environ.update(launcher_env)
-    os.environ.update(set_by_torch)
+    if SERVER_PID == os.getpid():  # a server started without plait's preload: add, keep all
+        os.environ.update({k: v for k, v in launcher_env.items() if k not in os.environ})
+    else:
+        set_by_torch = {k: v for k, v in os.environ.items() if SERVER_ENV.get(k) != v}
+        os.environ.clear()
+        os.environ.update(launcher_env)
+        os.environ.update(set_by_torch)
     if "OMP_NUM_THREADS" in os.environ:
         import torch
 
