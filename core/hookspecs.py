@@ -306,7 +306,7 @@ def plait_apply_expert_parallel(
 
     Called on every active plugin after tensor parallelism and before activation
     checkpointing (torchtitan's order); a plugin does nothing when ``topology.dims.ep == 1``.
-    Since hook spec 1.3.
+    Since hook spec 1.4.
     """
 
 
