@@ -26,13 +26,17 @@ import torch
 
 import inhouse
 from plait.cli import main
-from plait.meta import ParameterInit, build_model, materialize
+from plait.meta import ParameterInit, build_model, materialize, meta_model
+from plait.plan import format_plan, make_plan
 from plait.plugin_manager import keep_selected, make_plugin_manager
+from plait.plugins.planner.cost import Layout, Workload, cost
+from plait.plugins.planner.search import enumerate_layouts
 from plait.plugins.checkpoint.layout_free import saved_shapes
 from plait.plugins.expert_parallel import plait_apply_expert_parallel
 from plait.plugins.models.gpt import GPT, MLP
 from plait.plugins.models.moe import MoE, load_balancing_loss, route, z_loss
 from plait.testing import compose, read_metrics, read_wandb_run, run_training
+from plait.types import StrategyCost
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -193,6 +197,26 @@ def test_flops_count_the_active_experts():
     router = sum(b.mlp.router.weight.numel() for b in moe.blocks.values())
     assert moe.flops_per_token(64) == dense.flops_per_token(64) + 6 * (
         router + sum(p.numel() for b in dense.blocks.values() for p in b.mlp.parameters()))
+
+
+def test_the_plan_shows_the_expert_groups_and_the_planner_searches_ep():
+    """dp=4, ep=2: ep groups [0, 1] and [2, 3] exchange tokens, edp groups [0, 2] and [1, 3]
+    average expert gradients. The planner tries every ep that divides dp and the experts, and
+    prices the all-to-all."""
+    plan = make_plan(["tracker=none", "model.n_experts=4", "parallel.ep=2",
+                      "launcher.nproc_per_node=4"]).check()
+    groups = plan.backend_configs["expert parallelism (parallel.ep)"]
+    assert groups["ep groups (exchange tokens)"] == ["[0, 1]", "[2, 3]"]
+    assert groups["edp groups (average expert gradients)"] == ["[0, 2]", "[1, 3]"]
+    assert "(dp = edp 2 x ep 2)" in format_plan(plan)
+    eps = {(layout.dp, layout.ep) for layout in enumerate_layouts(4, 8, {}, ["ddp"], 6)}
+    assert eps == {(4, 1), (4, 2), (2, 1), (2, 2), (1, 1)}  # ep divides dp and the 6 experts
+    model = meta_model(plan.pm.hook, plan.cfg)
+    work = Workload(model, 8, 32, "fp32", 1e12, 1e9,
+                    lambda *layout: StrategyCost(params=0, grads=0, optimizer=0))
+    one, two = (cost(Layout("ddp", 4, 1, 1, 2, 1, "none", ep), work) for ep in (1, 2))
+    # 2 layers x 4 x 1/2 x top 2 x 2 x 32 x 64 x 4 bytes, one micro-batch of 2 sequences
+    assert (two.comm_s - one.comm_s) * 1e9 == pytest.approx(2 * 4 * 0.5 * 2 * 2 * 32 * 64 * 4)
 
 
 # ---------------------------------------------------------------------------------------------
