@@ -1,0 +1,43 @@
+"""How a node leaves an elastic job on purpose: a straggler excluded (``straggler.py``), or a node
+cut off from the rendezvous host (``watchdog.py``), which could never rejoin.
+
+torch elastic restarts a failed worker group (``launcher.max_restarts``) and its agent rejoins the
+rendezvous, so a node whose workers merely fail comes back. To leave, the node's agent is stopped
+the way a scheduler stops ``torchrun``: SIGTERM. torch elastic's ``launch_agent`` then stops the
+workers and ends without closing the rendezvous (it closes it only when the job is done), so the
+other nodes' agents re-form the group without this node, at fewer nodes, from the last checkpoint.
+The other nodes' workers end their attempt with :class:`NodeExcluded` (or the collective error).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import NoReturn
+
+EXIT_LEFT = 3  # a worker's exit code when its agent did not stop it in time
+
+
+class NodeExcluded(RuntimeError):
+    """This attempt ends so that the elastic group re-forms without a node that left."""
+
+
+def under_torch_elastic() -> bool:
+    """This worker was started by a torch elastic agent (plait's launcher, ``torchrun``), its
+    parent process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def leave_job(reason: str, first_on_node: bool) -> NoReturn:
+    """Print ``reason``; the node's first local worker stops the node's agent, and every worker
+    waits for the agent to stop it. Without an elastic agent the worker ends itself."""
+    if first_on_node:
+        print(f"{reason}\nplait: this node leaves the job: stopping its agent (SIGTERM)",
+              file=sys.stderr, flush=True)
+        if under_torch_elastic():
+            os.kill(os.getppid(), signal.SIGTERM)
+    if under_torch_elastic():
+        time.sleep(60)  # the agent's SIGTERM ends this process well before
+    os._exit(EXIT_LEFT)
