@@ -3,8 +3,7 @@ measured apart so that a rank waiting for a slow peer is not taken for the slow 
 
 Why apart: DDP's all-reduce makes every rank's backward last as long as the slowest rank's
 (traceml#252), so a detector that times ``backward()`` sees every rank equally slow, and one that
-times the step sees the victim of a slow peer as slow as the peer. What is measured here, on
-each rank's wall clock:
+times the step sees the victim of a slow peer as slow as the peer. The phases, on the wall clock:
 
     forward_s    the model's forward pre-hook to its forward hook, per micro-batch
     backward_s   the end of that forward to the last gradient accumulated into a parameter
@@ -16,12 +15,21 @@ each rank's wall clock:
                  all-reduce that backward did not hide, the loss, guard and norm reductions)
                  and the engine's bookkeeping
 
+and ``compute_s``, the same three compute intervals on the device's own clock, which the
+straggler detector judges: on a GPU the time between CUDA events recorded at those points (the
+GPU's time, as Megatron's ``StragglerDetector`` takes it; the wall clock there sees only the
+host queueing kernels), on a CPU the CPU time of the rank's thread (``time.thread_time``). Not
+the wall clock on a CPU: where processes share cores, the scheduler favours a process that
+slept, so the rank that waited in a collective gets the core and the rank that computes is
+descheduled; its compute phases then take longer on the wall clock than its work (seen on a
+loaded 2-core host: a rank of a plain run read 4x for 40 steps). The CPU time counts the work.
+
 The core's ``StepMeter`` adds ``data_wait_s`` and gathers the figures per rank on logged steps
 (``StepOutput.timings``). Where an engine reduces inside backward on the main thread (DeepSpeed
 ZeRO-2/3's gradient hooks, FSDP's reduce-scatter) or gathers parameters inside forward (ZeRO-3,
-FSDP), those waits fall in ``backward_s`` / ``forward_s``; under a pipeline (``parallel.pp>1``)
-the schedule calls the stages' parts, not the model, so only ``optimizer_s`` and ``comm_wait_s``
-are split (docs/report.md, "Per-rank timing").
+FSDP), those waits fall in ``backward_s`` / ``forward_s`` (on the wall clock; a blocking wait
+costs no CPU time); under a pipeline (``parallel.pp>1``) the schedule calls the stages' parts,
+not the model, so only ``optimizer_s`` and ``comm_wait_s`` are split (docs/report.md).
 
 The same hooks mark each rank's progress (step, micro-batch, phase, gradients so far) for the
 collective watchdog (``watchdog.py``), which names the rank that did not arrive.
@@ -84,14 +92,49 @@ def torch_optimizer(optimizer) -> torch.optim.Optimizer | None:
     return None
 
 
+class CpuWork:
+    """The rank's thread's CPU time: its work, however the host shares its cores."""
+
+    def stamp(self) -> float:
+        return time.thread_time()
+
+    def stamp_again(self, stamp) -> float:
+        return time.thread_time()
+
+    def seconds(self, start, end) -> float:
+        return end - start
+
+
+class CudaWork:
+    """CUDA events on the current stream: the GPU's time between two points of the host's
+    program (one event object per point; the last-gradient point is re-recorded)."""
+
+    def stamp(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stamp_again(self, stamp):
+        stamp.record()
+        return stamp
+
+    def seconds(self, start, end) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
 class PhaseClock:
     """Hooks on one engine's model and optimizer that time the phases of its ``train_step``."""
 
-    def __init__(self, model: torch.nn.Module, optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer, device: torch.device) -> None:
+        self.work = CudaWork() if device.type == "cuda" else CpuWork()
         self.inside = False  # only train_step's passes count (not evaluation)
         self.sums = dict.fromkeys(("forward_s", "backward_s", "optimizer_s"), 0.0)
+        self.intervals: list = []  # (start, end) stamps of the work clock
         self._forward_started = self._forward_ended = self._optimizer_started = 0.0
+        self._work_started = self._work_forward_ended = None
         self._last_grad: float | None = None
+        self._work_last_grad = None
         params = [p for p in model.parameters() if p.requires_grad]
         progress.total_grads = max(len(params), 1)
         model.register_forward_pre_hook(self._forward_start)
@@ -106,6 +149,7 @@ class PhaseClock:
     def train_step(self, inner, micro_batches, lr):
         """``inner(micro_batches, lr=lr)`` with its phases in ``StepOutput.timings``."""
         self.sums = dict.fromkeys(self.sums, 0.0)
+        self.intervals = []
         self._last_grad = None
         progress.step += 1
         progress.micro_batch = 0
@@ -122,13 +166,15 @@ class PhaseClock:
         if out.skipped:  # the loop does not count a skipped step
             progress.step -= 1
         compute = sum(self.sums.values())
-        out.timings.update(self.sums, comm_wait_s=max(total - compute, 0.0))
+        out.timings.update(self.sums, comm_wait_s=max(total - compute, 0.0),
+                           compute_s=sum(self.work.seconds(a, b) for a, b in self.intervals))
         return out
 
     def _close_backward(self) -> None:
         if self._last_grad is not None:
             self.sums["backward_s"] += self._last_grad - self._forward_ended
-            self._last_grad = None
+            self.intervals.append((self._work_forward_ended, self._work_last_grad))
+            self._last_grad = self._work_last_grad = None
 
     def _forward_start(self, module, args) -> None:
         if self.inside and torch.is_grad_enabled():
@@ -136,17 +182,22 @@ class PhaseClock:
             progress.micro_batch += 1
             progress.grads = 0
             progress.mark(1)
+            self._work_started = self.work.stamp()
             self._forward_started = time.perf_counter()
 
     def _forward_end(self, module, args, output) -> None:
         if self.inside and torch.is_grad_enabled():
             self._forward_ended = time.perf_counter()
+            self._work_forward_ended = self.work.stamp()
             self.sums["forward_s"] += self._forward_ended - self._forward_started
+            self.intervals.append((self._work_started, self._work_forward_ended))
             progress.mark(2)
 
     def _grad_ready(self, param) -> None:
         if self.inside:
             self._last_grad = time.perf_counter()
+            self._work_last_grad = (self.work.stamp() if self._work_last_grad is None
+                                    else self.work.stamp_again(self._work_last_grad))
             progress.grads += 1
             progress.changed_at = time.monotonic()
 
@@ -154,11 +205,13 @@ class PhaseClock:
         if self.inside:
             self._close_backward()
             progress.mark(3)
+            self._work_started = self.work.stamp()
             self._optimizer_started = time.perf_counter()
 
     def _optimizer_end(self, optimizer, args, kwargs) -> None:
         if self.inside:
             self.sums["optimizer_s"] += time.perf_counter() - self._optimizer_started
+            self.intervals.append((self._work_started, self.work.stamp()))
             progress.mark(4)
 
 
@@ -176,10 +229,11 @@ class StepTiming:
 
     # outermost: the phases of the whole step, whatever other wrappers add
     @hookimpl(wrapper=True, tryfirst=True)
-    def plait_build_engine(self, cfg):
+    def plait_build_engine(self, cfg, topology):
         engine = yield
         if timing_wanted(cfg):
-            clock = PhaseClock(engine.model, getattr(engine, "optimizer", None))
+            clock = PhaseClock(engine.model, getattr(engine, "optimizer", None),
+                               topology.device)
             engine.train_step = functools.partial(clock.train_step, engine.train_step)
         return engine
 

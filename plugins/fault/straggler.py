@@ -1,9 +1,10 @@
 """The straggler detector of ``fault=checkpoint``: name the rank whose compute holds the job back,
 and with ``fault.straggler_action=exclude`` take its node out of an elastic job.
 
-A rank's compute is ``forward_s + backward_s + optimizer_s`` (``phases.py``: the wait in
-collectives is apart, so the victim of a slow peer is not named), as the core gathers it per rank
-on every logged step. Over the last ``fault.straggler_window`` logged steps::
+A rank's compute is ``compute_s``: its forward, backward compute and optimizer on the device's
+own clock (``phases.py``: the wait in collectives is apart, so the victim of a slow peer is not
+named; CPU time on a CPU, CUDA events on a GPU), as the core gathers it per rank on every logged
+step. Over the last ``fault.straggler_window`` logged steps::
 
     ratio_r(k)   = compute_r(k) / median_{q != r} compute_q(k)        (logged step k)
     slowdown_r   = median_k ratio_r(k)                                 (over the window)
@@ -40,19 +41,14 @@ from plait.types import PluginInfo
 ACTIONS = ("warn", "exclude")
 RANGES = {"straggler_factor": Range(1, low_open=True, meaning="or 0: off"),
           "straggler_window": AT_LEAST_1}
-COMPUTE = ("forward_s", "backward_s", "optimizer_s")
-PER_RANK = re.compile(r"^(forward_s|backward_s|optimizer_s)/rank(\d+)$")
+PER_RANK = re.compile(r"^compute_s/rank(\d+)$")
 
 
 def compute_by_rank(metrics: dict[str, float]) -> dict[int, float]:
-    """Each rank's compute seconds of a logged step, from the per-rank phase figures."""
-    compute: dict[int, float] = {}
-    for key, value in metrics.items():
-        match = PER_RANK.match(key)
-        if match:
-            rank = int(match.group(2))
-            compute[rank] = compute.get(rank, 0.0) + value
-    return compute
+    """Each rank's compute seconds (``compute_s/rank<r>``: on the device's own clock) of a
+    logged step."""
+    return {int(m.group(1)): value for key, value in metrics.items()
+            if (m := PER_RANK.match(key))}
 
 
 def slowdowns(window: list[dict[int, float]]) -> dict[int, float]:

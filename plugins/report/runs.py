@@ -77,14 +77,17 @@ def read_run(directory: Path, label: str) -> Run:
     return Run(directory, label, read_metrics(directory / "metrics.jsonl"), config)
 
 
-def job_label(sweep: Path, job: Path) -> str:
-    """``<sweep>/<job>`` and the overrides Hydra recorded for the job, if any."""
-    label = f"{sweep.name}/{job.relative_to(sweep)}"
-    overrides = job / ".hydra" / "overrides.yaml"
-    if overrides.exists():
-        swept = yaml.safe_load(overrides.read_text()) or []
-        label += " " + " ".join(str(o) for o in swept)
-    return label
+def swept_overrides(jobs: list[Path]) -> list[list[str]]:
+    """Each job's overrides that differ between the sweep's jobs (what the sweep varied), from
+    Hydra's record of each job (``.hydra/overrides.yaml``)."""
+    recorded = []
+    for job in jobs:
+        path = job / ".hydra" / "overrides.yaml"
+        given = yaml.safe_load(path.read_text()) if path.exists() else []
+        recorded.append(dict(str(o).split("=", 1) for o in given or [] if "=" in str(o)))
+    keys = {k for overrides in recorded for k in overrides}
+    varied = [k for k in sorted(keys) if len({o.get(k) for o in recorded}) > 1]
+    return [[f"{k}={o[k]}" for k in varied if k in o] for o in recorded]
 
 
 def find_runs(paths: list[str]) -> list[Run]:
@@ -101,7 +104,9 @@ def find_runs(paths: list[str]) -> list[Run]:
         if not jobs:
             raise ValueError(f"{given}: no metrics.jsonl in it or in its sub-directories; give a "
                              "plait run directory (runs/<run.name>) or a sweep's directory")
-        runs += [read_run(job, job_label(directory, job)) for job in jobs]
+        for job, swept in zip(jobs, swept_overrides(jobs)):
+            label = " ".join([f"{directory.name}/{job.relative_to(directory)}", *swept])
+            runs.append(read_run(job, label))
     return runs
 
 
