@@ -3,6 +3,7 @@ tests/test_collective_timeout.py); loaded as users load theirs (objects, dotted 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -107,3 +108,26 @@ class SlowNode:
 
 
 slow_node1 = SlowNode(1)  # +plugins=[stragglers:slow_node1]
+
+
+class PauseAfter:
+    """In the first attempt, every rank stops after step ``step``'s checkpoint; each node's first
+    rank writes ``run.dir/paused_node<k>``, and all wait for ``run.dir/go`` (the test's cue that it
+    has done what it does to the job: cut a link) before they go on."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    @hookimpl(wrapper=True)
+    def plait_save_checkpoint(self, cfg, state, topology):
+        written = yield
+        if state.step == self.step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            run = Path(cfg.run.dir)
+            if topology.local_rank == 0:
+                (run / f"paused_node{topology.node_rank}").write_text(f"{time.time()}\n")
+            while not (run / "go").exists():
+                time.sleep(0.05)
+        return written
+
+
+pause_after_step_4 = PauseAfter(4)  # +plugins=[stragglers:pause_after_step_4]

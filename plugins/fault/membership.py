@@ -18,6 +18,7 @@ import time
 from typing import NoReturn
 
 EXIT_LEFT = 3  # a worker's exit code when its agent did not stop it in time
+AGENT_GRACE_S = 5.0
 
 
 class NodeExcluded(RuntimeError):
@@ -32,12 +33,19 @@ def under_torch_elastic() -> bool:
 
 def leave_job(reason: str, first_on_node: bool) -> NoReturn:
     """Print ``reason``; the node's first local worker stops the node's agent, and every worker
-    waits for the agent to stop it. Without an elastic agent the worker ends itself."""
+    ends once the agent is gone. An agent cut off from the rendezvous host may sit in a store
+    call for its ``read_timeout`` (60 s) before it sees the SIGTERM: after ``AGENT_GRACE_S`` it
+    is killed. Without an elastic agent the worker only ends itself."""
+    agent = os.getppid()
     if first_on_node:
         print(f"{reason}\nplait: this node leaves the job: stopping its agent (SIGTERM)",
               file=sys.stderr, flush=True)
         if under_torch_elastic():
-            os.kill(os.getppid(), signal.SIGTERM)
-    if under_torch_elastic():
-        time.sleep(60)  # the agent's SIGTERM ends this process well before
+            os.kill(agent, signal.SIGTERM)
+    deadline = time.monotonic() + AGENT_GRACE_S
+    while under_torch_elastic() and os.getppid() == agent and time.monotonic() < deadline:
+        time.sleep(0.1)  # the agent's SIGTERM usually ends this process here
+    if first_on_node and under_torch_elastic() and os.getppid() == agent:
+        print("plait: the agent did not stop: killing it (SIGKILL)", file=sys.stderr, flush=True)
+        os.kill(agent, signal.SIGKILL)
     os._exit(EXIT_LEFT)

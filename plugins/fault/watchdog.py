@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import sys
 import threading
@@ -87,6 +88,42 @@ class Verdict:
         return bool(self.host_lost or self.lost or self.behind)
 
 
+class StoreCalls:
+    """Store calls made on a daemon thread of their own, each waited for at most ``seconds``: a
+    call over a link that went silent blocks that thread, never the caller (a TCPStore client's
+    own timeout did not bound ``check`` over a cut link: seen blocked for 40 s and more)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.calls: queue.Queue = queue.Queue()
+        self.pending = threading.Event()
+        threading.Thread(target=self._serve, name="plait-heartbeat-store", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            call, answer, done = self.calls.get()
+            try:
+                answer.append((True, call()))
+            except Exception as error:
+                answer.append((False, error))
+            self.pending.clear()
+            done.set()
+
+    def __call__(self, call):
+        """``call()``'s value; ``TimeoutError`` when it (or the one before it) hangs."""
+        if self.pending.is_set():
+            raise TimeoutError("the previous store call has not returned")
+        answer, done = [], threading.Event()
+        self.pending.set()
+        self.calls.put((call, answer, done))
+        if not done.wait(self.seconds):
+            raise TimeoutError(f"no answer from the store in {self.seconds:g} s")
+        ok, value = answer[0]
+        if not ok:
+            raise value
+        return value
+
+
 class Heartbeats:
     """This rank's heartbeat in the rendezvous store, and everyone's verdict."""
 
@@ -99,32 +136,46 @@ class Heartbeats:
                               timeout=timedelta(seconds=max(2 * self.interval, 1.0)))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.store = dist.PrefixStore(f"plait/heartbeat/attempt_{attempt}", store)
+        self.calls = StoreCalls(max(2 * self.interval, 1.0))
         self.beat = 0
         self.store_ok_at = time.monotonic()
 
     def publish(self) -> None:
         self.beat += 1
-        record = {"beat": self.beat, "position": list(progress.position),
-                  "where": progress.describe()}
+        record = json.dumps({"beat": self.beat, "position": list(progress.position),
+                             "where": progress.describe()})
+        key = f"rank{self.rank}"
+
+        def write() -> None:  # TCPStore's set does not wait for an answer; check does
+            self.store.set(key, record)
+            self.store.check([key])
+
         try:
-            self.store.set(f"rank{self.rank}", json.dumps(record))
+            self.calls(write)
             self.store_ok_at = time.monotonic()
         except Exception:  # the store's node unreachable: judged in verdict()
             pass
 
     def _read(self) -> dict[int, dict] | None:
-        try:
-            keys = [f"rank{r}" for r in range(len(self.node_of))]
+        keys = [f"rank{r}" for r in range(len(self.node_of))]
+
+        def read() -> dict[int, dict]:
             present = [k for k in keys if self.store.check([k])]
-            found = {int(k[4:]): json.loads(self.store.get(k)) for k in present}
-            self.store_ok_at = time.monotonic()
-            return found
+            values = self.store.multi_get(present) if present else []
+            return {int(k[4:]): json.loads(v) for k, v in zip(present, values)}
+
+        try:
+            found = self.calls(read)
         except Exception:
             return None
+        self.store_ok_at = time.monotonic()
+        return found
 
     def verdict(self) -> Verdict:
         first = self._read()
-        time.sleep(3 * self.interval)
+        for _ in range(3):  # beating on, so that the others read this rank as alive
+            time.sleep(self.interval)
+            self.publish()
         second = self._read()
         if first is None or second is None:
             if time.monotonic() - self.store_ok_at > self.timeout_s / 2:
@@ -134,7 +185,8 @@ class Heartbeats:
         alive = {}
         for rank in range(len(self.node_of)):
             before, now = first.get(rank), second.get(rank)
-            if now is None or before is None or now["beat"] == before["beat"]:
+            if rank != self.rank and (now is None or before is None
+                                      or now["beat"] == before["beat"]):
                 verdict.lost.setdefault(self.node_of[rank], []).append(rank)
             else:
                 alive[rank] = now

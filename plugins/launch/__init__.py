@@ -23,6 +23,7 @@ elastic_grad_accum_steps``); ``elastic.py`` reports each re-formed group. See do
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -116,6 +117,7 @@ def plait_launch(cfg, entrypoint, args, hook) -> dict[int, Any]:
         os.environ.update(torch_env_from_slurm(os.environ, launcher.master_port))
         return {int(os.environ["RANK"]): entrypoint(*args)}
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import elastic_launch
 
     # As torchrun does: without a limit each worker's intra-op pool takes every core, and
@@ -130,12 +132,20 @@ def plait_launch(cfg, entrypoint, args, hook) -> dict[int, Any]:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launch = elastic_launch(launch_config(cfg), entrypoint=entrypoint)
     expendable = expendable_ranks(cfg, hook)
-    if expendable is None:
-        return launch(*args)
-    from plait.plugins.launch.departures import agent_class
+    try:
+        if expendable is None:
+            return launch(*args)
+        from plait.plugins.launch.departures import agent_class
 
-    with agent_class(expendable):
-        return launch(*args)
+        with agent_class(expendable):
+            return launch(*args)
+    except SignalException as stopped:
+        # the agent was stopped (a scheduler, Ctrl-C, or a worker of this node that leaves an
+        # elastic job: plait.plugins.fault.membership); it stopped its workers and, unlike a
+        # finished job, left the rendezvous open for the other nodes
+        print(f"plait: this node's agent was stopped by {stopped.sigval.name}; its workers are "
+              "stopped", file=sys.stderr, flush=True)
+        raise SystemExit(128 + stopped.sigval) from None
 
 
 def launch_config(cfg):

@@ -18,6 +18,7 @@ Restarts, skipped steps, elastic membership changes and named stragglers are dra
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,10 +101,11 @@ def line_figure(runs: list[Run], metric: str, ylabel: str) -> Figure | None:
 def memory_figure(runs: list[Run]) -> Figure | None:
     bars = []
     for run in runs:
-        ranks = run.ranks("peak_memory_bytes")
-        last = next((m for m in reversed(run.steps) if f"peak_memory_bytes/rank{ranks[0]}" in m),
-                    None) if ranks else None
-        if last is not None:
+        last = next((m for m in reversed(run.steps)
+                     if any(k.startswith("peak_memory_bytes/rank") for k in m)), None)
+        if last is not None:  # the ranks of the last group (an elastic run changes size)
+            ranks = [r for r in run.ranks("peak_memory_bytes")
+                     if f"peak_memory_bytes/rank{r}" in last]
             bars.append({"run": run.label, "step": last["step"], "ranks": ranks,
                          "bytes": [last[f"peak_memory_bytes/rank{r}"] for r in ranks]})
     if not bars:
@@ -128,10 +130,11 @@ def heatmap_figure(runs: list[Run]) -> Figure | None:
     panels = []
     for run in runs:
         ranks = run.ranks("step_time_s")
-        rows = [m for m in run.steps if all(f"step_time_s/rank{r}" in m for r in ranks)]
-        if ranks and rows:
+        rows = [m for m in run.steps if any(f"step_time_s/rank{r}" in m for r in ranks)]
+        if ranks and rows:  # null where a rank was not in the group (an elastic run)
             panels.append({"run": run.label, "ranks": ranks, "steps": [m["step"] for m in rows],
-                           "seconds": [[m[f"step_time_s/rank{r}"] for m in rows] for r in ranks]})
+                           "seconds": [[m.get(f"step_time_s/rank{r}") for m in rows]
+                                       for r in ranks]})
     if not panels:
         return None
     return Figure("step_time_heatmap", "step time per rank (mean per logged step)",
@@ -234,7 +237,8 @@ def draw_heatmap(figure: Figure) -> bytes:
                                                                      for p in panels))
     for axes, panel in zip(axes_list, panels):
         steps = panel["steps"]
-        image = axes.imshow(panel["seconds"], aspect="auto", interpolation="nearest",
+        seconds = [[math.nan if v is None else v for v in row] for row in panel["seconds"]]
+        image = axes.imshow(seconds, aspect="auto", interpolation="nearest",
                             extent=(steps[0] - 0.5, steps[-1] + 0.5,
                                     panel["ranks"][-1] + 0.5, panel["ranks"][0] - 0.5))
         axes.set(title=f"{panel['run']}: step time per rank", xlabel="step", ylabel="rank",
