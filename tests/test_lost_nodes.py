@@ -186,7 +186,10 @@ def global_batches(rows: Path, ranks: range, attempt: int) -> list[list[str]]:
 @needs_namespaces
 def test_exclude_takes_the_straggling_node_out_and_keeps_the_global_batch(tmp_path):
     steps = 12
-    run = [*RUN, f"train.steps={steps}", f"optimizer.decay_steps={steps}"]
+    # micro-batches of 8 x 64 tokens: enough work per step that the CPU time of a step is
+    # not dominated by the hooks' and the scheduler's fixed costs on a loaded host
+    run = [*RUN, f"train.steps={steps}", f"optimizer.decay_steps={steps}",
+           "train.batch_size=16", "train.seq_len=64"]
     reference = tmp_path / "one_process"
     run_training(reference, [*run, "launcher.nproc_per_node=1", "train.grad_accum_steps=2"],
                  [inhouse.RecordBatches(tmp_path / "rows_reference")])

@@ -129,6 +129,7 @@ class PhaseClock:
     def __init__(self, model: torch.nn.Module, optimizer, device: torch.device) -> None:
         self.work = CudaWork() if device.type == "cuda" else CpuWork()
         self.inside = False  # only train_step's passes count (not evaluation)
+        self.forwards = 0
         self.sums = dict.fromkeys(("forward_s", "backward_s", "optimizer_s"), 0.0)
         self.intervals: list = []  # (start, end) stamps of the work clock
         self._forward_started = self._forward_ended = self._optimizer_started = 0.0
@@ -150,6 +151,7 @@ class PhaseClock:
         """``inner(micro_batches, lr=lr)`` with its phases in ``StepOutput.timings``."""
         self.sums = dict.fromkeys(self.sums, 0.0)
         self.intervals = []
+        self.forwards = 0
         self._last_grad = None
         progress.step += 1
         progress.micro_batch = 0
@@ -166,8 +168,9 @@ class PhaseClock:
         if out.skipped:  # the loop does not count a skipped step
             progress.step -= 1
         compute = sum(self.sums.values())
-        out.timings.update(self.sums, comm_wait_s=max(total - compute, 0.0),
-                           compute_s=sum(self.work.seconds(a, b) for a, b in self.intervals))
+        out.timings.update(self.sums, comm_wait_s=max(total - compute, 0.0))
+        if self.forwards:  # a pipeline's schedule calls the stages' parts: no compute to judge
+            out.timings["compute_s"] = sum(self.work.seconds(a, b) for a, b in self.intervals)
         return out
 
     def _close_backward(self) -> None:
@@ -180,6 +183,7 @@ class PhaseClock:
         if self.inside and torch.is_grad_enabled():
             self._close_backward()
             progress.micro_batch += 1
+            self.forwards += 1
             progress.grads = 0
             progress.mark(1)
             self._work_started = self.work.stamp()

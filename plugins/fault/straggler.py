@@ -9,7 +9,9 @@ step. Over the last ``fault.straggler_window`` logged steps::
     ratio_r(k)   = compute_r(k) / median_{q != r} compute_q(k)        (logged step k)
     slowdown_r   = median_k ratio_r(k)                                 (over the window)
 
-The rank with the largest slowdown is named when the window is full and its slowdown is at least
+The first logged step of each run (or restart) is left out: it carries one-time costs (the
+allocator's first blocks, DDP's bucket rebuild) that differ between ranks. The rank with the
+largest slowdown is named when the window is full and its slowdown is at least
 ``fault.straggler_factor``: ``straggler/rank`` and ``straggler/slowdown`` join the step's metrics
 (``metrics.jsonl``, W&B) and the console says so when a rank is first named or cleared. The
 median over the others (not over everyone) makes a 2x rank read 2x also on two ranks; the
@@ -69,6 +71,7 @@ class StragglerDetector:
         self.node_of: list[int] = []
         self.named: tuple[int, float] | None = None  # (rank, slowdown) while one is named
         self.pending: tuple[int, float] | None = None  # agreed for exclusion, on every rank
+        self.warmed_up = False  # the first logged step of a run is left out (one-time costs)
 
     @hookimpl
     def plait_declare(self) -> PluginInfo:
@@ -111,14 +114,17 @@ class StragglerDetector:
         """On the logging rank: the verdict joins the step's metrics before trackers see it."""
         compute = compute_by_rank(metrics)
         if self.factor > 0 and len(compute) > 1:
-            self.window.append(compute)
-            self._judge(step, metrics)
+            if self.warmed_up:
+                self.window.append(compute)
+                self._judge(step, metrics)
+            self.warmed_up = True
         return (yield)
 
     def _judge(self, step: int, metrics: dict[str, float]) -> None:
         named = None
-        if len(self.window) == self.window.maxlen:
-            rank, slowdown = max(slowdowns(list(self.window)).items(), key=lambda kv: kv[1])
+        found = slowdowns(list(self.window)) if len(self.window) == self.window.maxlen else {}
+        if found:
+            rank, slowdown = max(found.items(), key=lambda kv: kv[1])
             if slowdown >= self.factor:
                 named = (rank, slowdown)
         if named is not None:
