@@ -26,9 +26,22 @@ class NodeExcluded(RuntimeError):
 
 
 def under_torch_elastic() -> bool:
-    """This worker was started by a torch elastic agent (plait's launcher, ``torchrun``), its
-    parent process."""
+    """This worker was started by a torch elastic agent (plait's launcher, ``torchrun``)."""
     return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def agent_pid() -> int:
+    """The agent's process: plait's launcher names itself (``PLAIT_AGENT_PID``; a worker forked
+    from a forkserver is not its child); under ``torchrun`` the worker's parent."""
+    return int(os.environ.get("PLAIT_AGENT_PID", os.getppid()))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def leave_job(reason: str, first_on_node: bool) -> NoReturn:
@@ -36,16 +49,16 @@ def leave_job(reason: str, first_on_node: bool) -> NoReturn:
     ends once the agent is gone. An agent cut off from the rendezvous host may sit in a store
     call for its ``read_timeout`` (60 s) before it sees the SIGTERM: after ``AGENT_GRACE_S`` it
     is killed. Without an elastic agent the worker only ends itself."""
-    agent = os.getppid()
+    agent = agent_pid() if under_torch_elastic() else None
     if first_on_node:
         print(f"{reason}\nplait: this node leaves the job: stopping its agent (SIGTERM)",
               file=sys.stderr, flush=True)
-        if under_torch_elastic():
+        if agent is not None:
             os.kill(agent, signal.SIGTERM)
     deadline = time.monotonic() + AGENT_GRACE_S
-    while under_torch_elastic() and os.getppid() == agent and time.monotonic() < deadline:
+    while agent is not None and alive(agent) and time.monotonic() < deadline:
         time.sleep(0.1)  # the agent's SIGTERM usually ends this process here
-    if first_on_node and under_torch_elastic() and os.getppid() == agent:
+    if first_on_node and agent is not None and alive(agent):
         print("plait: the agent did not stop: killing it (SIGKILL)", file=sys.stderr, flush=True)
         os.kill(agent, signal.SIGKILL)
     os._exit(EXIT_LEFT)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from plait import hookimpl
-from plait.config import AT_LEAST_1, Range, node_range, range_problems
+from plait.config import AT_LEAST_1, Range, range_problems
 from plait.plugins.fault.membership import NodeExcluded, leave_job
 from plait.types import PluginInfo
 
@@ -80,7 +80,7 @@ class StragglerDetector:
                                       "(fault.straggler_factor); warn, or exclude its node")
 
     @hookimpl
-    def plait_validate(self, cfg) -> list[str]:
+    def plait_validate(self, cfg, dims) -> list[str]:
         fault = cfg.fault
         problems = range_problems("fault", fault, RANGES)
         if fault.straggler_factor == 0:  # 0 is off, not out of range
@@ -89,7 +89,7 @@ class StragglerDetector:
             problems.append(f"fault.straggler_action={fault.straggler_action}: choose warn or "
                             "exclude")
         elif fault.straggler_action == "exclude":
-            if not node_range(cfg.launcher.nnodes).elastic:
+            if not dims.elastic:
                 problems.append(
                     f"fault.straggler_action=exclude takes the straggler's node out of an "
                     f"elastic job, but launcher.nnodes={cfg.launcher.nnodes} is fixed: give a "
@@ -165,7 +165,7 @@ class StragglerDetector:
         node = topology.node_of[rank]
         why = (f"rank {rank} computes {slowdown:.2f}x the median of the others "
                f"(fault.straggler_factor={cfg.fault.straggler_factor})")
-        smallest = node_range(cfg.launcher.nnodes).min
+        smallest = topology.dims.nodes.min
         if node == 0 or topology.dims.nnodes <= smallest:
             if topology.is_logging_rank:
                 print(f"plait: straggler: {why}, but node {node} "
