@@ -128,7 +128,11 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
     from torch.distributed.launcher.api import elastic_launch
 
     # As torchrun does: without a limit each worker's intra-op pool takes every core, and
-    # workers sharing a machine slow each other down many times over.
+    # workers sharing a machine slow each other down many times over. Set for this launch only:
+    # left in this process, a later launch with more processes (a sweep, a test session) would
+    # inherit a 1-process job's count (seen: 2 threads per worker of 2 on 2 cores, whose compute
+    # then read 20x its CPU time spinning at OpenMP barriers).
+    threads_given = "OMP_NUM_THREADS" in os.environ
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // launcher.nproc_per_node)))
     if dims.elastic:
@@ -161,6 +165,9 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
         print(f"plait: this node's agent was stopped by {stopped.sigval.name}; its workers are "
               "stopped", file=sys.stderr, flush=True)
         raise SystemExit(128 + stopped.sigval) from None
+    finally:
+        if not threads_given:
+            os.environ.pop("OMP_NUM_THREADS", None)
 
 
 def runs_on_cpu(cfg) -> bool:
