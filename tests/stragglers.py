@@ -1,5 +1,5 @@
-"""In-test plugins that make a rank slow, a victim, or stuck (tests/test_straggler.py,
-tests/test_collective_timeout.py); loaded as users load theirs (objects, dotted paths)."""
+"""In-test plugins that make a rank slow, a victim, or stuck (tests/test_report.py,
+tests/test_lost_nodes.py); loaded as users load theirs (objects, dotted paths)."""
 
 from __future__ import annotations
 
