@@ -536,7 +536,9 @@ def plait_on_step_end(step: int, output: StepOutput, state: TrainState,
 @hookspec
 def plait_log_metrics(step: int, metrics: dict[str, float], state: TrainState) -> None:
     """A logged step (every ``train.log_every`` steps and the last): ``metrics`` holds loss, lr,
-    grad_norm, tokens_per_s, step time and peak memory (min and max over ranks), mfu where the
+    grad_norm, tokens_per_s, tokens, step time and peak memory (min and max over ranks), each
+    rank's figures as ``<figure>/rank<r>`` (peak memory, and the means since the last logged
+    step of step time, data wait and the phases a timing plugin measured), mfu where the
     device's peak is known, the engine's own figures, and ``eval/loss`` when evaluated."""
 
 

@@ -88,7 +88,8 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
             state.tokens_seen += meter.tokens_per_step
             state.data = loader.state_dict()
             final = state.step == last_step
-            metrics = meter.stop(state.step, out, lr, final)  # a collective on logged steps
+            # a collective on logged steps
+            metrics = meter.stop(state.step, out, lr, final, state.tokens_seen)
             if val_data is not None and (state.step % cfg.train.eval_every == 0 or final):
                 metrics["eval/loss"] = evaluate(cfg, engine, val_data, topology)
             if logging:

@@ -60,12 +60,16 @@ class StepOutput:
     states per rank); they are logged with the step's metrics under their own names.
     ``skipped``: a ``plait_check_step`` guard stopped the optimizer step on every rank
     (parameters and optimizer state untouched); the loop does not count the step.
+    ``timings``: this rank's seconds in each phase of the step (``forward_s``, ``backward_s``,
+    ``optimizer_s``, ``comm_wait_s``), filled by a timing plugin (``plugins/fault/phases.py``);
+    the core gathers them per rank on logged steps (``plait.metrics.StepMeter``).
     """
 
     loss: float
     grad_norm: float
     metrics: dict[str, float] = field(default_factory=dict)
     skipped: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -23,3 +23,8 @@ for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
     get_accelerator().create_op_builder(name).load(verbose=False)
 PY
 fi
+# A headless browser for the test that opens `plait report`'s HTML (tests/test_report.py skips,
+# saying why, without it): Debian's chromium, where this runs as root with apt.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -q && apt-get install -y -q chromium) >/dev/null || echo "setup: chromium not installed (apt failed)" >&2
+fi

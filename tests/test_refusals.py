@@ -53,6 +53,18 @@ CASES = [
       "tracker.mode=loud: choose offline, online or disabled"]),
     ("fault.max_bad_steps=0 fault.spike_factor=-1",
      ["set fault.max_bad_steps >= 1", "set fault.spike_factor >= 0 (0: off)"]),
+    # the straggler detector and the collective watchdog
+    ("fault.straggler_factor=0.5 fault.straggler_window=0 fault.straggler_action=kill "
+     "fault.collective_timeout_s=0",
+     ["fault.straggler_factor=0.5 is out of range: set fault.straggler_factor > 1 (or 0: off)",
+      "set fault.straggler_window >= 1", "fault.straggler_action=kill: choose warn or exclude",
+      "fault.collective_timeout_s=0.0 is out of range: set fault.collective_timeout_s > 0 (or "
+      "null: off)"]),
+    ("fault.straggler_action=exclude fault.straggler_factor=0",
+     ["fault.straggler_action=exclude takes the straggler's node out of an elastic job, but "
+      "launcher.nnodes=1 is fixed: give a range (e.g. launcher.nnodes=1:2)",
+      "but fault.checkpoint_every=0 writes one only at the end: set fault.checkpoint_every=N",
+      "fault.straggler_action=exclude with fault.straggler_factor=0 (the detector off)"]),
     # replication: node-local checkpoints and their peers
     ("fault.replicas=-1", ["fault.replicas=-1 is out of range: set fault.replicas >= 0"]),
     ("fault.replicas=1", ["fault.replicas=1 keeps each node's checkpoint part on peer nodes' own "
