@@ -99,42 +99,43 @@ class StepMeter:
         self._steps += 1
         if step % self.cfg.train.log_every and not last:
             return {}
-        memory = float(peak_memory_bytes(self.topology.device))
-        names = sorted(self._sums)
-        mine = [step_time, data_wait, memory] + [self._sums[n] / self._steps for n in names]
+        mine = {"step_time_s": step_time, "data_wait_s": data_wait,
+                "peak_memory_bytes": float(peak_memory_bytes(self.topology.device)),
+                "means": {name: total / self._steps for name, total in self._sums.items()}}
         self._sums, self._steps = {}, 0
-        ranks, rows = self._gather(mine)
-        step_times, data_waits, memories = rows[:, 0], rows[:, 1], rows[:, 2]
-        slowest = float(step_times.max())
+        figures = self._gather(mine)
+        step_times = [f["step_time_s"] for f in figures.values()]
+        memories = [f["peak_memory_bytes"] for f in figures.values()]
+        slowest = max(step_times)
         metrics = {
             "loss": out.loss,
             "lr": lr,
             "grad_norm": out.grad_norm,
             "tokens_per_s": self.tokens_per_step / slowest,
-            "step_time_s/min": float(step_times.min()),
+            "step_time_s/min": min(step_times),
             "step_time_s/max": slowest,
-            "peak_memory_bytes/min": float(memories.min()),
-            "peak_memory_bytes/max": float(memories.max()),
-            "data_wait_s/max": float(data_waits.max()),
+            "peak_memory_bytes/min": min(memories),
+            "peak_memory_bytes/max": max(memories),
+            "data_wait_s/max": max(f["data_wait_s"] for f in figures.values()),
             **out.metrics,
         }
         if tokens_seen is not None:
             metrics["tokens"] = float(tokens_seen)
         if self.peak_flops:
             metrics["mfu"] = self.flops_per_step / slowest / self.peak_flops
-        for rank, row in zip(ranks, rows.tolist()):
-            metrics[f"peak_memory_bytes/rank{rank}"] = row[2]
-            for name, value in zip(names, row[3:]):
+        for rank, rank_figures in figures.items():
+            metrics[f"peak_memory_bytes/rank{rank}"] = rank_figures["peak_memory_bytes"]
+            for name, value in sorted(rank_figures["means"].items()):
                 metrics[f"{name}/rank{rank}"] = value
         return metrics
 
-    def _gather(self, mine: list[float]) -> tuple[list[int], torch.Tensor]:
-        """Every rank's figures (one all-gather): the global ranks of the step group and a
-        ``[ranks, figures]`` tensor in their order."""
+    def _gather(self, mine: dict) -> dict[int, dict]:
+        """Every rank's figures by global rank (one all-gather over the step group). Objects,
+        not a tensor: ranks may time different phases (a pipeline stage, an offloading
+        optimizer), and tensors of unequal length would mismatch the collective."""
         group = self.topology.step_group
         ranks = (dist.get_process_group_ranks(group) if group is not None
                  else list(range(dist.get_world_size())))
-        figures = torch.tensor(mine, dtype=torch.float64, device=self.topology.device)
-        rows = [torch.empty_like(figures) for _ in ranks]
-        dist.all_gather(rows, figures, group=group)
-        return ranks, torch.stack(rows).cpu()
+        rows: list = [None] * len(ranks)
+        dist.all_gather_object(rows, mine, group=group)
+        return dict(zip(ranks, rows))

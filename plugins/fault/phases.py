@@ -83,12 +83,14 @@ progress = Progress(changed_at=time.monotonic())
 
 
 def torch_optimizer(optimizer) -> torch.optim.Optimizer | None:
-    """The torch optimizer that steps: the engine's, or the one a wrapper (DeepSpeed's ZeRO
-    optimizer) holds as ``.optimizer``."""
+    """The torch optimizer that steps: the engine's, or the one a wrapper holds (DeepSpeed's
+    ZeRO optimizer as ``.optimizer``; torch's ``PostLocalSGDOptimizer``, an ``Optimizer``
+    that skips ``Optimizer.__init__`` and so has no step hooks, as ``.optim``)."""
     for _ in range(4):
-        if isinstance(optimizer, torch.optim.Optimizer):
+        if (isinstance(optimizer, torch.optim.Optimizer)
+                and hasattr(optimizer, "_optimizer_step_pre_hooks")):
             return optimizer
-        optimizer = getattr(optimizer, "optimizer", None)
+        optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "optim", None)
     return None
 
 

@@ -145,10 +145,11 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
     # (plait.plugins.fault.membership): a forkserver's worker is not the agent's child.
     os.environ["PLAIT_AGENT_PID"] = str(os.getpid())
     if launcher.start_method == "forkserver":
-        from plait.plugins.launch.forkserver import use_forkserver, worker_entry
+        from plait.plugins.launch.forkserver import launcher_stdio, use_forkserver, worker_entry
 
         use_forkserver(on_cpu=runs_on_cpu(cfg))
-        entrypoint, args = worker_entry, (entrypoint, dict(os.environ), *args)
+        entrypoint, args = worker_entry, (entrypoint, dict(os.environ), launcher_stdio(),
+                                          *args)
     launch = elastic_launch(launch_config(cfg, dims), entrypoint=entrypoint)
     expendable = expendable_ranks(cfg, dims, hook)
     try:
