@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from plait import hookimpl
 from plait.config import AT_LEAST_0, LauncherConfig, Range, range_problems
+from plait.plugins.launch.forkserver import START_METHODS
 from plait.plugins.launch.slurm import in_srun_task, task_count_problems, torch_env_from_slurm
 from plait.types import PluginInfo
 
@@ -43,6 +44,9 @@ class LocalLauncherConfig(LauncherConfig):
     master_port: int = 0  # 0: pick a free port (single node)
     local_addr: Optional[str] = None  # this node's address as the others reach it (multi-node)
     max_restarts: int = 0
+    # torchrun's --start-method: "forkserver" forks every worker from one process that has
+    # imported torch and the plugins (forkserver.py); "spawn" starts each as a fresh interpreter
+    start_method: str = "forkserver"
     # torchrun's --rdzv-conf: c10d rendezvous settings; torch's defaults where not given
     # (last_call_timeout 30 s, join_timeout 600 s, keep_alive_interval 5 s x 3 attempts)
     rdzv_conf: Any = field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False}))
@@ -74,6 +78,9 @@ def plait_register_configs(config_store) -> None:
 def plait_validate(cfg, dims) -> list[str]:
     launcher = cfg.launcher
     problems = range_problems("launcher", launcher, RANGES)
+    if launcher.start_method not in START_METHODS:
+        problems.append(f"launcher.start_method={launcher.start_method}: choose one of "
+                        f"{', '.join(START_METHODS)}")
     nodes = dims.nodes
     if launcher.node_rank >= nodes.max:
         problems.append(f"launcher.node_rank={launcher.node_rank} with launcher.nnodes="
@@ -128,6 +135,11 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
         # later round waits for it forever (seen: scale-up restart, both agents timed out). Not
         # sharing it makes each round publish a fresh store address (and key space).
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if launcher.start_method == "forkserver":
+        from plait.plugins.launch.forkserver import use_forkserver, worker_entry
+
+        use_forkserver(on_cpu=runs_on_cpu(cfg))
+        entrypoint, args = worker_entry, (entrypoint, dict(os.environ), *args)
     launch = elastic_launch(launch_config(cfg, dims), entrypoint=entrypoint)
     expendable = expendable_ranks(cfg, dims, hook)
     if expendable is None:
@@ -136,6 +148,12 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
 
     with agent_class(expendable):
         return launch(*args)
+
+
+def runs_on_cpu(cfg) -> bool:
+    import torch
+
+    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
 
 
 def launch_config(cfg, dims):
@@ -160,7 +178,7 @@ def launch_config(cfg, dims):
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs,
         max_restarts=launcher.max_restarts,
-        start_method="spawn",
+        start_method=launcher.start_method,
         monitor_interval=0.1,
         local_addr=launcher.local_addr,
     )
