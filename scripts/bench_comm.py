@@ -150,6 +150,9 @@ def worker(args) -> None:
     if lead:
         Path(args.out).write_text(json.dumps(results))
     dist.destroy_process_group()
+    from plait.testing import exit_without_teardown
+
+    exit_without_teardown()  # as plait's workers end (no abort at interpreter teardown)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ SMOKE = {
     "bench_zero": (["--stages", "3", "--reps", "1", "--steps", "2", "--warmup", "1",
                     "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
                     "--batch-size", "4", "--grad-accum", "1"],
-                   ["  zero3 "]),
+                   [" zero3 "]),
 }
 
 
