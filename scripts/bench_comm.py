@@ -115,7 +115,8 @@ def worker(args) -> None:
     nnodes, nproc = args.nodes, args.nproc_per_node
     cfg = OmegaConf.create({"device": "cpu", "launcher": {"timeout_s": 1800, "nnodes": nnodes,
                                                           "nproc_per_node": nproc},
-                            "parallel": {"dp": -1, "tp": 1, "pp": 1}})
+                            "parallel": {"dp": -1, "tp": 1, "pp": 1},
+                            "train": {"grad_accum_steps": 1}})
     topology = Topology.initialize(cfg)
     group = topology.get_data_parallel_group()
     built = reducers(topology, nnodes, nproc)
