@@ -16,14 +16,21 @@ import sys
 from typing import Callable
 
 from hydra._internal.utils import get_args_parser
-from hydra.errors import HydraException
+from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from plait import api
 from plait.export import cmd_export
-from plait.plan import CONFIG_NAME, compose_config, format_plan, hydra_app, make_plan
+from plait.plan import (
+    CONFIG_NAME,
+    compose_config,
+    format_plan,
+    hydra_app,
+    make_plan,
+    unknown_option,
+)
 from plait.plugin_manager import broken_problems, make_plugin_manager
 from plait.types import PlanError
 
@@ -159,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         return refused
     try:
         return command(overrides) or 0
+    except MissingConfigException as e:  # composed by Hydra itself: -m, --cfg, --info
+        print(f"plait: {unknown_option(e) or e}", file=sys.stderr)
+        return 2
     except (PlanError, HydraException, OmegaConfBaseException, ValueError) as e:
         print(f"plait: {e}", file=sys.stderr)
         return 2

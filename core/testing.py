@@ -89,6 +89,25 @@ def _spawned(rank: int, fn, world_size: int, nproc_per_node: int, port: int,
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+    exit_without_teardown()
+
+
+def exit_without_teardown(code: int = 0) -> None:
+    """End a finished distributed child process as a forked worker ends (``os._exit``, after
+    flushing Python's output), not through the interpreter's teardown.
+
+    A ``spawn``-started child returns through ``sys.exit``, and at teardown objects that held
+    gloo work (a DeepSpeed engine, layers holding their group) are freed after the process group
+    is gone; now and then this aborted the child ("terminate called without an active
+    exception", SIGABRT: ``scripts/bench_zero.py``'s raw ZeRO-3 loop, ``bench_tp.py``; see
+    pytorch/pytorch#179291). torch elastic's and ``multiprocessing``'s forked workers end with
+    ``os._exit`` and never met it. Only for a child whose work is done and whose results are
+    written."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def read_wandb_run(run_dir: str | Path) -> dict[str, Any]:

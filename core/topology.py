@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from plait.config import NodeRange, node_range
 from plait.host_memory import fix_mmap_threshold
@@ -96,7 +97,7 @@ class ParallelDims:
                 )
             dp = world_size // (tp * pp)
         return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, nnodes=nnodes, nodes=nodes,
-                   grad_accum_steps=cfg.train.grad_accum_steps)
+                   grad_accum_steps=configured_grad_accum_steps(cfg))
 
     @property
     def elastic(self) -> bool:
@@ -106,6 +107,12 @@ class ParallelDims:
     @property
     def enabled_axes(self) -> frozenset[str]:
         return frozenset(a for a in ("dp", "tp", "pp") if getattr(self, a) > 1)
+
+
+def configured_grad_accum_steps(cfg) -> int:
+    """``train.grad_accum_steps``; 1 for a config made for a topology alone (collectives, no
+    training loop: a benchmark's, a test's), which may leave ``train`` out."""
+    return OmegaConf.select(cfg, "train.grad_accum_steps", default=1)
 
 
 def elastic_grad_accum_steps(cfg, dims: ParallelDims, local_world_size: int) -> int:
@@ -126,7 +133,7 @@ def elastic_grad_accum_steps(cfg, dims: ParallelDims, local_world_size: int) -> 
     """
     nodes = dims.nodes
     if not nodes.elastic:
-        return cfg.train.grad_accum_steps
+        return configured_grad_accum_steps(cfg)
     full = ParallelDims.from_config(cfg, world_size=nodes.max * local_world_size, nodes=nodes)
     micro_batches = cfg.train.grad_accum_steps * full.dp  # per step, over all dp ranks
     if micro_batches % dims.dp:

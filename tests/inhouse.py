@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import itertools
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -344,6 +346,22 @@ class Rank0:
     trainer_group = None
     local_rank = local_trainer_rank = node_rank = 0
     dims = SimpleNamespace(dp=1, tp=1, pp=1)
+
+
+@contextlib.contextmanager
+def stderr_into(path: Path):
+    """Send this process's file descriptor 2 (and so the stderr of every worker it starts, which
+    inherits it) into ``path`` for the block: what a user's terminal would show."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "w") as file:
+        os.dup2(file.fileno(), 2)
+    try:
+        yield path
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 class NoCapabilities:

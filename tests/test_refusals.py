@@ -7,10 +7,12 @@ files and combinations that used to fail inside the workers.
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import plait.conf
 from plait.cli import main
 
 # (overrides, what the refusal says about each). Settings checked alike (one range table each)
@@ -173,4 +175,27 @@ def test_refusal_reaches_the_terminal_without_a_traceback(data_files, tmp_path):
     assert "optimizer.lr=-1.0 is out of range: set optimizer.lr >= 0" in done.stderr
     assert f"use data=text data.path={data_files}/corpus.txt" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_unknown_value_is_refused_once_and_lists_only_what_a_user_can_choose(tmp_path, capsys):
+    """A precision or device the core does not know is one refusal (the core's), not one per
+    active plugin; an unknown option of a config group lists the group's options, without the
+    ``base_*`` schemas plugins store for them or Hydra's search path."""
+    code = main(["train", "precision=fp7", "device=tpu", f"run.root={tmp_path}", "run.name=r"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert [line for line in err.splitlines() if "fp7" in line] == [
+        "  - precision=fp7: choose one of fp32, bf16, fp16"]
+    assert [line for line in err.splitlines() if "tpu" in line] == [
+        "  - device=tpu: choose auto, cpu or cuda (each process takes the GPU of its local rank)"]
+    options = Path(plait.conf.__file__).parent / "strategy"
+    strategies = sorted(p.stem for p in options.glob("*.yaml"))
+    for command in (["train"], ["plan"], ["train", "-m"]):
+        code = main([*command, "strategy=zero9", f"run.root={tmp_path}", "run.name=r"])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert err.splitlines() == ["plait: plait refused this plan:",
+                                    "  - strategy=zero9: no such option; choose one of "
+                                    f"{', '.join(strategies)}"]
     assert not any(tmp_path.iterdir())
