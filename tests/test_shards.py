@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -114,7 +115,6 @@ def test_bpe_round_trips_text_exactly(bpe_shards, corpus):
     assert len(ends) == len(files) and (stream[ends] == 0).all()
 
 
-@pytest.mark.slow
 def tasks_done(out: Path) -> int:
     """The tasks a running prepare has saved as done (its progress file, replaced atomically)."""
     try:
@@ -124,6 +124,7 @@ def tasks_done(out: Path) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_prepare_is_deterministic_and_resumes_after_a_kill(corpus, bpe_shards, tmp_path):
     """A prepare SIGKILLed after its first task and run again ends with the same files as the
     uninterrupted one (which used 2 workers; this one 1, then 2), keeping what it had written."""
@@ -136,6 +137,7 @@ def test_prepare_is_deterministic_and_resumes_after_a_kill(corpus, bpe_shards, t
     # finished task are on disk (a kill inside the first task would rightly start over)
     while not (out / shard_name(2)).exists() or tasks_done(out) < 1:
         assert first.poll() is None, "prepare finished before it could be killed"
+        time.sleep(0.01)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     assert not (out / "index.json").exists()
@@ -288,7 +290,7 @@ def test_cache_fetches_once_and_stays_under_its_limit_with_concurrent_readers(
     peak, done, errors = [0], threading.Event(), []
 
     def watch():
-        while not done.is_set():
+        while not done.wait(0.002):
             peak[0] = max(peak[0], cache.usage())
 
     def read(seed):
@@ -377,7 +379,7 @@ def test_a_slow_remote_is_fetched_once_per_node_then_read_from_the_cache(
     peak, done = [0], threading.Event()
 
     def watch():
-        while not done.is_set():
+        while not done.wait(0.002):
             peak[0] = max(peak[0], cache.usage() if cache.root.exists() else 0)
 
     watcher = threading.Thread(target=watch)

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from plait import api
 from plait.cli import main
 from plait.testing import TEST_OVERRIDES, read_metrics, read_wandb_run
-from tests.inhouse import OptimizerSettingsAfterLoad
+from inhouse import OptimizerSettingsAfterLoad
 
 pytestmark = pytest.mark.slow
 
