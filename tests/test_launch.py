@@ -14,8 +14,14 @@ pytestmark = pytest.mark.slow
 STEPS = ["train.steps=3", "optimizer.decay_steps=3"]
 
 
-def test_torchrun_runs_plait_in_place_with_the_same_losses(tmp_path):
-    reference = run_losses(tmp_path / "ref", [*STEPS, "launcher.nproc_per_node=2"])
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Losses of the same run started by plait's own launcher with 2 worker processes."""
+    return run_losses(tmp_path_factory.mktemp("ref") / "local",
+                      [*STEPS, "launcher.nproc_per_node=2"])
+
+
+def test_torchrun_runs_plait_in_place_with_the_same_losses(reference, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            f"--master_port={free_port()}", "-m", "plait", "train", *TEST_OVERRIDES, *STEPS,
            f"run.root={tmp_path}", "run.name=torchrun"]
@@ -28,8 +34,10 @@ def test_torchrun_runs_plait_in_place_with_the_same_losses(tmp_path):
     assert not list(tmp_path.glob("**/.hydra"))
 
 
-def test_srun_environment_is_translated_for_torch(tmp_path):
+def test_srun_environment_is_translated_for_torch(reference, tmp_path):
     # A stand-in for srun (no SLURM here): start 2 processes with the variables srun sets.
+    # They must form one job of 2 ranks: the 2-process run's losses, logged once (processes
+    # that each ran a job of their own would log their steps twice into the same file).
     port = free_port()
     procs = []
     for rank in range(2):
@@ -45,8 +53,9 @@ def test_srun_environment_is_translated_for_torch(tmp_path):
     for p in procs:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out.decode()[-2000:]
-    # both ranks agreed on the run directory through the job id
-    assert len(read_metrics(tmp_path / "job-4242")) == 3
+    # both ranks agreed on the run directory through the job id, and trained as one job
+    losses = [m["loss"] for m in read_metrics(tmp_path / "job-4242")]
+    assert losses == pytest.approx(reference, rel=1e-6)
 
 
 def test_slurm_variables_map_to_torch_env():
