@@ -382,6 +382,62 @@ class CommCounter:
         return taken
 
 
+class WireRecorder:
+    """Records what this process hands to ``torch.distributed``: every point-to-point send
+    (``isend``, ``send``) as ``(peer's global rank, bytes)`` in ``sends``, and every all-reduce
+    as ``(group, bytes)`` in ``all_reduces``, ``group`` being the name of a plait algorithm's
+    group (``"ring"``, ``"hierarchical"``: an :class:`AlgorithmGroup` run with sends) or
+    ``"backend"`` (gloo's or NCCL's own all-reduce).
+
+    It replaces those functions of ``torch.distributed``, which plait's ring and torch's comm
+    hooks (compression, PowerSGD) look up at each call, so it sees what a real reducer sends,
+    also from inside DDP's backward. Thread-safe: the explicit algorithms run on the reducer's
+    thread, the pipelined hierarchical all-reduce on three.
+    """
+
+    def __init__(self):
+        import threading
+
+        self.sends: list[tuple[int, int]] = []
+        self.all_reduces: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+        self.originals = {name: getattr(dist, name) for name in ("isend", "send", "all_reduce")}
+
+    def __enter__(self):
+        from plait.plugins.comm.algorithm import AlgorithmGroup
+
+        def sending(fn):
+            def send(tensor, dst=None, group=None, tag=0, group_dst=None):
+                peer = dst if group_dst is None else (
+                    group_dst if group is None else dist.get_global_rank(group, group_dst))
+                with self.lock:
+                    self.sends.append((peer, tensor.numel() * tensor.element_size()))
+                return fn(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+            return send
+
+        def all_reduce(tensor, *args, **kwargs):
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            name = group.name if isinstance(group, AlgorithmGroup) else "backend"
+            with self.lock:
+                self.all_reduces.append((name, tensor.numel() * tensor.element_size()))
+            return self.originals["all_reduce"](tensor, *args, **kwargs)
+
+        dist.isend, dist.send = sending(self.originals["isend"]), sending(self.originals["send"])
+        dist.all_reduce = all_reduce
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.originals.items():
+            setattr(dist, name, fn)
+
+    def take(self) -> tuple[list[tuple[int, int]], list[tuple[str, int]]]:
+        """What was recorded since the last ``take``: ``(sends, all_reduces)``."""
+        with self.lock:
+            taken = self.sends, self.all_reduces
+            self.sends, self.all_reduces = [], []
+        return taken
+
+
 class CountCollectives:
     """Rank 0's collectives per step, by kind: one JSON line per step in
     ``run.dir/collectives.jsonl`` (what the step's forward, backward, gradient norm and metrics
