@@ -263,16 +263,17 @@ hold_alone_after_step_2 = HoldAfter(
 
 class NanLoss:
     """Makes the loss (``what="loss"``) or the gradient of this rank's first parameter
-    (``what="grad"``) NaN on global rank ``rank`` for the engine's optimizer-step calls
-    ``first .. first+count-1`` of the first attempt. Every rank records, for each poisoned call,
+    (``what="grad"``) NaN (or ``factor`` times what it is: a loss spike) on global rank ``rank``
+    for the engine's optimizer-step calls ``first .. first+count-1`` of the first attempt. Every rank records, for each poisoned call,
     whether the engine skipped it and whether parameters and optimizer state stayed the same
     bytes: ``directory/skip_rank<r>_call<n>.json``. Works under every engine: the loss through
     ``engine.loss_fn`` (DDP, ZeRO), the gradient through a tensor hook (also inside a pipeline
     schedule, which holds its own loss function)."""
 
-    def __init__(self, directory, first: int, count: int, rank: int = 1, what: str = "loss"):
+    def __init__(self, directory, first: int, count: int, rank: int = 1, what: str = "loss",
+                 factor: float = float("nan")):
         self.directory, self.first, self.count, self.rank = str(directory), first, count, rank
-        self.what = what
+        self.what, self.factor = what, factor
 
     @hookimpl
     def plait_declare(self):
@@ -284,17 +285,17 @@ class NanLoss:
         if attempt() > 0:
             return engine
         calls, inner_step, inner_loss = itertools.count(1), engine.train_step, engine.loss_fn
-        nan = [False]
+        nan, factor = [False], self.factor
         if self.what == "grad":
             first_param = next(engine.model.parameters())
-            first_param.register_hook(lambda g: g * float("nan") if nan[0] else g)
+            first_param.register_hook(lambda g: g * factor if nan[0] else g)
 
         def train_step(micro_batches, lr):
             n = next(calls)
             poisoned = self.first <= n < self.first + self.count
             nan[0] = poisoned and topology.rank == self.rank
             if self.what == "loss":
-                engine.loss_fn = ((lambda y, t: inner_loss(y, t) * float("nan")) if nan[0]
+                engine.loss_fn = ((lambda y, t: inner_loss(y, t) * factor) if nan[0]
                                   else inner_loss)
             before = snapshot(engine) if poisoned else None
             out = inner_step(micro_batches, lr)

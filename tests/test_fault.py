@@ -114,6 +114,22 @@ def test_nan_on_one_rank_skips_the_step_everywhere_and_k_in_a_row_roll_back(unin
 
 
 @pytest.mark.slow
+def test_a_loss_spike_skips_the_step_on_every_rank(tmp_path):
+    """fault.spike_factor=3: rank 1's loss at the 7th step is 100 times what it is (6 steps
+    taken: the running median is judged), so the step is skipped on both ranks with parameters
+    and optimizer state unchanged, counted, and the run takes one more batch for its 8 steps."""
+    run_dir = tmp_path / "spike"
+    run_training(run_dir, [*RUN, "fault.spike_factor=3"],
+                 plugins=[inhouse.NanLoss(tmp_path, first=7, count=1, rank=1, factor=100.0)])
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"skip_rank{rank}_call7.json").read_text())
+        assert record == {"skipped": True, "unchanged": True}, f"rank {rank}"
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert [m["loss_spikes"] for m in metrics] == [0.0] * 6 + [1.0] * (STEPS - 6)
+
+
+@pytest.mark.slow
 def test_external_torchrun_restart_and_a_rerun_of_the_same_command_resume(uninterrupted,
                                                                           tmp_path):
     """Under the user's own ``torchrun --max-restarts=1`` a killed worker's restart resumes; a job

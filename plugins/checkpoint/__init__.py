@@ -61,8 +61,8 @@ class CheckpointConfig(FaultConfig):
     keep_last: int = 2  # complete checkpoints kept; 0 keeps all
     save_final: bool = True
     # The step guard (plait.plugins.fault) of this option:
-    max_bad_steps: int = 3  # consecutive skipped (non-finite) steps that end the attempt
-    spike_factor: float = 0.0  # flag a loss above this x the running median; 0: off
+    max_bad_steps: int = 3  # consecutive skipped (non-finite, spiked) steps ending the attempt
+    spike_factor: float = 0.0  # skip a step whose loss is above this x the running median; 0: off
     # copy to CPU memory, write in the background (DCP async_save); publish when written
     async_save: bool = False
     # A directory on each node's own disk: node k keeps its part of every checkpoint in
