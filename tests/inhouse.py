@@ -786,3 +786,137 @@ class ImportFirst:
 
 
 record_shards = RecordShards()  # for `+plugins=[inhouse:record_shards]` on a command line
+
+
+class RecordLayout:
+    """Proof that a layout happened, not only equal losses: on every rank, right before the
+    engine is built, the shape of every parameter the rank holds (the model after tensor-parallel
+    cutting and pipeline splitting, under the unsplit names) and the ranks of its dp, tp and pp
+    groups; then the groups every collective of the first step ran over (the ranks handed to
+    ``torch.distributed``'s collectives, and the peer of every pipeline send or receive: each
+    ``P2POp`` a stage makes). Written
+    to ``run.dir/layout_rank<r>.json``; :func:`assert_layout` reads them. A run that silently
+    stayed plain data parallel holds whole parameters and sends nothing over a tp group."""
+
+    COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                   "reduce_scatter_tensor", "broadcast", "all_to_all_single")
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="record_layout")
+
+    @hookimpl(wrapper=True, tryfirst=True)  # outermost: the first step of the whole engine
+    def plait_build_engine(self, cfg, model, topology):
+        record = {"params": {name: list(p.shape) for name, p in model.named_parameters()},
+                  "groups": {axis: dist.get_process_group_ranks(topology.group(axis))
+                             for axis in ("dp", "tp", "pp")}}
+        engine = yield
+        used: set[tuple[str, tuple[int, ...]]] = set()
+        path = Path(cfg.run.dir) / f"layout_rank{topology.rank}.json"
+        train_step = engine.train_step
+
+        def first_step(*args, **kwargs):
+            originals = {name: getattr(dist, name) for name in (*self.COLLECTIVES, "P2POp")}
+            for name in self.COLLECTIVES:
+                setattr(dist, name, _recording_group(originals[name], name, used))
+            dist.P2POp = _recording_peers(originals["P2POp"], topology.rank, used)
+            try:
+                return train_step(*args, **kwargs)
+            finally:
+                for name, fn in originals.items():
+                    setattr(dist, name, fn)
+                engine.train_step = train_step
+                record["used"] = sorted([kind, list(ranks)] for kind, ranks in used)
+                path.write_text(json.dumps(record))
+
+        engine.train_step = first_step
+        return engine
+
+
+record_layout = RecordLayout()  # for `+plugins=[inhouse:record_layout]` on a command line
+
+
+def _group_ranks(group) -> tuple[int, ...]:
+    from plait.plugins.comm.algorithm import AlgorithmGroup
+
+    if isinstance(group, AlgorithmGroup):  # comm=ring|hierarchical: the group it runs over
+        group = group.group
+    return tuple(dist.get_process_group_ranks(group) if group is not None
+                 else range(dist.get_world_size()))
+
+
+def _recording_group(fn, kind: str, used: set):
+    import inspect
+
+    signature = inspect.signature(fn)
+
+    def collective(*args, **kwargs):
+        group = signature.bind(*args, **kwargs).arguments.get("group")
+        used.add(("collective", _group_ranks(group)))
+        return fn(*args, **kwargs)
+
+    return collective
+
+
+def _recording_peers(p2p_op, rank: int, used: set):
+    """``torch.distributed.P2POp`` noting the peer of every point-to-point op made (a pipeline
+    stage makes one per send and receive, batched or not)."""
+
+    class RecordingP2POp(p2p_op):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            used.add(("p2p", tuple(sorted((rank, self.peer)))))
+
+    return RecordingP2POp
+
+
+def whole_model_shapes(run_dir) -> dict[str, list[int]]:
+    """Parameter name -> shape of a 1-process run's model (``RecordLayout``'s record)."""
+    return json.loads((Path(run_dir) / "layout_rank0.json").read_text())["params"]
+
+
+def assert_layout(run_dir, full: dict[str, list[int]], *, dp: int, tp: int = 1,
+                  pp: int = 1) -> None:
+    """The run's ranks (``RecordLayout``) were the ``(pp, dp, tp)`` mesh and worked as it:
+
+    - each rank's dp, tp and pp groups are the mesh's (rank = (pp_i·dp + dp_i)·tp + tp_i);
+    - in the first step it ran collectives over its own tp group (tensor-parallel regions) and
+      its own dp group (the gradient average), and pipeline sends only to the ranks of the
+      stages before and after its own (in a ring: interleaved stages wrap around);
+    - every parameter it holds is the unsplit one (``full``: name -> shape) or, under tp, that
+      one cut to 1/tp along one dim, the same on every rank of its tp group, and at least one is
+      cut; the stages of a pp group hold disjoint parameters that together make the model.
+    """
+    width = dp * tp
+    layouts = [json.loads((Path(run_dir) / f"layout_rank{r}.json").read_text())
+               for r in range(width * pp)]
+    for r, layout in enumerate(layouts):
+        pp_i, dp_i, tp_i = r // width, r % width // tp, r % tp
+        groups = {"dp": [pp_i * width + d * tp + tp_i for d in range(dp)],
+                  "tp": [pp_i * width + dp_i * tp + t for t in range(tp)],
+                  "pp": [p * width + dp_i * tp + tp_i for p in range(pp)]}
+        assert layout["groups"] == groups, (r, layout["groups"])
+        used = {(kind, tuple(ranks)) for kind, ranks in layout["used"]}
+        for axis, size in (("tp", tp), ("dp", dp)):
+            if size > 1:
+                assert ("collective", tuple(groups[axis])) in used, (r, axis, sorted(used))
+        peers = {ranks for kind, ranks in used if kind == "p2p"}
+        neighbours = {tuple(sorted((r, groups["pp"][(pp_i + step) % pp]))) for step in (-1, 1)
+                      if pp > 1}
+        assert peers <= neighbours and bool(peers) == (pp > 1), (r, peers)
+        cut = 0
+        for name, shape in layout["params"].items():
+            whole = full[name]
+            if shape == whole:
+                continue
+            dims = [i for i, (a, b) in enumerate(zip(shape, whole)) if a != b]
+            assert len(shape) == len(whole) and len(dims) == 1, (r, name, shape, whole)
+            assert shape[dims[0]] * tp == whole[dims[0]], (r, name, shape, whole)
+            cut += 1
+        assert (cut > 0) == (tp > 1), (r, cut)
+        for q in groups["tp"]:
+            assert layouts[q]["params"] == layout["params"], (r, q)
+    for r in range(width):  # each pp group: its stages split the model between them
+        names = [set(layouts[q]["params"]) for q in range(r, width * pp, width)]
+        assert sum(map(len, names)) == len(set().union(*names)) == len(full), (r, names)
+
