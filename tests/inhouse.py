@@ -920,3 +920,28 @@ def assert_layout(run_dir, full: dict[str, list[int]], *, dp: int, tp: int = 1,
         names = [set(layouts[q]["params"]) for q in range(r, width * pp, width)]
         assert sum(map(len, names)) == len(set().union(*names)) == len(full), (r, names)
 
+
+class RecordCompiled:
+    """Whether the model the engine steps was compiled, and what TorchDynamo captured in the
+    first step (``torch._dynamo.utils.counters``): ``run.dir/compiled_rank<r>.json``."""
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="record_compiled")
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+
+        def write():
+            from torch._dynamo.eval_frame import OptimizedModule
+            from torch._dynamo.utils import counters
+
+            Path(cfg.run.dir, f"compiled_rank{topology.rank}.json").write_text(json.dumps({
+                "wrapper": type(getattr(engine, "wrapped", engine.model)).__name__,
+                "optimized_module": isinstance(getattr(engine, "wrapped", None),
+                                               OptimizedModule),
+                "unique_graphs": counters["stats"]["unique_graphs"]}))
+
+        after_first_step(engine, write)
+        return engine
