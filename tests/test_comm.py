@@ -138,7 +138,7 @@ def _cfg(name: str, compression: str = "none", bucket_mb: float | None = None,
     return OmegaConf.create({
         "device": "cpu", "seed": 0,
         "launcher": {"timeout_s": 120, "nnodes": 2, "nproc_per_node": 2},
-        "parallel": {"dp": -1, "tp": 1, "pp": 1},
+        "parallel": {"dp": -1, "tp": 1, "pp": 1}, "train": {"grad_accum_steps": 1},
         "comm": {"name": name, "compression": compression, "bucket_mb": bucket_mb,
                  "powersgd_rank": powersgd_rank, "powersgd_start_iter": 2}})
 
