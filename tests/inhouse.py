@@ -264,11 +264,11 @@ hold_alone_after_step_2 = HoldAfter(
 class NanLoss:
     """Makes the loss (``what="loss"``) or the gradient of this rank's first parameter
     (``what="grad"``) NaN (or ``factor`` times what it is: a loss spike) on global rank ``rank``
-    for the engine's optimizer-step calls ``first .. first+count-1`` of the first attempt. Every rank records, for each poisoned call,
-    whether the engine skipped it and whether parameters and optimizer state stayed the same
-    bytes: ``directory/skip_rank<r>_call<n>.json``. Works under every engine: the loss through
-    ``engine.loss_fn`` (DDP, ZeRO), the gradient through a tensor hook (also inside a pipeline
-    schedule, which holds its own loss function)."""
+    for the engine's optimizer-step calls ``first .. first+count-1`` of the first attempt.
+    Every rank records, for each poisoned call, whether the engine skipped it and whether
+    parameters and optimizer state stayed the same bytes: ``directory/skip_rank<r>_call<n>.json``.
+    Works under every engine: the loss through ``engine.loss_fn`` (DDP, ZeRO), the gradient
+    through a tensor hook (also inside a pipeline schedule, which holds its own loss function)."""
 
     def __init__(self, directory, first: int, count: int, rank: int = 1, what: str = "loss",
                  factor: float = float("nan")):
