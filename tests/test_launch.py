@@ -1,6 +1,7 @@
 """Starting workers: under torchrun, and under a SLURM-style launcher (environment only)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -36,8 +37,9 @@ def test_torchrun_runs_plait_in_place_with_the_same_losses(reference, tmp_path):
 
 def test_srun_environment_is_translated_for_torch(reference, tmp_path):
     # A stand-in for srun (no SLURM here): start 2 processes with the variables srun sets.
-    # They must form one job of 2 ranks: the 2-process run's losses, logged once (processes
-    # that each ran a job of their own would log their steps twice into the same file).
+    # They must form one job of 2 ranks: one rank 0 saying so, and the 2-process run's losses.
+    # (The losses alone cannot tell: two tasks that each ran a 1-process job of the whole batch
+    # in the same directory log the same losses, DDP equalling one process.)
     port = free_port()
     procs = []
     for rank in range(2):
@@ -50,9 +52,13 @@ def test_srun_environment_is_translated_for_torch(reference, tmp_path):
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "plait", "train", *TEST_OVERRIDES, *STEPS,
              f"run.root={tmp_path}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = []
     for p in procs:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out.decode()[-2000:]
+        outputs.append(out.decode())
+    started = re.findall(r"plait: training .* on (\d+) process\(es\)", "".join(outputs))
+    assert started == ["2"], outputs
     # both ranks agreed on the run directory through the job id, and trained as one job
     losses = [m["loss"] for m in read_metrics(tmp_path / "job-4242")]
     assert losses == pytest.approx(reference, rel=1e-6)
