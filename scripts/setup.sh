@@ -4,6 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# SLURM and munge, for tests/test_slurm.py (a controller and a node daemon on localhost), where
+# root and apt-get are available; elsewhere that test skips, saying why.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmd ]; then
+  { DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } ||
+    echo "setup: slurm-wlm and munge not installed; tests/test_slurm.py will skip" >&2
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip

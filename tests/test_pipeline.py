@@ -171,8 +171,9 @@ def figures(run_dir) -> dict:
 def reference(tmp_path_factory):
     """One process, the same global batch in the same 4 micro-batches."""
     run = tmp_path_factory.mktemp("pp") / "reference"
-    run_training(run, [*COMMON, "launcher.nproc_per_node=1", "train.grad_accum_steps=4"])
-    return figures(run)
+    run_training(run, [*COMMON, "launcher.nproc_per_node=1", "train.grad_accum_steps=4"],
+                 plugins=[inhouse.RecordLayout()])
+    return {**figures(run), "shapes": inhouse.whole_model_shapes(run)}
 
 
 def assert_same(run_figures, reference):
@@ -282,7 +283,9 @@ def test_pp2_fp16_overflow_on_the_last_stage_skips_the_step_on_both(tmp_path):
 def test_pp2_dp2_matches_one_process(tmp_path, reference):
     run = tmp_path / "pp2dp2"
     run_training(run, [*COMMON, "launcher.nproc_per_node=4", "parallel.pp=2",
-                       "pipeline.microbatches=2", "pipeline.balance=params"])
+                       "pipeline.microbatches=2", "pipeline.balance=params"],
+                 plugins=[inhouse.RecordLayout()])
+    inhouse.assert_layout(run, reference["shapes"], dp=2, pp=2)
     assert_same(figures(run), reference)
 
 
@@ -314,5 +317,7 @@ def test_pp2_tp2_matches_one_process(tmp_path, reference):
     each tensor-parallel shard once."""
     run = tmp_path / "pp2tp2"
     run_training(run, [*COMMON, *PP2, "launcher.nproc_per_node=4", "parallel.tp=2",
-                       "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"])
+                       "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"],
+                 plugins=[inhouse.RecordLayout()])
+    inhouse.assert_layout(run, reference["shapes"], dp=1, tp=2, pp=2)
     assert_same(figures(run), reference)

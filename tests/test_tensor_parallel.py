@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from inhouse import CommCounter, CountCollectives
+from inhouse import (CommCounter, CountCollectives, RecordLayout, assert_layout,
+                     whole_model_shapes)
 
 from plait.plugins.models.gpt import GPT, Block
 from plait.plugins.tensor_parallel.layers import VocabParallelCrossEntropy, split_tensor
@@ -271,7 +272,8 @@ def grad_norms(run_dir):
 def reference(tmp_path_factory):
     """One process, the tiny GPT, 20 clipped steps, exported at the end."""
     run = tmp_path_factory.mktemp("tp") / "reference"
-    losses = run_losses(run, [f"train.steps={STEPS}", GRAD_CLIP, "launcher.nproc_per_node=1"])
+    losses = run_losses(run, [f"train.steps={STEPS}", GRAD_CLIP, "launcher.nproc_per_node=1"],
+                        plugins=[RecordLayout()])
     return run, losses
 
 
@@ -287,13 +289,14 @@ def tp2(tmp_path_factory):
     run = tmp_path_factory.mktemp("tp") / "tp2"
     losses = run_losses(run, [f"train.steps={STEPS}", GRAD_CLIP, "launcher.nproc_per_node=2",
                               "parallel.tp=2", "fault.checkpoint_every=10"],
-                        plugins=[CountCollectives()])
+                        plugins=[CountCollectives(), RecordLayout()])
     return run, losses
 
 
 @pytest.mark.slow
 def test_tp2_trains_like_one_process(reference, tp2):
     (ref_run, ref_losses), (run, losses) = reference, tp2
+    assert_layout(run, whole_model_shapes(ref_run), dp=1, tp=2)
     assert len(losses) == STEPS
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert min(grad_norms(run)) > 0.05  # every step was clipped
@@ -348,7 +351,8 @@ def test_tp2_x_dp2_trains_like_one_process(reference, tmp_path, strategy):
     ref_run, ref_losses = reference
     run = tmp_path / "tp2dp2"
     losses = run_losses(run, [f"train.steps={STEPS}", GRAD_CLIP, "launcher.nproc_per_node=4",
-                              "parallel.tp=2", f"strategy={strategy}"])
+                              "parallel.tp=2", f"strategy={strategy}"], plugins=[RecordLayout()])
+    assert_layout(run, whole_model_shapes(ref_run), dp=2, tp=2)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert grad_norms(run) == pytest.approx(grad_norms(ref_run), rel=1e-4)
     exported = torch.load(export(str(run)), weights_only=True)
@@ -371,9 +375,12 @@ def test_a_plan_given_in_the_config_trains_like_one_process(reference, tmp_path)
 def test_llama_from_transformers_trains_with_tp2_like_unsplit(tmp_path):
     pytest.importorskip("transformers")
     common = ["model=llama_tiny", "train.steps=10", GRAD_CLIP]
-    unsplit = run_losses(tmp_path / "llama1", [*common, "launcher.nproc_per_node=1"])
+    unsplit = run_losses(tmp_path / "llama1", [*common, "launcher.nproc_per_node=1"],
+                         plugins=[RecordLayout()])
     split = run_losses(tmp_path / "llama2", [*common, "launcher.nproc_per_node=2",
-                                             "parallel.tp=2"])
+                                             "parallel.tp=2"], plugins=[RecordLayout()])
+    # the Llama plan cut transformers' q/k/v/o and gate/up/down projections over the tp group
+    assert_layout(tmp_path / "llama2", whole_model_shapes(tmp_path / "llama1"), dp=1, tp=2)
     assert split == pytest.approx(unsplit, rel=1e-5)
     assert grad_norms(tmp_path / "llama2") == pytest.approx(grad_norms(tmp_path / "llama1"),
                                                             rel=1e-4)

@@ -53,8 +53,8 @@ class CheckpointConfig(FaultConfig):
     keep_last: int = 2  # complete checkpoints kept; 0 keeps all
     save_final: bool = True
     # The step guard (plait.plugins.fault) of this option:
-    max_bad_steps: int = 3  # consecutive skipped (non-finite) steps that end the attempt
-    spike_factor: float = 0.0  # flag a loss above this x the running median; 0: off
+    max_bad_steps: int = 3  # consecutive skipped (non-finite, spiked) steps ending the attempt
+    spike_factor: float = 0.0  # skip a step whose loss is above this x the running median; 0: off
     # The straggler detector and the collective watchdog (plait.plugins.fault, docs/fault.md):
     # name a rank whose compute time is this x the median of the others' over the window of
     # logged steps (0: off, with the per-rank phase timing); warn, or exclude its node
