@@ -16,8 +16,8 @@ from typing import Any, Mapping, NamedTuple, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, ListConfig
 
-GROUPS = ("strategy", "parallel", "tensor_parallel", "pipeline", "comm", "data", "model",
-          "optimizer", "fault", "tracker", "launcher", "tune")
+GROUPS = ("strategy", "parallel", "tensor_parallel", "context_parallel", "pipeline", "comm",
+          "data", "model", "optimizer", "fault", "tracker", "launcher", "tune")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp16": 2}  # of a tensor element in each precision
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
@@ -64,9 +64,10 @@ class RunConfig:
 class ParallelConfig:
     """The process layout, which the core owns; how layers are split is each plugin's schema."""
 
-    dp: int = -1  # -1: world_size // (tp * pp)
+    dp: int = -1  # -1: world_size // (cp * tp * pp)
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
 
 
 @dataclass
@@ -119,6 +120,11 @@ class TensorParallelConfig:
 
 
 @dataclass
+class ContextParallelConfig:
+    name: str = MISSING
+
+
+@dataclass
 class PipelineConfig:
     name: str = MISSING
 
@@ -164,6 +170,7 @@ class PlaitConfig:
     strategy: StrategyConfig = MISSING
     parallel: ParallelConfig = MISSING
     tensor_parallel: TensorParallelConfig = MISSING
+    context_parallel: ContextParallelConfig = MISSING
     pipeline: PipelineConfig = MISSING
     comm: CommConfig = MISSING
     data: DataConfig = MISSING
@@ -240,7 +247,8 @@ def range_problems(section: str, settings: Any, ranges: Mapping[str, Range]) -> 
 def store_core_schemas(cs: ConfigStore) -> None:
     cs.store(name="base_config", node=PlaitConfig)
     for group, node in [("strategy", StrategyConfig), ("parallel", ParallelConfig),
-                        ("tensor_parallel", TensorParallelConfig), ("pipeline", PipelineConfig),
+                        ("tensor_parallel", TensorParallelConfig),
+                        ("context_parallel", ContextParallelConfig), ("pipeline", PipelineConfig),
                         ("comm", CommConfig), ("data", DataConfig), ("model", ModelConfig),
                         ("optimizer", OptimizerConfig), ("fault", FaultConfig),
                         ("tracker", TrackerConfig), ("launcher", LauncherConfig),
