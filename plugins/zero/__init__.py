@@ -28,7 +28,8 @@ from plait.types import PluginInfo
 def plait_declare() -> PluginInfo:
     return PluginInfo(name="zero", selected_by={"strategy.name": tuple(zero_config.STAGES)},
                       provides=frozenset({"engine:tensor_parallel", "engine:grad_comm",
-                                          "engine:pipeline", "engine:layout_free_state"}),
+                                          "engine:pipeline", "engine:layout_free_state",
+                                          "engine:context_parallel"}),
                       description="DeepSpeed ZeRO stages 0-3, offload, bf16/fp16")
 
 
