@@ -109,3 +109,22 @@ class SequenceShardLoss:
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(logits, targets[:, self.layout.index(device=targets.device)])
+
+
+def exchange_bytes(backend: str, seq_len: int, batch_size: int, width: int, cp: int,
+                   bytes_per_value: int) -> float:
+    """Bytes one rank's attention sends for one layer, forward and backward, for ``batch_size``
+    sequences of ``seq_len`` tokens with keys/values ``width`` wide on this rank (hidden size,
+    over ``tp``). With ``n = seq_len/cp`` tokens per rank and ``kv = 2·n·b·width·bytes`` one
+    rank's keys and values::
+
+        ring:     (C - 1)·kv forward, (C - 1)·kv + C·kv backward      = (3C - 2)·kv
+        ulysses:  4 all-to-alls forward (q, k, v, out) and 4 backward, each sending
+                  (C - 1)/C of n·b·width·bytes                        = 8·(C - 1)/C·n·b·width·bytes
+    """
+    local = seq_len // cp * batch_size * width * bytes_per_value
+    if cp == 1:
+        return 0.0
+    if backend == "ring":
+        return (3 * cp - 2) * 2 * local
+    return 8 * (cp - 1) / cp * local
