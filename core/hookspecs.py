@@ -184,13 +184,16 @@ def plait_strategy_cost(cfg: DictConfig, strategy: str, model: torch.nn.Module,
 
 @hookspec(firstresult=True)
 def plait_launch(
-    cfg: DictConfig, entrypoint: Callable[..., Any], args: tuple, hook: HookRelay
+    cfg: DictConfig, entrypoint: Callable[..., Any], args: tuple, hook: HookRelay,
+    dims: ParallelDims,
 ) -> dict[int, Any] | None:
     """Start the worker processes and wait for them.
 
     Stops at the first non-None result.
 
     :param cfg: the resolved config, already written to ``cfg.run.dir``.
+    :param dims: the planned layout; ``dims.nodes`` is ``launcher.nnodes`` as ``(MIN, MAX)``
+        (since hook spec 1.3).
     :param entrypoint: a module-level (picklable) function; ``entrypoint(*args)`` runs training
         in one process and returns, on the logging rank, the run's summary (last metrics, last
         checkpoint), elsewhere None.
@@ -304,7 +307,7 @@ def plait_apply_context_parallel(
     Called on every active plugin after tensor parallelism and before activation checkpointing
     (so a checkpointed block recomputes the exchanging attention), on the meta device where the
     model is built there; a plugin does nothing when ``topology.dims.cp == 1``. Added in hook
-    spec 1.3.
+    spec 1.4.
     """
 
 
@@ -455,10 +458,14 @@ def plait_check_step(cfg: DictConfig, loss: torch.Tensor, grad_norm: torch.Tenso
 
 
 @hookspec(firstresult=True)
-def plait_load_checkpoint(cfg: DictConfig, engine: Engine, topology: Topology) -> TrainState | None:
+def plait_load_checkpoint(cfg: DictConfig, engine: Engine, topology: Topology,
+                          hook: HookRelay) -> TrainState | None:
     """Resume from ``cfg.resume`` (``latest`` or a path) if set; called on every rank.
 
     Stops at the first non-None result.
+
+    :param hook: the active plugins' hooks (since hook spec 1.3), e.g. to learn which optional
+        engine surfaces the strategy declared: ``plait.plugin_manager.provided(hook)``.
 
     :return: the restored :class:`plait.types.TrainState`, or None to start from step 0.
     """
@@ -466,7 +473,8 @@ def plait_load_checkpoint(cfg: DictConfig, engine: Engine, topology: Topology) -
 
 @hookspec(firstresult=True)
 def plait_save_checkpoint(
-    cfg: DictConfig, engine: Engine, state: TrainState, topology: Topology, final: bool
+    cfg: DictConfig, engine: Engine, state: TrainState, topology: Topology, final: bool,
+    hook: HookRelay,
 ) -> Path | None:
     """Save a checkpoint if one is due after ``state.step``; called on every rank after each step.
 
@@ -474,6 +482,8 @@ def plait_save_checkpoint(
     previous checkpoint as ``latest``.
 
     :param final: True after the last step.
+    :param hook: the active plugins' hooks (since hook spec 1.3), as for
+        ``plait_load_checkpoint``.
     :return: the checkpoint directory written, or None when none was due.
     """
 
@@ -547,9 +557,13 @@ def plait_log_metrics(step: int, metrics: dict[str, float], state: TrainState) -
 
 
 @hookspec
-def plait_on_run_end(state: TrainState, status: str) -> None:
+def plait_on_run_end(state: TrainState, status: str, cfg: DictConfig) -> None:
     """The run ended with ``status`` "finished" or "failed"; trackers close their run. Called
-    whenever ``plait_on_run_start`` was, even if that failed part-way."""
+    whenever ``plait_on_run_start`` was, even if that failed part-way.
+
+    :param cfg: the run's config (since hook spec 1.3), so that a plugin needs no state of its
+        own kept from ``plait_on_run_start``.
+    """
 
 
 # ---------------------------------------------------------------------------------------------

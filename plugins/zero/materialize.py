@@ -37,7 +37,7 @@ def materialize_partitioned(model: nn.Module, init: ParameterInit, cfg, topology
         else:  # exactly these parameters: a module's children may still be on the meta device
             deepspeed.zero.Init(module=nn.ParameterList(params),
                                 data_parallel_group=mpu.get_sequence_data_parallel_group(),
-                                config_dict_or_path=deepspeed_config(cfg, topology.dims.dp),
+                                config_dict_or_path=deepspeed_config(cfg, topology.dims),
                                 remote_device=None if offload == "none" else offload, mpu=mpu)
         partitioned.extend(params[:1])
 
