@@ -8,7 +8,9 @@ of Megatron-core's ``tp-cp-ep-dp-pp`` and torchtitan's ``[pp, dp, cp, tp]``). Co
 ranks read the same samples as their dp rank's other ranks but hold different tokens, so their
 gradients are reduced together with the data-parallel ones: ``get_data_parallel_group(
 with_context_parallel=True)`` is the ``dp x cp`` group (Megatron's name; torchtitan's
-``dp_shard_cp``). Which node each rank runs on comes from the launcher (torch elastic / ``torchrun`` set
+``dp_shard_cp``).
+
+Which node each rank runs on comes from the launcher (torch elastic / ``torchrun`` set
 ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; plait's launcher derives them from
 ``srun``'s variables) and is gathered once, so a group's split into nodes is known, not guessed
 from rank numbers::

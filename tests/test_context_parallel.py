@@ -102,7 +102,8 @@ def tiny_gpt(n_layer: int = 2, n_embd: int = 32, seq: int = SEQ) -> GPT:
 
 
 def batch_of(step: int, seq: int = SEQ, batch: int = BATCH):
-    tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=torch.Generator().manual_seed(step))
+    generator = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=generator)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -444,8 +445,11 @@ def test_cp2_composes_with_dp_tp_and_pp_like_one_process(runs, name):
     per_step = exchange_bytes("ring", 32, micro, width, 2, 4) * microbatches
     layers = 1 if name == "cp2_pp2" else 2  # a pipeline stage holds one of the two blocks
     for m in runs[name]:
-        assert m["context_parallel/exchange_bytes"] == layers * per_step
-        assert m["context_parallel/exchanges"] == layers * microbatches * (3 * 2 - 2)
+        # torch's PipelineStage infers its shapes with one more forward in the first step
+        extra = 1 if name == "cp2_pp2" and m["step"] == 1 else 0
+        block = exchange_bytes("ring", 32, micro, width, 2, 4) / (3 * 2 - 2)  # one K/V send
+        assert m["context_parallel/exchange_bytes"] == layers * per_step + extra * block
+        assert m["context_parallel/exchanges"] == layers * microbatches * (3 * 2 - 2) + extra
 
 
 @pytest.mark.slow

@@ -35,8 +35,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                  bias: torch.Tensor | None, visible_rows: torch.Tensor | None,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of one tile; ``lse`` ``[b, heads, m]`` in the accumulation dtype. ``visible_rows``
-    (``[b, m]`` bool, with ``bias``): rows that see at least one key."""
+    """``(out, lse)`` of one tile; ``lse`` ``[b, heads, m]`` in the accumulation dtype.
+    ``visible_rows`` (``[b, m]`` bool, with ``bias``): rows that see at least one key."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=None if bias is None else bias.to(q.dtype),

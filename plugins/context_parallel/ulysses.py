@@ -45,7 +45,8 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         scatter_dim, gather_dim = ctx.dims
-        return all_to_all(grad, ctx.group, gather_dim, scatter_dim, ctx.stats), None, None, None, None
+        grad = all_to_all(grad, ctx.group, gather_dim, scatter_dim, ctx.stats)
+        return grad, None, None, None, None
 
 
 HEADS, SEQ = 1, 2  # dims of [b, heads, seq, d]
@@ -56,8 +57,4 @@ def ulysses_attention(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                       stats: ExchangeStats) -> torch.Tensor:
     """``attention(q, k, v, documents)`` over the whole sequence, with ``H/C`` heads per rank."""
     q, k, v = (AllToAll.apply(t, group, HEADS, SEQ, stats) for t in (q, k, v))
-    if documents is None:
-        out = attention(q, k, v)
-    else:
-        out = attention(q, k, v, documents)
-    return AllToAll.apply(out, group, SEQ, HEADS, stats)
+    return AllToAll.apply(attention(q, k, v, documents), group, SEQ, HEADS, stats)

@@ -1,13 +1,14 @@
 """Enumerate the layouts of a world size, estimate each, check the best through the real plan.
 
 Searched: ``dp × cp × tp × pp = world_size`` (every factorisation; context parallelism only
-pays where the activations of whole sequences do not fit, its term in the memory estimate), every ``strategy.name`` an
-installed plugin is selected by and estimates (``plait_strategy_cost``: ddp, zero0-3, fsdp and
-any in-house strategy that answers), the micro-batch (every divisor of the
-data-parallel rank's batch ``train.batch_size / dp``, the rest of the batch accumulated) and
-``train.activation_checkpointing=none|selective|full``. A setting the user gives on the command
-line (``strategy=zero1``, ``parallel.tp=2``, ``train.grad_accum_steps=4``,
-``train.activation_checkpointing=full``, ``parallel.pp=1``) is kept and not searched.
+pays where the activations of whole sequences do not fit, its term in the memory estimate),
+every ``strategy.name`` an installed plugin is selected by and estimates
+(``plait_strategy_cost``: ddp, zero0-3, fsdp and any in-house strategy that answers), the
+micro-batch (every divisor of the data-parallel rank's batch ``train.batch_size / dp``, the
+rest of the batch accumulated) and ``train.activation_checkpointing=none|selective|full``. A
+setting the user gives on the command line (``strategy=zero1``, ``parallel.tp=2``,
+``parallel.cp=1``, ``train.grad_accum_steps=4``, ``train.activation_checkpointing=full``,
+``parallel.pp=1``) is kept and not searched.
 
 Each candidate is estimated (:mod:`.cost`), those within the memory budget are sorted by step
 time, and then checked in that order with :func:`plait.plan.plan_config`, the check every run
