@@ -137,6 +137,10 @@ def _bench(rank: int, world: int, args, out: str) -> None:
         torch.cuda.set_device(device)
     groups = {c: [dist.new_group(list(range(g, g + c))) for g in range(0, world, c)]
               for c, _ in settings(world) if c > 1}
+    # one unmeasured step first: what a process allocates once (kernels' and the allocator's
+    # first use) would otherwise count against the first setting measured
+    step(*build(args, args.start_seq, 1, "-", None, 0, device, ExchangeStats()), args.start_seq,
+         args.batch, None, 1, device)
     rows = []
     for cp, backend in settings(world):
         group = groups[cp][rank // cp] if cp > 1 else None
