@@ -62,9 +62,10 @@ class RunConfig:
 class ParallelConfig:
     """The process layout, which the core owns; how layers are split is each plugin's schema."""
 
-    dp: int = -1  # -1: world_size // (tp * pp)
+    dp: int = -1  # -1: world_size // (cp * tp * pp)
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
 
 
 @dataclass
@@ -113,6 +114,11 @@ class StrategyConfig:
 
 @dataclass
 class TensorParallelConfig:
+    name: str = MISSING
+
+
+@dataclass
+class ContextParallelConfig:
     name: str = MISSING
 
 
@@ -166,6 +172,7 @@ class PlaitConfig:
     strategy: StrategyConfig = MISSING
     parallel: ParallelConfig = MISSING
     tensor_parallel: TensorParallelConfig = MISSING
+    context_parallel: ContextParallelConfig = MISSING
     pipeline: PipelineConfig = MISSING
     comm: CommConfig = MISSING
     data: DataConfig = MISSING

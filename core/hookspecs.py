@@ -15,8 +15,9 @@ Order of a run (``plait.train.train`` reads as this list)::
     plait_build_topology
     a rank whose role is not "trainer": plait_run_role, and nothing below
     plait_build_dataset, plait_shard_data
-    plait_build_model, plait_apply_tensor_parallel, plait_apply_activation_checkpointing,
-    plait_split_pipeline, plait_materialize_model, plait_build_loss
+    plait_build_model, plait_apply_tensor_parallel, plait_apply_context_parallel,
+    plait_apply_activation_checkpointing, plait_split_pipeline, plait_materialize_model,
+    plait_build_loss
     plait_build_optimizer, plait_build_lr_schedule, plait_grad_reducer, plait_build_engine
     plait_load_checkpoint, plait_on_run_start
     per step:  plait_check_step (in the engine's step, every rank), plait_on_step_end,
@@ -292,6 +293,21 @@ def plait_apply_tensor_parallel(
     """Split the model's layers across the tensor-parallel group, in place.
 
     Called on every active plugin; a plugin does nothing when ``topology.dims.tp == 1``.
+    """
+
+
+@hookspec
+def plait_apply_context_parallel(
+    cfg: DictConfig, model: torch.nn.Module, topology: Topology
+) -> None:
+    """Make the model hold only this rank's part of each sequence, in place: its input is cut
+    along the sequence and its attention exchanges keys and values with the other
+    context-parallel ranks (``topology.get_context_parallel_group()``).
+
+    Called on every active plugin after tensor parallelism and before activation checkpointing
+    (so a checkpointed block recomputes the exchanging attention), on the meta device where the
+    model is built there; a plugin does nothing when ``topology.dims.cp == 1``. Added in hook
+    spec 1.4.
     """
 
 

@@ -71,7 +71,7 @@ CORE_RANGES = {
               "seq_len": AT_LEAST_1, "grad_clip": Range(0, meaning="0 turns clipping off"),
               "log_every": AT_LEAST_1, "eval_every": Range(0, meaning="0: no evaluation"),
               "eval_batches": AT_LEAST_1, "peak_flops": POSITIVE, "stop_at": AT_LEAST_1},
-    "parallel": {"tp": AT_LEAST_1, "pp": AT_LEAST_1},
+    "parallel": {"tp": AT_LEAST_1, "pp": AT_LEAST_1, "cp": AT_LEAST_1},
     "launcher": {"nproc_per_node": AT_LEAST_1, "timeout_s": AT_LEAST_1},
     "": {"seed": Range(0, 2**32 - 1)},  # numpy's seeds
 }  # launcher.nnodes (N or MIN:MAX) is checked by plait.config.node_range
@@ -339,7 +339,7 @@ def capability_problems(pm: PlaitPluginManager, cfg: DictConfig, dims: ParallelD
     problems = []
     device = cfg.device if cfg.device in ALL_DEVICES else None
     active = {r.info.name for r in pm.records.values()}
-    axis_setting = {"dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp"}
+    axis_setting = {axis: f"parallel.{axis}" for axis in ("dp", "cp", "tp", "pp")}
     for record in pm.records.values():
         info, who = record.info, f"plugin {record.info.name!r}"
         if device is not None and device not in info.devices:
@@ -395,8 +395,9 @@ def format_plan(plan: Plan) -> str:
         d = plan.dims
         per_node = cfg.launcher.nproc_per_node
         trainers = "" if plan.roles.single else " trainers"
-        lines.append(f"mesh: world_size={d.world_size}{trainers} = pp {d.pp} x dp {d.dp} x tp "
-                     f"{d.tp} on {d.nnodes} node(s) x {per_node} process(es)")
+        cp = f" x cp {d.cp}" if d.cp > 1 else ""
+        lines.append(f"mesh: world_size={d.world_size}{trainers} = pp {d.pp} x dp {d.dp}{cp} x "
+                     f"tp {d.tp} on {d.nnodes} node(s) x {per_node} process(es)")
         # Before launch, nodes as plait's launcher and torchrun number ranks: node by node.
         lines += describe_nodes(d, [r // per_node for r in range(d.nnodes * per_node)],
                                 plan.roles)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 ALL_DEVICES = frozenset({"cpu", "cuda"})
 ALL_PRECISIONS = frozenset({"fp32", "bf16", "fp16"})
-ALL_AXES = frozenset({"dp", "tp", "pp"})
+ALL_AXES = frozenset({"dp", "cp", "tp", "pp"})
 
 
 ALWAYS = "always"
@@ -193,8 +193,19 @@ class GradReducer(Protocol):
         flat buffer (the bucket's own buffer, written in place)."""
 
 
-Batch = tuple["torch.Tensor", "torch.Tensor"]
-"""Inputs and next-token targets, both ``[micro_batch_size, seq_len]`` int64."""
+Batch = tuple["torch.Tensor", ...]
+"""``(inputs, targets)``: token ids and next-token targets, both ``[micro_batch_size, seq_len]``
+int64; or, with packed documents (``data.pack=true``), ``(inputs, targets, position_ids)``:
+each token's position within its document, restarting at 0 where a document starts (HF's
+``position_ids`` of packed sequences), from which the model masks attention across documents."""
+
+
+def model_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """``(inputs, keyword arguments of the model's forward, targets)`` of ``batch`` on
+    ``device`` (copied without blocking): a packed batch's positions go to the model as
+    ``position_ids=``, what an engine calls ``model(inputs, **kwargs)`` with."""
+    inputs, targets, *rest = (t.to(device, non_blocking=True) for t in batch)
+    return inputs, ({"position_ids": rest[0]} if rest else {}), targets
 
 
 class Engine(Protocol):

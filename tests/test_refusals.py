@@ -34,6 +34,22 @@ CASES = [
       "set launcher.nproc_per_node >= 1", "set launcher.nnodes >= 1",
       "set launcher.timeout_s >= 1", "seed=-1 is out of range: set seed in [0, 4294967295]"]),
     ("parallel.dp=0", ["parallel.dp=0 is out of range: set parallel.dp >= 1, or -1"]),
+    # context parallelism: the setting, the backend, and what the issue names
+    ("parallel.cp=0 context_parallel.backend=flash",
+     ["parallel.cp=0 is out of range: set parallel.cp >= 1"]),
+    ("context_parallel.backend=flash", ["context_parallel.backend=flash: choose one of ring, "
+                                        "ulysses"]),
+    ("parallel.cp=4 launcher.nproc_per_node=4 train.seq_len=36",
+     ["train.seq_len=36 is not divisible by 8 for context_parallel.backend=ring with "
+      "parallel.cp=4 (zigzag load balancing cuts each sequence into 2·cp chunks): choose "
+      "train.seq_len as a multiple of 8"]),
+    ("parallel.cp=4 launcher.nproc_per_node=4 context_parallel.backend=ulysses model.n_head=2",
+     ["context_parallel.backend=ulysses with parallel.cp=4: the heads (model.n_head=2) are not "
+      "divisible by cp, and Ulysses gives each rank heads / cp of them: choose parallel.cp "
+      "dividing 2, or context_parallel.backend=ring"]),
+    ("model=llama_tiny parallel.cp=2",
+     ["parallel.cp=2: plait cannot replace the attention of model._target_="
+      "plait.plugins.models.llama.build_llama: the model carries no context_parallel_plan"]),
     ("device=tpu", ["device=tpu: choose auto, cpu or cuda"]),
     # adamw
     ("optimizer.lr=-1 optimizer.min_lr=-1e-4 optimizer.warmup_steps=-1 optimizer.decay_steps=0 "

@@ -44,11 +44,13 @@ def barrier(topology) -> None:
 
 
 def current_layout(cfg, dims) -> dict:
-    return {"strategy": cfg.strategy.name, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp}
+    return {"strategy": cfg.strategy.name, "dp": dims.dp, "cp": dims.cp, "tp": dims.tp,
+            "pp": dims.pp}
 
 
 def describe(layout: dict) -> str:
-    return (f"strategy={layout['strategy']} parallel.dp={layout['dp']} parallel.tp="
+    cp = f" parallel.cp={layout['cp']}" if layout.get("cp", 1) > 1 else ""
+    return (f"strategy={layout['strategy']} parallel.dp={layout['dp']}{cp} parallel.tp="
             f"{layout['tp']} parallel.pp={layout['pp']}")
 
 
@@ -65,6 +67,7 @@ def needs_conversion(saved: dict | None, layout: dict) -> bool:
     """The engine's own files cannot be loaded: another layout wrote them, or there are none."""
     if saved is None:
         return False
+    saved = {"cp": 1, **saved}  # written before plait had context parallelism
     return not saved["engine_files"] or {k: saved[k] for k in layout} != layout
 
 

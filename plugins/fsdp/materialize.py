@@ -22,10 +22,12 @@ TENSOR_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_st
 
 def dp_mesh(cfg, topology):
     """The data-parallel mesh: 1-D, or under ``strategy.replicate=R`` 2-D ``(replicate, shard)``
-    with the shard groups of ``dp/R`` consecutive dp ranks (HSDP)."""
+    with the shard groups of ``dp/R`` consecutive dp ranks (HSDP). With context parallelism the
+    1-D mesh is the ``dp x cp`` ranks (torchtitan's ``dp_shard_cp``): they hold the same
+    parameters and average their gradients."""
     replicate = cfg.strategy.replicate
     if replicate == 1:
-        return topology.mesh["dp"]
+        return topology.dp_cp_mesh()
     dims = topology.dims
     return topology.mesh._unflatten("dp", (replicate, dims.dp // replicate),
                                     ("replicate", "shard"))["replicate", "shard"]
@@ -71,7 +73,7 @@ def shard(cfg, model: nn.Module, topology) -> nn.Module:
         fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.strategy.reshard_after_forward,
                     mp_policy=mixed_precision(cfg), offload_policy=offload)
         unit.set_force_sum_reduction_for_comms(True)  # gloo's AVG is wrong (pytorch#162338)
-        unit.set_gradient_divide_factor(float(topology.dims.dp))
+        unit.set_gradient_divide_factor(float(topology.dims.dp_cp))
     return restore(model, attrs)
 
 

@@ -146,6 +146,10 @@ def plait_validate(cfg, dims, hook) -> list[str]:
                         f"pipeline stages, but the model has {n_blocks} blocks: each stage needs "
                         "one; lower parallel.pp / pipeline.virtual_stages or add layers")
     problems += balance_problems(settings, n_blocks, n_stages)
+    if settings.balance == "time" and dims.cp > 1:
+        problems.append(f"pipeline.balance=time with parallel.cp={dims.cp}: the profiling pass "
+                        "times each part alone, which context-parallel attention (an exchange "
+                        "among ranks) cannot do: use pipeline.balance=layers or params")
     per_dp = cfg.train.batch_size // dims.dp
     if per_dp % settings.microbatches:
         problems.append(f"pipeline.microbatches={settings.microbatches} does not divide the batch "

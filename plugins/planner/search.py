@@ -1,12 +1,14 @@
 """Enumerate the layouts of a world size, estimate each, check the best through the real plan.
 
-Searched: ``dp × tp × pp = world_size`` (every factorisation), every ``strategy.name`` an
-installed plugin is selected by and estimates (``plait_strategy_cost``: ddp, zero0-3, fsdp and
-any in-house strategy that answers), the micro-batch (every divisor of the
-data-parallel rank's batch ``train.batch_size / dp``, the rest of the batch accumulated) and
-``train.activation_checkpointing=none|selective|full``. A setting the user gives on the command
-line (``strategy=zero1``, ``parallel.tp=2``, ``train.grad_accum_steps=4``,
-``train.activation_checkpointing=full``, ``parallel.pp=1``) is kept and not searched.
+Searched: ``dp × cp × tp × pp = world_size`` (every factorisation; context parallelism only
+pays where the activations of whole sequences do not fit, its term in the memory estimate),
+every ``strategy.name`` an installed plugin is selected by and estimates
+(``plait_strategy_cost``: ddp, zero0-3, fsdp and any in-house strategy that answers), the
+micro-batch (every divisor of the data-parallel rank's batch ``train.batch_size / dp``, the
+rest of the batch accumulated) and ``train.activation_checkpointing=none|selective|full``. A
+setting the user gives on the command line (``strategy=zero1``, ``parallel.tp=2``,
+``parallel.cp=1``, ``train.grad_accum_steps=4``, ``train.activation_checkpointing=full``,
+``parallel.pp=1``) is kept and not searched.
 
 Each candidate is estimated (:mod:`.cost`), those within the memory budget are sorted by step
 time, and then checked in that order with :func:`plait.plan.plan_config`, the check every run
@@ -32,7 +34,8 @@ from plait.plugins.planner.cost import Cost, Layout, Workload, cost
 
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 # settings a layout sets; given on the command line, they are fixed instead of searched
-SEARCHED = ("strategy", "parallel.dp", "parallel.tp", "parallel.pp", "train.grad_accum_steps",
+SEARCHED = ("strategy", "parallel.dp", "parallel.cp", "parallel.tp", "parallel.pp",
+            "train.grad_accum_steps",
             "pipeline.microbatches", "train.activation_checkpointing")
 # A refusal naming none of these holds for every micro-batch and recompute of its mesh: the
 # mesh's other variants are not checked.
@@ -65,16 +68,18 @@ def enumerate_layouts(world_size: int, batch_size: int, fixed: dict[str, str],
     for tp in choices("parallel.tp", divisors(world_size)):
         for pp in choices("parallel.pp", divisors(world_size // tp) if world_size % tp == 0
                           else [1]):
-            dp = world_size // (tp * pp)
-            per_dp = batch_size // dp
-            # a dp that does not divide the batch stays in: the core's check refuses it
-            accums = divisors(per_dp) if per_dp and batch_size % dp == 0 else [1]
-            for accum in choices("train.grad_accum_steps", accums):
-                for strategy in choices("strategy", strategies):
-                    for mode in choices("train.activation_checkpointing",
-                                        ACTIVATION_CHECKPOINTING):
-                        layouts.append(Layout(strategy, dp, tp, pp, max(1, per_dp // accum),
-                                              accum, mode))
+            rest = world_size // (tp * pp) if world_size % (tp * pp) == 0 else 1
+            for cp in choices("parallel.cp", divisors(rest)):
+                dp = max(1, rest // cp)
+                per_dp = batch_size // dp
+                # a dp that does not divide the batch stays in: the core's check refuses it
+                accums = divisors(per_dp) if per_dp and batch_size % dp == 0 else [1]
+                for accum in choices("train.grad_accum_steps", accums):
+                    for strategy in choices("strategy", strategies):
+                        for mode in choices("train.activation_checkpointing",
+                                            ACTIVATION_CHECKPOINTING):
+                            layouts.append(Layout(strategy, dp, tp, pp, max(1, per_dp // accum),
+                                                  accum, mode, cp))
     return layouts
 
 
@@ -117,11 +122,11 @@ def search(pm: PlaitPluginManager, overrides: list[str], world_size: int, memory
     fitting = sorted((lc for lc in costs if lc[1].memory_bytes <= memory_bytes), key=rank_key)
     result = SearchResult(len(layouts), len(layouts) - len(fitting), 0, estimates=costs)
     bases: dict[str, DictConfig] = {}
-    settled = set()  # (strategy, dp, tp, pp) accepted, or refused whatever its variant
+    settled = set()  # (strategy, dp, cp, tp, pp) accepted, or refused whatever its variant
     for layout, estimate in fitting:
         if top and len(result.accepted) == top:
             break
-        mesh = (layout.strategy, layout.dp, layout.tp, layout.pp)
+        mesh = (layout.strategy, layout.dp, layout.cp, layout.tp, layout.pp)
         if mesh in settled:
             continue
         if layout.strategy not in bases:

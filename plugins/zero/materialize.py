@@ -36,7 +36,7 @@ def materialize_partitioned(model: nn.Module, init: ParameterInit, cfg, topology
             partitioned[0].convert_to_zero_parameters(param_list=params)
         else:  # exactly these parameters: a module's children may still be on the meta device
             deepspeed.zero.Init(module=nn.ParameterList(params),
-                                data_parallel_group=mpu.get_data_parallel_group(),
+                                data_parallel_group=mpu.get_sequence_data_parallel_group(),
                                 config_dict_or_path=deepspeed_config(cfg, topology.dims),
                                 remote_device=None if offload == "none" else offload, mpu=mpu)
         partitioned.extend(params[:1])
