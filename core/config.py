@@ -17,7 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, ListConfig
 
 GROUPS = ("strategy", "parallel", "tensor_parallel", "pipeline", "comm", "data", "model",
-          "optimizer", "fault", "tracker", "launcher", "tune")
+          "optimizer", "fault", "checkpoint", "tracker", "launcher", "tune")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp16": 2}  # of a tensor element in each precision
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
@@ -150,6 +150,13 @@ class FaultConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Formats written beside plait's own checkpoints (``fault``), e.g. Hugging Face's."""
+
+    name: str = MISSING
+
+
+@dataclass
 class TrackerConfig:
     name: str = MISSING
 
@@ -170,6 +177,7 @@ class PlaitConfig:
     model: ModelConfig = MISSING
     optimizer: OptimizerConfig = MISSING
     fault: FaultConfig = MISSING
+    checkpoint: CheckpointConfig = MISSING
     tracker: TrackerConfig = MISSING
     launcher: LauncherConfig = MISSING
     tune: TuneConfig = MISSING
@@ -243,6 +251,7 @@ def store_core_schemas(cs: ConfigStore) -> None:
                         ("tensor_parallel", TensorParallelConfig), ("pipeline", PipelineConfig),
                         ("comm", CommConfig), ("data", DataConfig), ("model", ModelConfig),
                         ("optimizer", OptimizerConfig), ("fault", FaultConfig),
+                        ("checkpoint", CheckpointConfig),
                         ("tracker", TrackerConfig), ("launcher", LauncherConfig),
                         ("tune", TuneConfig)]:
         cs.store(group=group, name=f"base_{group}", node=node)

@@ -62,7 +62,7 @@ def test_layers_balance_and_explicit_counts():
     model = tiny_gpt(n_layer=7)
     assert split_stages(model, 3, "layers").counts == (3, 2, 2)
     assert split_stages(model, 2, [2, 5]).counts == (2, 5)
-    with pytest.raises(ValueError, match="pipeline.balance=\\[3, 3\\] must list 2 block counts"):
+    with pytest.raises(ValueError, match="pipeline.balance=\\[3, 3\\] must list 2 layer counts"):
         split_stages(model, 2, [3, 3])
     with pytest.raises(ValueError, match="lower parallel.pp"):
         split_stages(model, 8, "layers")
@@ -111,7 +111,7 @@ def problems(*overrides: str) -> str:
 
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.pp=2", "pipeline.microbatches=2", "model.n_layer=1"],
-     "parallel.pp=2 x 1 stage(s) per rank = 2 pipeline stages, but the model has 1 blocks"),
+     "parallel.pp=2 x 1 stage(s) per rank = 2 pipeline stages, but the model has 1 layers"),
     (["parallel.pp=2", "pipeline.microbatches=3"],
      "pipeline.microbatches=3 does not divide the batch of each data-parallel rank"),
     (["parallel.pp=2", "pipeline.schedule=pipedream"],
@@ -126,7 +126,7 @@ def problems(*overrides: str) -> str:
     (["parallel.pp=2", "pipeline.microbatches=4", "train.grad_accum_steps=2"],
      "train.grad_accum_steps=2 with parallel.pp=2"),
     (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.balance=[1,2]"],
-     "pipeline.balance=[1, 2] must list 2 block counts"),
+     "pipeline.balance=[1, 2] must list 2 layer counts"),
     (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.balance=speed"],
      "pipeline.balance=speed: choose one of layers, params, time"),
     (["parallel.pp=2", "pipeline.microbatches=2", "precision=fp16", "strategy=zero1"],
@@ -134,10 +134,18 @@ def problems(*overrides: str) -> str:
      "outside DeepSpeed"),
     (["parallel.pp=2", "pipeline.microbatches=2", "model.tie_embeddings=true"],
      "parallel.pp=2 with a parameter shared by the embedding and the head"),
-    (["parallel.pp=2", "pipeline.microbatches=2", "model=llama_tiny"],
-     "plugin 'pipeline' needs 'model:pipeline_stages' for parallel.pp=2, which no active plugin "
-     "provides (installed plugins that provide it: gpt (model._target_=plait.plugins.models.gpt"
-     ".GPT); or set parallel.pp=1)"),
+    (["parallel.pp=2", "pipeline.microbatches=2", "model=custom",
+      "model._target_=torch.nn.Linear", "+model.in_features=4", "+model.out_features=4"],
+     "parallel.pp=2: model._target_=torch.nn.Linear has no pipeline_plan: name its layer list (a "
+     "ModuleList or ModuleDict of its repeated layers) with pipeline.layers=<module name>, or set "
+     "parallel.pp=1"),
+    (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.layers=blocks.0"],
+     "the pipeline plan's layers 'blocks.0' is not a ModuleList or ModuleDict of GPT"),
+    (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.layers=layers"],
+     "pipeline.layers=layers: GPT (the model) has no child 'layers'"),
+    (["parallel.pp=2", "pipeline.microbatches=2", "model=llama_tiny", "pipeline.balance=time"],
+     "pipeline.balance=time times each layer alone, which model._target_=plait.plugins.models."
+     "llama.build_llama's layers cannot run"),
 ])
 def test_impossible_pipeline_plans_are_refused_before_launch(overrides, message):
     assert message in problems(*overrides)
