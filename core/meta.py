@@ -27,6 +27,7 @@ a data-parallel shard, :func:`compose`), only that box is read; the full value i
 from __future__ import annotations
 
 import hashlib
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -178,17 +179,33 @@ class ParameterInit:
             value = cut.take(self.full(name, cut.full_shape, param.dtype))
         return value if box is None else value[box].clone()
 
+    def flat(self, name: str, param: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of ``local(name, param)`` flattened (a ZeRO-3 partition),
+        reading only the rows (along dimension 0) that hold them."""
+        if param.dim() == 0:
+            return self.part(name, param).reshape(-1)[start:stop]
+        row = math.prod(param.shape[1:]) or 1
+        first, last = start // row, -(-stop // row)
+        rows = (slice(first, last), *whole(param.shape[1:]))
+        offset = first * row
+        return self.part(name, param, rows).reshape(-1)[start - offset:stop - offset]
+
+
+Made = Callable[[nn.Module, list[nn.Parameter], list[tuple[str, nn.Parameter]]], None]
+
 
 def materialize(model: nn.Module, init: ParameterInit, device: torch.device | str = "cpu",
-                after_module: Callable[[nn.Module, list[nn.Parameter]], None] | None = None
-                ) -> nn.Module:
+                after_module: Made | None = None, fill: bool = True) -> nn.Module:
     """Give every meta parameter of ``model`` (this rank's part, already cut) real memory on
     ``device`` with its initial value, module by module, in place.
 
     Parameter objects are replaced, so do this before an optimizer or engine holds them; a
-    shared parameter stays shared. ``after_module(module, params)`` runs on each module's new
-    parameters as soon as they exist, so a sharding strategy can partition them before the next
-    module is made (ZeRO-3). Every buffer must be real already.
+    shared parameter stays shared. ``after_module(module, params, origins)`` runs on each
+    module's new parameters as soon as they exist, so a sharding strategy can partition them
+    before the next module is made (ZeRO-3); ``origins[i]`` is ``(name, meta parameter)`` of
+    ``params[i]``. With ``fill=False`` the new parameters are left unwritten (``torch.empty``:
+    no page is touched) for ``after_module`` to give values to the part it keeps
+    (``init.flat``). Every buffer must be real already.
     """
     meta_buffers = [name for name, b in model.named_buffers() if b.is_meta]
     if meta_buffers:
@@ -198,19 +215,21 @@ def materialize(model: nn.Module, init: ParameterInit, device: torch.device | st
     names = {id(p): name for name, p in model.named_parameters()}
     real: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        made = []
+        made, origins = [], []
         for attr, p in list(module.named_parameters(recurse=False)):
             if id(p) not in real:
                 if not p.is_meta:
                     continue
-                value = init.local(names[id(p)], p).to(device)
+                value = (init.local(names[id(p)], p).to(device) if fill
+                         else torch.empty(p.shape, dtype=p.dtype, device=device))
                 real[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
                 real[id(p)].__dict__.update(
                     {k: v for k, v in p.__dict__.items() if k != "slice_of_full"})
                 made.append(real[id(p)])
+                origins.append((names[id(p)], p))
             setattr(module, attr, real[id(p)])
         if made and after_module is not None:
-            after_module(module, made)
+            after_module(module, made, origins)
         if made and torch.device(device).type == "cpu":
             return_freed_memory()  # the full values cut here were freed between kept parts
     return model

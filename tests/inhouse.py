@@ -729,3 +729,80 @@ class ImportFirst:
 
 
 record_shards = RecordShards()  # for `+plugins=[inhouse:record_shards]` on a command line
+
+
+class RecordFirstBatch:
+    """Writes the micro-batches of the first step on rank 0 (``run.dir/first_batch.pt``:
+    ``[(inputs, targets), ...]``), outermost around the engine, what the loop feeds."""
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+        if topology.rank == 0:
+            train_step = engine.train_step
+
+            def first_step(micro_batches, lr):
+                torch.save([(x.clone(), y.clone()) for x, y in micro_batches],
+                           Path(cfg.run.dir) / "first_batch.pt")
+                engine.train_step = train_step
+                return train_step(micro_batches, lr)
+
+            engine.train_step = first_step
+        return engine
+
+
+class RecordHeld:
+    """What each rank holds after its first step: ``held_rank<r>.json`` in ``run.dir`` with
+    ``params`` (``{name: elements this rank holds}``: a ZeRO-3 partition's, an FSDP shard's, a
+    tensor-parallel shard's) and ``optimizer_elements`` (the Adam first moments this rank's
+    optimizer keeps: a ZeRO partition holds a share of its stage's)."""
+
+    @hookimpl(wrapper=True)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+
+        def record():
+            params = {}
+            for name, p in engine.model.named_parameters():
+                part = getattr(p, "ds_tensor", None)
+                local = part if part is not None else (p.to_local() if hasattr(p, "to_local")
+                                                       else p)
+                params[name] = local.numel()
+            inner = getattr(engine, "inner", engine)
+            optimizer = inner.ds.optimizer.optimizer if hasattr(inner, "ds") else inner.optimizer
+            moments = [s["exp_avg"] for s in optimizer.state.values() if "exp_avg" in s]
+            record = {"params": params,
+                      "optimizer_elements": sum(m.numel() for m in moments)}
+            (Path(cfg.run.dir) / f"held_rank{topology.rank}.json").write_text(json.dumps(record))
+
+        after_first_step(engine, record)
+        return engine
+
+
+class RecordReads:
+    """Counts the checkpoint elements each rank reads while its model is built (``model=hf``:
+    ``CheckpointFiles.read``), into ``reads_rank<r>.json`` in ``run.dir``: ``{"elements"}``."""
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_model(self):
+        from plait.plugins.hf.checkpoint_files import CheckpointFiles
+
+        if not hasattr(CheckpointFiles, "plait_elements_read"):
+            read = CheckpointFiles.read
+
+            def counting_read(files, name, box=None, dtype=torch.float32):
+                value = read(files, name, box, dtype)
+                CheckpointFiles.plait_elements_read += value.numel()
+                return value
+
+            CheckpointFiles.read = counting_read
+        CheckpointFiles.plait_elements_read = 0
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def plait_build_loss(self, cfg, topology):
+        from plait.plugins.hf.checkpoint_files import CheckpointFiles
+
+        (Path(cfg.run.dir) / f"reads_rank{topology.rank}.json").write_text(
+            json.dumps({"elements": CheckpointFiles.plait_elements_read}))
+        return (yield)

@@ -58,9 +58,10 @@ def checkpoint_problems(cfg, model: nn.Module) -> list[str]:
     from plait.plugins.hf.model import checkpoint_name
 
     files, aliases = model.plait_checkpoint.value, model.plait_aliases.value
+    names = model.plait_names.value
     missing, resized = [], []
     for name, p in model.named_parameters():
-        stored = checkpoint_name(files, aliases, name)
+        stored = checkpoint_name(names, aliases, name)
         if stored is None:
             missing.append(name)
         elif files.entries[stored].shape != tuple(p.shape):
@@ -69,10 +70,11 @@ def checkpoint_problems(cfg, model: nn.Module) -> list[str]:
     problems = []
     if missing:
         problems.append(f"model.path={cfg.model.path} lacks {len(missing)} of the model's "
-                        f"parameters, e.g. {missing[:3]}: plait reads tensors by "
-                        "transformers' names as save_pretrained writes them (weights "
-                        "transformers renames or fuses on load are not converted); give such a "
-                        "checkpoint, or model.pretrained=false")
+                        f"parameters, e.g. {missing[:3]}: plait reads tensors under the names "
+                        "transformers loads them by (renames and the base-model prefix), but "
+                        "does not convert weights it fuses or splits on load; give a checkpoint "
+                        "save_pretrained wrote with this transformers, or "
+                        "model.pretrained=false")
     if resized:
         problems.append(f"model.path={cfg.model.path}: tensors do not match config.json: "
                         f"{'; '.join(resized[:3])}: the weights and the config come from "

@@ -5,8 +5,11 @@ The model is ``transformers``' own class (``AutoModelForCausalLM.from_config``),
 meta device, with plait's contract mixed in (:class:`PlaitCausalLM`): ``forward(ids) -> logits``,
 ``init_parameter`` and, for a pretrained checkpoint, ``read_parameter(name, box)`` (:mod:`plait.
 meta`), its plans as plait's (:mod:`.plans`). Parameter names stay ``transformers``' (``model.
-layers.3.self_attn.q_proj.weight``), so a checkpoint's tensors are found by name and an export is
-``transformers``' format again. Non-persistent buffers (the rotary embedding's ``inv_freq``) are
+layers.3.self_attn.q_proj.weight``); a checkpoint's tensors are found by the names
+``transformers`` gives them on load (its conversion mapping's renames, e.g. GPT-NeoX's
+``embed_out`` → ``lm_head``, and the base-model prefix added or dropped), and an export is written
+under the names ``save_pretrained`` writes. Weights ``transformers`` converts on load (fused
+experts, split q/k/v) are not read: such a checkpoint is refused before launch. Non-persistent buffers (the rotary embedding's ``inv_freq``) are
 computed on the CPU at build time by the model's own ``_init_weights``, as ``from_pretrained``
 does after a meta build.
 
@@ -18,6 +21,7 @@ generator per parameter, so every layout starts from the same weights), the stag
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -91,10 +95,8 @@ class PlaitCausalLM:
         """The initial value of the unsplit parameter ``name``: the checkpoint's, or
         ``transformers``' own init of its module (``_init_weights``) drawn from ``generator``
         (one per parameter), so any rank can make any parameter in any layout."""
-        checkpoint = self.plait_checkpoint.value
-        if checkpoint is not None:
-            tensor.copy_(read_parameter(checkpoint, self.plait_aliases.value, name,
-                                        whole(tensor.shape)))
+        if self.plait_checkpoint.value is not None:
+            tensor.copy_(self.read_parameter(name, whole(tensor.shape)))
             return
         module_name, _, attr = name.rpartition(".")
         original = self.plait_original_modules.value[module_name]  # the type before any split
@@ -118,13 +120,49 @@ _CLASSES: dict[type, type] = {}
 
 
 def plait_class(base: type) -> type:
-    """``base`` with plait's contract: ``PlaitLlamaForCausalLM(PlaitCausalLM,
-    LlamaForCausalLM)``, made once per class (a module-level name, so it pickles)."""
+    """``base`` with plait's contract, under the same name (``transformers`` looks its weight
+    renames up by class name): ``LlamaForCausalLM(PlaitCausalLM, LlamaForCausalLM)``, made once
+    per class, a name of this module (so it pickles)."""
     if base not in _CLASSES:
-        cls = type(f"Plait{base.__name__}", (PlaitCausalLM, base), {"__module__": __name__})
+        cls = type(base.__name__, (PlaitCausalLM, base),
+                   {"__module__": __name__, "transformers_class": base})
         globals()[cls.__name__] = cls
         _CLASSES[base] = cls
     return _CLASSES[base]
+
+
+@contextmanager
+def as_transformers_class(model: nn.Module):
+    """``model`` seen as ``transformers``' own class, for its functions that treat classes
+    defined outside ``transformers`` as remote code (and skip their weight renames)."""
+    cls = type(model)
+    model.__class__ = cls.transformers_class
+    try:
+        yield model
+    finally:
+        model.__class__ = cls
+
+
+def checkpoint_names(model: nn.Module, checkpoint: CheckpointFiles) -> dict[str, str]:
+    """``{model name: checkpoint name}`` as ``from_pretrained`` renames a checkpoint's keys:
+    the conversion mapping's renames and the base-model prefix. Keys a converter must transform
+    (fuse, split) are left out, so the model's parameter is missing and refused."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (WeightConverter, WeightRenaming,
+                                                 rename_source_key)
+
+    with as_transformers_class(model):
+        transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = model.state_dict()
+    names = {}
+    for key in sorted(checkpoint.weight_map):
+        renamed, converted = rename_source_key(key, renamings, converters,
+                                               model.base_model_prefix, meta)
+        if converted is None:
+            names.setdefault(renamed, key)
+    return names
 
 
 def real_buffers(model: nn.Module) -> None:
@@ -151,18 +189,18 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
     return aliases
 
 
-def checkpoint_name(checkpoint: CheckpointFiles, aliases: dict[str, list[str]],
+def checkpoint_name(names: dict[str, str], aliases: dict[str, list[str]],
                     name: str) -> str | None:
-    """The name ``name`` is stored under in the checkpoint, or None."""
+    """The name the parameter ``name`` is stored under in the checkpoint, or None."""
     for candidate in (name, *aliases.get(name, ())):
-        if candidate in checkpoint.weight_map:
-            return candidate
+        if candidate in names:
+            return names[candidate]
     return None
 
 
-def read_parameter(checkpoint: CheckpointFiles, aliases: dict[str, list[str]], name: str,
-                   box) -> torch.Tensor:
-    stored = checkpoint_name(checkpoint, aliases, name)
+def read_parameter(checkpoint: CheckpointFiles, names: dict[str, str],
+                   aliases: dict[str, list[str]], name: str, box) -> torch.Tensor:
+    stored = checkpoint_name(names, aliases, name)
     if stored is None:
         raise KeyError(f"{checkpoint.directory} holds no tensor {name}")
     return checkpoint.read(stored, box)
@@ -185,12 +223,17 @@ def hf_model(config, checkpoint: CheckpointFiles | None = None,
     model.plait_source_directory = _Shared(directory)
     model.plait_aliases = _Shared(tied_aliases(model))
     model.plait_original_modules = _Shared(dict(model.named_modules()))
+    model.plait_names = _Shared(checkpoint_names(model, checkpoint) if checkpoint else {})
     if checkpoint is not None:
-        model.read_parameter = partial(read_parameter, checkpoint, model.plait_aliases.value)
+        model.read_parameter = partial(read_parameter, checkpoint, model.plait_names.value,
+                                       model.plait_aliases.value)
     model.tensor_parallel_plan = plans.tensor_parallel_plan(model)
     model.pipeline_plan = plans.pipeline_plan(model)
     if model.pipeline_plan is not None:  # whole decoder layers; the attention core is a function
         model.activation_checkpointing_plan = {"full": f"{model.pipeline_plan['layers']}.*"}
+    else:  # its forward mixes the embedding into later layers' inputs: no layer list will do
+        model.no_pipeline_plan_reason = (f"{architecture} has no base_model_pp_plan in its "
+                                         "config, so transformers names no pipeline stages")
     return model
 
 

@@ -35,16 +35,22 @@ def is_transformers_model(model: nn.Module) -> bool:
 
 
 def tensors_to_write(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` (the unsplit model's names, fp32) as the checkpoint will hold it: tied copies
-    dropped, each tensor in its source dtype."""
+    """``state`` (the unsplit model's names, fp32) as ``save_pretrained`` would write it: tied
+    copies dropped, names as it saves them (its conversion mapping reversed), each tensor in
+    its source dtype."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from plait.plugins.hf.model import as_transformers_class
+
     tied = set(getattr(model, "all_tied_weights_keys", None) or {}) \
         if getattr(model.config.get_text_config(), "tie_word_embeddings", False) else set()
+    kept = {name: value for name, value in state.items() if name not in tied}
+    with as_transformers_class(model):
+        named = revert_weight_conversion(model, kept)
     source = model.plait_checkpoint.value
     entries = source.entries if source is not None else {}
     out = {}
-    for name, value in state.items():
-        if name in tied:
-            continue
+    for name, value in named.items():
         entry = entries.get(name)
         dtype = FLOAT_DTYPES[entry.dtype] if entry is not None else torch.float32
         out[name] = value.detach().to("cpu", dtype)

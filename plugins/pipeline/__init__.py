@@ -129,6 +129,9 @@ def outside_plan(model: torch.nn.Module, plan: PipelinePlan) -> list[str]:
 def plan_problems(cfg, model: torch.nn.Module, pp: int) -> tuple[PipelinePlan | None, list[str]]:
     """The model's pipeline plan and what is wrong with it."""
     what = f"model._target_={cfg.model._target_}"
+    reason = getattr(model, "no_pipeline_plan_reason", None)  # a model that cannot be cut
+    if reason is not None:
+        return None, [f"parallel.pp={pp}: {reason}: set parallel.pp=1"]
     try:
         plan = model_plan(model, cfg.pipeline.layers)
     except ValueError as e:

@@ -26,7 +26,10 @@ expensive stage::
 A stage is the whole model with the parts of other stages replaced by :class:`StageIdentity`
 (which passes its input on), so the model's own forward runs on every stage: a later stage's
 input (hidden states) flows through the identities in place of the embedding, as
-``transformers``' pipeline does and torchtitan's models do with ``None`` parts.
+``transformers``' pipeline does and torchtitan's models do with ``None`` parts. So a model cut
+by ``pipeline.layers`` must pass a later stage's input through its first parts unchanged (a
+forward that adds position embeddings to the token embeddings does not); a model that knows it
+cannot be cut says why in ``no_pipeline_plan_reason``.
 """
 
 from __future__ import annotations
