@@ -806,3 +806,23 @@ class RecordReads:
         (Path(cfg.run.dir) / f"reads_rank{topology.rank}.json").write_text(
             json.dumps({"elements": CheckpointFiles.plait_elements_read}))
         return (yield)
+
+
+class LayerListLM(torch.nn.Module):
+    """A user's own model with no plan and no plugin: an embedding, a ``ModuleList`` of residual
+    MLP layers, a norm and a head (``pipeline.layers=layers`` cuts it into stages)."""
+
+    def __init__(self, vocab_size: int = 256, width: int = 32, n_layers: int = 4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, width)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                torch.nn.Linear(2 * width, width)) for _ in range(n_layers))
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab_size)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(self.norm(x))

@@ -641,3 +641,32 @@ def test_prepare_with_a_model_directory_without_a_tokenizer_is_refused(bad, tmp_
     assert (f"data.tokenizer={bad / 'gpt2'} is a directory without tokenizer.json"
             in capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
+
+
+def test_random_init_is_transformers_own_by_name_and_the_same_in_every_layout(checkpoints):
+    """``model.pretrained=false``: each parameter drawn by ``transformers``' ``_init_weights``
+    from its own generator, so a tensor-parallel shard (cut on the meta device, made alone) is
+    the slice of the one-process value (here rank 1 of 2, no process group needed to build)."""
+    from plait.plugins.hf.model import build_hf
+    from plait.plugins.tensor_parallel.layers import split_tensor
+    from plait.plugins.tensor_parallel.plan import TensorParallelPlan, apply_plan
+
+    def built(tensor_parallel: bool):
+        with meta_device():
+            model = build_hf(str(checkpoints["llama"]), pretrained=False)
+        if tensor_parallel:
+            apply_plan(model, TensorParallelPlan(model.tensor_parallel_plan), None, 1, 2, False)
+        return materialize(model, ParameterInit.of(model, 11))
+
+    whole, shard = built(False), built(True)
+    state = whole.state_dict()
+    std = 0.02  # LlamaConfig's initializer_range
+    assert abs(state["model.layers.0.mlp.up_proj.weight"].std().item() - std) < 0.002
+    assert torch.equal(state["model.norm.weight"], torch.ones(64))
+    assert not torch.equal(state["lm_head.weight"], plait_model(checkpoints["llama"]).state_dict()[
+        "lm_head.weight"])  # not the checkpoint's
+    for name, p in shard.named_parameters():
+        expected = state[name]
+        if getattr(p, "tensor_model_parallel", False):
+            expected = split_tensor(expected, p.partition_dim, p.partition_stride, 1, 2)
+        assert torch.equal(p, expected), name

@@ -10,12 +10,14 @@ evaluated at steps 4 and 8).
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from plait.plan import make_plan
 from plait.plugins.models.gpt import GPT
@@ -98,6 +100,20 @@ def test_a_stage_chunk_computes_its_part_of_the_forward():
     first = build_stage_modules(tiny_gpt(n_layer=4), split, [0]).chunks[0][1]
     last = build_stage_modules(tiny_gpt(n_layer=4), split, [1]).chunks[0][1]
     torch.testing.assert_close(last(first(x)), expected)
+
+
+def test_a_users_module_is_cut_by_naming_its_layer_list():
+    from plait.plugins.pipeline.split import plan_from_layers
+
+    torch.manual_seed(0)
+    model = inhouse.LayerListLM()
+    plan = plan_from_layers(model, "layers")
+    assert (plan.first, plan.layers, plan.last) == (("embed",), "layers", ("norm", "head"))
+    x = torch.randint(0, 256, (2, 8))
+    split = split_stages(model, 2, "params", plan=plan)
+    stages = [build_stage_modules(copy.deepcopy(model), split, [s], plan=plan) for s in (0, 1)]
+    torch.testing.assert_close(stages[1].chunks[0][1](stages[0].chunks[0][1](x)), model(x))
+    assert set(stages[0].state_dict()) | set(stages[1].state_dict()) == set(model.state_dict())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,3 +340,26 @@ def test_pp2_tp2_matches_one_process(tmp_path, reference):
     run_training(run, [*COMMON, *PP2, "launcher.nproc_per_node=4", "parallel.tp=2",
                        "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"])
     assert_same(figures(run), reference)
+
+
+@pytest.mark.slow
+def test_a_users_module_trains_in_stages_by_naming_its_layer_list(tmp_path):
+    """``model=custom`` with no plan and no plugin, cut by ``pipeline.layers=layers``: each
+    stage holds its part, and the first loss is the module's own forward on what it was fed."""
+    from inhouse import LayerListLM, RecordFirstBatch, RecordHeld
+
+    run = tmp_path / "custom"
+    run_training(run, ["model=custom", "model._target_=inhouse.LayerListLM", *PP2,
+                       "pipeline.layers=layers", "train.steps=4", "train.batch_size=8", "seed=5"],
+                 plugins=[RecordFirstBatch(), RecordHeld()])
+    torch.manual_seed(5)  # the models plugin seeds, then instantiates
+    model = LayerListLM()
+    losses = [F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+              for x, y in torch.load(run / "first_batch.pt")]
+    assert read_metrics(run)[0]["loss"] == pytest.approx(torch.stack(losses).mean().item(),
+                                                         abs=1e-5)
+    held = [json.loads((run / f"held_rank{r}.json").read_text())["params"] for r in (0, 1)]
+    parts = [sorted({".".join(name.split(".")[:2]) for name in h}) for h in held]
+    assert parts == [["embed.weight", "layers.0", "layers.1"],
+                     ["head.bias", "head.weight", "layers.2", "layers.3", "norm.bias",
+                      "norm.weight"]]

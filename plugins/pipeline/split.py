@@ -23,13 +23,14 @@ expensive stage::
   profiling pass; the maximum over ranks, so every rank computes the same split).
 - ``[n_0, ..., n_{S-1}]``: explicit layer counts.
 
-A stage is the whole model with the parts of other stages replaced by :class:`StageIdentity`
-(which passes its input on), so the model's own forward runs on every stage: a later stage's
-input (hidden states) flows through the identities in place of the embedding, as
-``transformers``' pipeline does and torchtitan's models do with ``None`` parts. So a model cut
-by ``pipeline.layers`` must pass a later stage's input through its first parts unchanged (a
-forward that adds position embeddings to the token embeddings does not); a model that knows it
-cannot be cut says why in ``no_pipeline_plan_reason``.
+A stage is the whole model holding only its parts, so the model's own forward runs on every
+stage: its layer list keeps only the stage's layers under their original indices (a loop over it
+visits those), and the first and last parts of other stages are :class:`StageIdentity`, which
+passes its input on, so a later stage's input (hidden states) flows through in place of the
+embedding, as ``transformers``' pipeline does and torchtitan's models do with ``None`` parts. A
+model cut by ``pipeline.layers`` must therefore pass a later stage's input through its first parts
+unchanged (a forward that adds position embeddings to the token embeddings does not); a model
+that knows it cannot be cut says why in ``no_pipeline_plan_reason``.
 """
 
 from __future__ import annotations
@@ -312,6 +313,32 @@ class StageIdentity(nn.Module):
         return args[0] if args else next(iter(kwargs.values()))
 
 
+class StageLayerList(nn.ModuleList):
+    """A stage's share of a ``ModuleList`` of layers, under their indices in the whole list:
+    iterating (and slicing, ``layers[:n]`` as ``transformers`` does) visits only these, in
+    order; ``layers[i]`` is layer ``i`` when the stage holds it."""
+
+    def __init__(self, layers: dict[str, nn.Module], total: int):
+        super().__init__()
+        self.total = total
+        for key, layer in layers.items():
+            self.add_module(key, layer)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            wanted = range(*index.indices(self.total))
+            return [layer for key, layer in self._modules.items() if int(key) in wanted]
+        return self._modules[str(index % self.total)]
+
+
+def stage_layers(container: nn.ModuleList | nn.ModuleDict, layers: dict[str, nn.Module]
+                 ) -> nn.Module:
+    """The container of one stage's layers, of the whole list's kind."""
+    if isinstance(container, nn.ModuleDict):
+        return nn.ModuleDict(layers)
+    return StageLayerList(layers, len(container))
+
+
 class PipelineStageModules(nn.Module):
     """This rank's pipeline chunks under the unsplit model's parameter names.
 
@@ -322,11 +349,9 @@ class PipelineStageModules(nn.Module):
     model's shell sharing these parts.
     """
 
-    def __init__(self, union: nn.Module, chunks: list[tuple[int, nn.Module]], n_stages: int,
-                 plan: PipelinePlan):
+    def __init__(self, union: nn.Module, chunks: list[tuple[int, nn.Module]], n_stages: int):
         super().__init__()
         self.n_stages = n_stages
-        self.pipeline_plan_of_stages = plan
         for name, child in union.named_children():
             self.add_module(name, child)
         self.chunks = chunks  # a plain list: the parts are registered above, once
@@ -349,17 +374,17 @@ def build_stage_modules(model: nn.Module, split: StageSplit, stage_indices: Sequ
     first, layers, last = part_modules(model, plan)
     container = layer_container(model, plan)
     keys = layer_keys(container)
-    layer_names = [f"{plan.layers}.{k}" for k in keys]
-    for name in (*plan.first, *plan.last, *layer_names):
+    for name in (*plan.first, *plan.last):
         _set(model, name, StageIdentity())
+    _set(model, plan.layers, stage_layers(container, {}))
     ranges = split.block_ranges()
     final = len(split.counts) - 1
 
     def holding(stages: Sequence[int]) -> nn.Module:
         shell = copy.deepcopy(model)  # the stripped model: no parameters of its own
+        held = sorted(i for s in stages for i in ranges[s])
+        _set(shell, plan.layers, stage_layers(container, {keys[i]: layers[i] for i in held}))
         for s in stages:
-            for i in ranges[s]:
-                _set(shell, layer_names[i], layers[i])
             if s == 0:
                 for name, part in zip(plan.first, first):
                     _set(shell, name, part)
@@ -369,4 +394,4 @@ def build_stage_modules(model: nn.Module, split: StageSplit, stage_indices: Sequ
         return shell
 
     chunks = [(s, holding([s])) for s in stage_indices]
-    return PipelineStageModules(holding(stage_indices), chunks, len(split.counts), plan)
+    return PipelineStageModules(holding(stage_indices), chunks, len(split.counts))
