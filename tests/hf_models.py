@@ -20,17 +20,18 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
 def family_config(family: str, **overrides):
     import transformers as T
 
-    small = {**SMALL, **overrides}
+    small = {**SMALL, "num_key_value_heads": 2, **overrides}
     if family == "llama":
-        return T.LlamaConfig(num_key_value_heads=2, **small)
+        return T.LlamaConfig(**small)
     if family == "qwen2":  # biases on q, k, v
-        return T.Qwen2Config(num_key_value_heads=2, **small)
+        return T.Qwen2Config(**small)
     if family == "mistral":
-        return T.MistralConfig(num_key_value_heads=2, **small)
+        return T.MistralConfig(**small)
     if family == "gpt_neox":  # fused per-head qkv, LayerNorm with bias, partial rotary
+        small.pop("num_key_value_heads")
         return T.GPTNeoXConfig(**small)
     if family == "phi3":  # fused qkv / gate_up (gathered outputs), a padding row
-        return T.Phi3Config(num_key_value_heads=2, pad_token_id=1, **small)
+        return T.Phi3Config(pad_token_id=1, **small)
     raise ValueError(family)
 
 

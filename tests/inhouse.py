@@ -739,12 +739,11 @@ class RecordFirstBatch:
     def plait_build_engine(self, cfg, topology):
         engine = yield
         if topology.rank == 0:
-            train_step = engine.train_step
+            train_step, path = engine.train_step, Path(cfg.run.dir) / "first_batch.pt"
 
-            def first_step(micro_batches, lr):
-                torch.save([(x.clone(), y.clone()) for x, y in micro_batches],
-                           Path(cfg.run.dir) / "first_batch.pt")
-                engine.train_step = train_step
+            def first_step(micro_batches, lr):  # stays in place: other plugins may wrap it too
+                if not path.exists():
+                    torch.save([(x.clone(), y.clone()) for x, y in micro_batches], path)
                 return train_step(micro_batches, lr)
 
             engine.train_step = first_step
@@ -757,7 +756,7 @@ class RecordHeld:
     tensor-parallel shard's) and ``optimizer_elements`` (the Adam first moments this rank's
     optimizer keeps: a ZeRO partition holds a share of its stage's)."""
 
-    @hookimpl(wrapper=True)
+    @hookimpl(wrapper=True, tryfirst=True)  # outermost: the engine the loop steps (a pipeline's)
     def plait_build_engine(self, cfg, topology):
         engine = yield
 
@@ -771,6 +770,7 @@ class RecordHeld:
             inner = getattr(engine, "inner", engine)
             optimizer = inner.ds.optimizer.optimizer if hasattr(inner, "ds") else inner.optimizer
             moments = [s["exp_avg"] for s in optimizer.state.values() if "exp_avg" in s]
+            moments = [m.to_local() if hasattr(m, "to_local") else m for m in moments]  # FSDP
             record = {"params": params,
                       "optimizer_elements": sum(m.numel() for m in moments)}
             (Path(cfg.run.dir) / f"held_rank{topology.rank}.json").write_text(json.dumps(record))

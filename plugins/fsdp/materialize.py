@@ -6,7 +6,8 @@ shards only, and each is filled from plait's initial value of the parameter: the
 (tensor-parallel) parameter FSDP's placement gives this rank (DTensor's
 ``compute_local_shape_and_global_offset``), read alone by a model that reads its values (a
 pretrained checkpoint), otherwise cut from the full value made one parameter at a time. No
-communication. A model built whole is sharded as it is. Either way the parameters lose the
+communication. Buffers (a rotary embedding's ``inv_freq``) keep their values across
+``to_empty``. A model built whole is sharded as it is. Either way the parameters lose the
 attributes plait's tensor-parallel layers set on them; they are carried over by name.
 """
 
@@ -94,7 +95,11 @@ def shard_and_materialize(cfg, model: nn.Module, init: ParameterInit, topology) 
     shard(cfg, model, topology)
     device = "cpu" if cfg.strategy.offload == "cpu" else topology.device
     attrs = tensor_parallel_attrs(model)  # to_empty replaces the parameters again
+    buffers = {name: b.clone() for name, b in model.named_buffers()}  # to_empty drops values
     restore(model.to_empty(device=device), attrs)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers.pop(name))
     with torch.no_grad():
         for name, p in model.named_parameters():
             local = p.to_local()
