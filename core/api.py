@@ -72,7 +72,7 @@ def launch(plan: Plan, plugins: tuple[Any, ...]) -> RunResult:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml")
     config = OmegaConf.to_container(cfg, resolve=True)
-    returned = plan.pm.hook.plait_launch(cfg=cfg, entrypoint=run_worker,
+    returned = plan.pm.hook.plait_launch(cfg=cfg, dims=plan.dims, entrypoint=run_worker,
                                          args=(config, plugins), hook=plan.pm.hook)
     # the logging rank returns what it saw; every other worker returns None
     summary = next((r for r in (returned or {}).values() if r), {})

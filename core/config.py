@@ -10,14 +10,12 @@ first in its defaults list (Hydra's structured-config pattern).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, NamedTuple, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, ListConfig
 
-GROUPS = ("strategy", "parallel", "tensor_parallel", "pipeline", "comm", "data", "model",
-          "optimizer", "fault", "checkpoint", "tracker", "launcher", "tune")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp16": 2}  # of a tensor element in each precision
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
@@ -168,6 +166,10 @@ class TuneConfig:
 
 @dataclass
 class PlaitConfig:
+    """The whole config. Each field left ``MISSING`` is a config group, filled by the option
+    ``config.yaml``'s defaults list (or the user) chooses, with the field's type as the group's
+    base schema (``GROUP_SCHEMAS``); the rest are the core's own sections and settings."""
+
     strategy: StrategyConfig = MISSING
     parallel: ParallelConfig = MISSING
     tensor_parallel: TensorParallelConfig = MISSING
@@ -190,6 +192,12 @@ class PlaitConfig:
     # latest: the same, but one must exist; a checkpoint / run directory; null: start fresh
     resume: Optional[str] = "auto"
     plugins: list[str] = field(default_factory=list)  # dotted paths of in-house plugins
+
+
+GROUP_SCHEMAS: dict[str, type] = {f.name: get_type_hints(PlaitConfig)[f.name]
+                                   for f in fields(PlaitConfig) if f.default is MISSING}
+"""Each config group and its base schema, read off :class:`PlaitConfig` (the one list)."""
+GROUPS = tuple(GROUP_SCHEMAS)
 
 
 @dataclass(frozen=True)
@@ -247,11 +255,5 @@ def range_problems(section: str, settings: Any, ranges: Mapping[str, Range]) -> 
 
 def store_core_schemas(cs: ConfigStore) -> None:
     cs.store(name="base_config", node=PlaitConfig)
-    for group, node in [("strategy", StrategyConfig), ("parallel", ParallelConfig),
-                        ("tensor_parallel", TensorParallelConfig), ("pipeline", PipelineConfig),
-                        ("comm", CommConfig), ("data", DataConfig), ("model", ModelConfig),
-                        ("optimizer", OptimizerConfig), ("fault", FaultConfig),
-                        ("checkpoint", CheckpointConfig),
-                        ("tracker", TrackerConfig), ("launcher", LauncherConfig),
-                        ("tune", TuneConfig)]:
+    for group, node in GROUP_SCHEMAS.items():
         cs.store(group=group, name=f"base_{group}", node=node)

@@ -186,13 +186,16 @@ def plait_strategy_cost(cfg: DictConfig, strategy: str, model: torch.nn.Module,
 
 @hookspec(firstresult=True)
 def plait_launch(
-    cfg: DictConfig, entrypoint: Callable[..., Any], args: tuple, hook: HookRelay
+    cfg: DictConfig, entrypoint: Callable[..., Any], args: tuple, hook: HookRelay,
+    dims: ParallelDims,
 ) -> dict[int, Any] | None:
     """Start the worker processes and wait for them.
 
     Stops at the first non-None result.
 
     :param cfg: the resolved config, already written to ``cfg.run.dir``.
+    :param dims: the planned layout; ``dims.nodes`` is ``launcher.nnodes`` as ``(MIN, MAX)``
+        (since hook spec 1.3).
     :param entrypoint: a module-level (picklable) function; ``entrypoint(*args)`` runs training
         in one process and returns, on the logging rank, the run's summary (last metrics, last
         checkpoint), elsewhere None.
@@ -217,7 +220,7 @@ def plait_objective(cfg: DictConfig, metrics: dict[str, float]) -> float | None:
 
 @hookspec(firstresult=True)
 def plait_tokenizer(cfg: DictConfig) -> Tokenizer | None:
-    """The tokenizer the run's data was tokenized with.
+    """The tokenizer the run's data was tokenized with (since hook spec 1.4).
 
     Stops at the first non-None result; the data plugin answers (None where it does not know,
     e.g. token files made elsewhere). Asked before launch, through ``plait_validate``'s
@@ -456,10 +459,14 @@ def plait_check_step(cfg: DictConfig, loss: torch.Tensor, grad_norm: torch.Tenso
 
 
 @hookspec(firstresult=True)
-def plait_load_checkpoint(cfg: DictConfig, engine: Engine, topology: Topology) -> TrainState | None:
+def plait_load_checkpoint(cfg: DictConfig, engine: Engine, topology: Topology,
+                          hook: HookRelay) -> TrainState | None:
     """Resume from ``cfg.resume`` (``latest`` or a path) if set; called on every rank.
 
     Stops at the first non-None result.
+
+    :param hook: the active plugins' hooks (since hook spec 1.3), e.g. to learn which optional
+        engine surfaces the strategy declared: ``plait.plugin_manager.provided(hook)``.
 
     :return: the restored :class:`plait.types.TrainState`, or None to start from step 0.
     """
@@ -467,7 +474,8 @@ def plait_load_checkpoint(cfg: DictConfig, engine: Engine, topology: Topology) -
 
 @hookspec(firstresult=True)
 def plait_save_checkpoint(
-    cfg: DictConfig, engine: Engine, state: TrainState, topology: Topology, final: bool
+    cfg: DictConfig, engine: Engine, state: TrainState, topology: Topology, final: bool,
+    hook: HookRelay,
 ) -> Path | None:
     """Save a checkpoint if one is due after ``state.step``; called on every rank after each step.
 
@@ -475,6 +483,8 @@ def plait_save_checkpoint(
     previous checkpoint as ``latest``.
 
     :param final: True after the last step.
+    :param hook: the active plugins' hooks (since hook spec 1.3), as for
+        ``plait_load_checkpoint``.
     :return: the checkpoint directory written, or None when none was due.
     """
 
@@ -513,7 +523,8 @@ def plait_merge_tensor_parallel_shards(
 def plait_export_model(cfg: DictConfig, state_dict: dict, model: torch.nn.Module, format: str,
                        out: Path) -> Path | None:
     """Write a checkpoint's unsplit model in ``format`` (``plait export <run> format=<format>
-    out=<dir>``); the default format (``pt``, a ``torch.save`` of the state dict) is the core's.
+    out=<dir>``; since hook spec 1.4); the default format (``pt``, a ``torch.save`` of the state
+    dict) is the core's.
 
     Stops at the first non-None result; the plugin that knows the format answers (``hf``: the
     ``model=hf`` plugin writes Hugging Face safetensors, config and tokenizer files). No answer
@@ -564,9 +575,13 @@ def plait_log_metrics(step: int, metrics: dict[str, float], state: TrainState) -
 
 
 @hookspec
-def plait_on_run_end(state: TrainState, status: str) -> None:
+def plait_on_run_end(state: TrainState, status: str, cfg: DictConfig) -> None:
     """The run ended with ``status`` "finished" or "failed"; trackers close their run. Called
-    whenever ``plait_on_run_start`` was, even if that failed part-way."""
+    whenever ``plait_on_run_start`` was, even if that failed part-way.
+
+    :param cfg: the run's config (since hook spec 1.3), so that a plugin needs no state of its
+        own kept from ``plait_on_run_start``.
+    """
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from plait.config import (
     AT_LEAST_1,
     POSITIVE,
     PRECISIONS,
+    NodeRange,
     Range,
     node_range,
     range_problems,
@@ -42,9 +43,12 @@ from plait.plugin_manager import (
     deciders,
     keep_selected,
     make_plugin_manager,
+    offered_by,
 )
 from plait.topology import ParallelDims, Roles, describe_nodes, elastic_grad_accum_steps
 from plait.types import ALL_DEVICES, ALWAYS, PlanError
+
+COMM_HOOK = "engine:comm_hook"  # an engine that adapts the deprecated plait_comm_hook
 
 # The decisions every run needs, and the config setting that picks who makes each.
 REQUIRED_DECISIONS = {
@@ -167,17 +171,23 @@ def plan_config(cfg: DictConfig, objects: Iterable[Any] = (),
 
     plan = Plan(cfg=cfg, pm=pm, dims=None)
     # Out-of-range numbers first: the layout and the plugins' checks compute with them.
-    plan.problems += broken_problems(pm) + comm_hook_problems(pm, cfg)
+    plan.problems += broken_problems(pm) + comm_hook_problems(pm, available, cfg)
     plan.problems += core_range_problems(cfg)
+    try:  # launcher.nnodes is parsed here once; the plan's dims carry it (dims.nodes)
+        nodes = node_range(cfg.launcher.nnodes)
+    except ValueError as e:
+        nodes = None
+        plan.problems.append(str(e))
     if not plan.problems:
         try:
-            world_size = planned_world_size(cfg)
+            world_size = planned_world_size(cfg, nodes)
             plan.roles = Roles.resolve(pm.hook.plait_assign_roles(cfg=cfg, world_size=world_size),
                                        world_size)
-            plan.dims = ParallelDims.from_config(cfg, world_size=len(plan.roles.trainers))
+            plan.dims = ParallelDims.from_config(cfg, world_size=len(plan.roles.trainers),
+                                                 nodes=nodes)
         except ValueError as e:
             plan.problems.append(str(e))
-    plan.problems += core_problems(cfg, plan.dims, run_name_given)
+    plan.problems += core_problems(cfg, nodes, plan.dims, run_name_given)
     if plan.dims is not None:
         plan.problems += elastic_problems(cfg, plan.dims, plan.roles)
     plan.problems += unselected_choices(pm, available, cfg)
@@ -192,32 +202,28 @@ def plan_config(cfg: DictConfig, objects: Iterable[Any] = (),
     return plan
 
 
-def comm_hook_problems(pm: PlaitPluginManager, cfg: DictConfig) -> list[str]:
+def comm_hook_problems(pm: PlaitPluginManager, available: PlaitPluginManager,
+                       cfg: DictConfig) -> list[str]:
     """A deprecated ``plait_comm_hook`` (hook spec 1.0) needs an engine that adapts it."""
     users = [i.plugin_name for i in pm.hook.plait_comm_hook.get_hookimpls()]
-    takers = [r.name for r in pm.records.values() if "engine:comm_hook" in r.info.provides]
+    takers = [r.name for r in pm.records.values() if COMM_HOOK in r.info.provides]
     if not users or takers:
         return []
+    offered = offered_by(COMM_HOOK, available)
     return [f"plugin {users[0]!r} implements plait_comm_hook (a torch DDP comm hook), which only "
-            f"strategy=ddp takes, not strategy={cfg.strategy.name}: use strategy=ddp, or port it "
-            "to plait_grad_reducer, which every strategy with a reducer takes"]
+            f"{offered} takes, not strategy={cfg.strategy.name}: use {offered}, or port it to "
+            "plait_grad_reducer, which every strategy with a reducer takes"]
 
 
 def core_range_problems(cfg: DictConfig) -> list[str]:
-    problems = [problem for section, ranges in CORE_RANGES.items()
-                for problem in range_problems(section, cfg[section] if section else cfg, ranges)]
-    try:
-        node_range(cfg.launcher.nnodes)
-    except ValueError as e:
-        problems.append(str(e))
-    return problems
+    return [problem for section, ranges in CORE_RANGES.items()
+            for problem in range_problems(section, cfg[section] if section else cfg, ranges)]
 
 
-def planned_world_size(cfg: DictConfig) -> int:
+def planned_world_size(cfg: DictConfig, nodes: NodeRange) -> int:
     """The world size the plan is checked at: the external launcher's (``torchrun``) where it
     started this process, else ``launcher.nnodes x launcher.nproc_per_node``. An elastic job
     (``launcher.nnodes=MIN:MAX``) is planned at MAX nodes, the size its settings are given for."""
-    nodes = node_range(cfg.launcher.nnodes)
     if nodes.elastic:
         return nodes.max * int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launcher.nproc_per_node))
     return int(os.environ.get("WORLD_SIZE", nodes.max * cfg.launcher.nproc_per_node))
@@ -235,13 +241,11 @@ def device_problems(cfg: DictConfig) -> list[str]:
     return []
 
 
-def core_problems(cfg: DictConfig, dims: ParallelDims | None, run_name_given: bool) -> list[str]:
+def core_problems(cfg: DictConfig, nodes: NodeRange | None, dims: ParallelDims | None,
+                  run_name_given: bool) -> list[str]:
+    """``nodes``: ``launcher.nnodes`` parsed (None: it is not a node count, reported already)."""
     problems = device_problems(cfg)
-    try:
-        multinode = node_range(cfg.launcher.nnodes).max > 1
-    except ValueError:  # reported with the ranges
-        multinode = False
-    if multinode and not run_name_given and not job_id():
+    if nodes is not None and nodes.max > 1 and not run_name_given and not job_id():
         problems.append(
             f"launcher.nnodes={cfg.launcher.nnodes} needs run.name=<name>, the same on every "
             "node: without it each node names the run after its own clock, so the nodes would "
@@ -266,7 +270,7 @@ def elastic_problems(cfg: DictConfig, dims: ParallelDims, roles: Roles) -> list[
     """An elastic job (``launcher.nnodes=MIN:MAX``) must keep its global batch at every node
     count it may run at: data parallelism takes what tp and pp leave, and each size's dp shares
     the step's micro-batches evenly (``plait.topology.elastic_grad_accum_steps``)."""
-    nodes = node_range(cfg.launcher.nnodes)
+    nodes = dims.nodes
     if not nodes.elastic:
         return []
     setting = f"launcher.nnodes={cfg.launcher.nnodes}"
@@ -280,7 +284,7 @@ def elastic_problems(cfg: DictConfig, dims: ParallelDims, roles: Roles) -> list[
     problems = []
     for count in range(nodes.min, nodes.max):
         try:
-            at_count = ParallelDims.from_config(cfg, world_size=count * per_node)
+            at_count = ParallelDims.from_config(cfg, world_size=count * per_node, nodes=nodes)
         except ValueError as e:
             problems.append(f"{setting}: at {count} node(s) x {per_node} process(es), {e}")
             continue

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from pluggy._hooks import varnames  # pluggy's own reading of a hookimpl's arguments
 
 from plait import HOOKSPEC_VERSION, PROJECT_NAME, __version__, hookspecs
-from plait.types import PluginInfo
+from plait.types import PluginInfo, engine_problems
 
 BLOCK_ENV = "PLAIT_BLOCK_PLUGINS"
 _WARNED: set[tuple[str, str]] = set()  # (plugin, message): a deprecation warns once per process
@@ -231,3 +231,45 @@ def check_conflicts(pm: pluggy.PluginManager) -> list[str]:
         for hook, names in deciders(pm).items()
         if len(names) > 1
     ]
+
+
+def provided(hook: Any) -> dict[str, list[str]]:
+    """The capabilities the active plugins provide (``PluginInfo.provides``), each with the
+    plugins that provide it: what the plan matched before launch, asked through ``hook`` (a run's
+    hook relay) where a plugin acts on it, instead of probing objects for methods."""
+    found: dict[str, list[str]] = {}
+    for info in hook.plait_declare():
+        for capability in sorted(info.provides):
+            found.setdefault(capability, []).append(info.name)
+    return found
+
+
+def check_engine(engine: Any, hook: Any) -> Any:
+    """``engine``, once it has every surface its plugins declared (``plait.types.ENGINE_SURFACES``);
+    ``TypeError`` naming the plugin and the missing methods otherwise."""
+    declared = [(c, info) for info in hook.plait_declare() for c in sorted(info.provides)]
+    problems = engine_problems(engine, declared)
+    if problems:
+        raise TypeError("; ".join(problems))
+    return engine
+
+
+def selection(info: PluginInfo) -> str:
+    """The setting that turns a plugin on, as a user types it: ``strategy=zero0|zero1|zero2``
+    (a group's ``name`` as the group's option), ``tensor_parallel=megatron``; "" for a plugin
+    that is always on."""
+    def typed(key: str, value: Any) -> str:
+        values = value if isinstance(value, (list, tuple, set, frozenset)) else (value,)
+        return f"{key.removesuffix('.name')}={'|'.join(map(str, values))}"
+
+    return " ".join(typed(key, value) for key, value in info.selected_by.items())
+
+
+def offered_by(capability: str, pm: PlaitPluginManager | None = None) -> str:
+    """The installed plugins that provide ``capability``, as the settings that select them
+    (``strategy=ddp or strategy=zero0|zero1|zero2|zero3``), for refusals that suggest another
+    choice without naming plugins in code; "another plugin" when none is installed."""
+    pm = pm or make_plugin_manager()
+    options = [selection(r.info) or r.info.name for r in pm.records.values()
+               if capability in r.info.provides]
+    return " or ".join(options) if options else f"a plugin that provides {capability!r}"

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from plait.config import node_range
+from plait.config import NodeRange, node_range
 from plait.host_memory import fix_mmap_threshold
 
 MESH_AXES = ("pp", "dp", "tp")
@@ -42,6 +42,13 @@ class ParallelDims:
     """Sizes of each parallel axis; their product is the world size.
 
     ``dp=-1`` in the config means "whatever is left": ``world_size // (tp * pp)``.
+
+    ``nnodes``: the nodes the ranks run on (a plan counts MAX of an elastic range; a running
+    job, the nodes its group formed with). ``nodes``: ``launcher.nnodes`` as ``(MIN, MAX)``,
+    parsed once here (``plait.config.node_range``), so no plugin parses the setting again;
+    default ``nnodes:nnodes``. ``grad_accum_steps``: micro-batches per rank per optimizer step,
+    ``train.grad_accum_steps`` at MAX nodes and, in a running elastic job, what keeps the global
+    batch at its size (:func:`elastic_grad_accum_steps`); read it here, not from the config.
     """
 
     dp: int
@@ -49,9 +56,13 @@ class ParallelDims:
     pp: int
     world_size: int
     nnodes: int = 1
+    nodes: NodeRange | None = None
+    grad_accum_steps: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("dp", "tp", "pp", "world_size", "nnodes"):
+        if self.nodes is None:
+            object.__setattr__(self, "nodes", NodeRange(self.nnodes, self.nnodes))
+        for axis in ("dp", "tp", "pp", "world_size", "nnodes", "grad_accum_steps"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"{axis}={getattr(self, axis)} must be at least 1")
         if self.dp * self.tp * self.pp != self.world_size:
@@ -62,9 +73,14 @@ class ParallelDims:
             )
 
     @classmethod
-    def from_config(cls, cfg, world_size: int | None = None) -> ParallelDims:
+    def from_config(cls, cfg, world_size: int | None = None,
+                    nodes: NodeRange | None = None) -> ParallelDims:
+        """The layout ``cfg`` asks for at ``world_size`` (default: the launcher's, else
+        ``launcher.nnodes x launcher.nproc_per_node``); ``nodes``: ``launcher.nnodes`` already
+        parsed (else parsed here)."""
         launcher = cfg.launcher
-        nnodes = node_range(launcher.nnodes).max
+        nodes = nodes or node_range(launcher.nnodes)
+        nnodes = nodes.max
         if world_size is None:
             world_size = int(os.environ.get("WORLD_SIZE", nnodes * launcher.nproc_per_node))
         tp, pp = cfg.parallel.tp, cfg.parallel.pp
@@ -79,7 +95,13 @@ class ParallelDims:
                     "parallel.tp / parallel.pp or launcher.nproc_per_node"
                 )
             dp = world_size // (tp * pp)
-        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, nnodes=nnodes)
+        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, nnodes=nnodes, nodes=nodes,
+                   grad_accum_steps=cfg.train.grad_accum_steps)
+
+    @property
+    def elastic(self) -> bool:
+        """``launcher.nnodes=MIN:MAX`` with MIN < MAX: the job goes on at any size between."""
+        return self.nodes.elastic
 
     @property
     def enabled_axes(self) -> frozenset[str]:
@@ -87,7 +109,8 @@ class ParallelDims:
 
 
 def elastic_grad_accum_steps(cfg, dims: ParallelDims, local_world_size: int) -> int:
-    """``train.grad_accum_steps`` at this world size.
+    """``train.grad_accum_steps`` at the world size of ``dims`` (a job's layout at some size of
+    ``dims.nodes``); :meth:`Topology.initialize` stores it as ``dims.grad_accum_steps``.
 
     In an elastic job (``launcher.nnodes=MIN:MAX``) ``train.batch_size`` and
     ``train.grad_accum_steps`` are given for MAX nodes. At fewer nodes the per-rank micro-batch
@@ -101,10 +124,10 @@ def elastic_grad_accum_steps(cfg, dims: ParallelDims, local_world_size: int) -> 
     divide ``train.grad_accum_steps x dp_at_MAX`` (refused before launch for every size in the
     range).
     """
-    nodes = node_range(cfg.launcher.nnodes)
+    nodes = dims.nodes
     if not nodes.elastic:
         return cfg.train.grad_accum_steps
-    full = ParallelDims.from_config(cfg, world_size=nodes.max * local_world_size)
+    full = ParallelDims.from_config(cfg, world_size=nodes.max * local_world_size, nodes=nodes)
     micro_batches = cfg.train.grad_accum_steps * full.dp  # per step, over all dp ranks
     if micro_batches % dims.dp:
         nodes_now = dims.world_size // local_world_size
@@ -308,6 +331,7 @@ class Topology:
     trainer_group: dist.ProcessGroup | None = None
     step_group: dist.ProcessGroup | None = None
     _node_groups: dict[str, NodeGroups] = field(default_factory=dict, repr=False)
+    _groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict, repr=False)
 
     @classmethod
     def initialize(cls, cfg, assign_roles: Callable[[int], Roles | None] | None = None) -> Topology:
@@ -329,7 +353,9 @@ class Topology:
         trainers = roles.trainers
         node_of = gather_node_ranks(node_rank, device)
         dims = ParallelDims.from_config(cfg, world_size=len(trainers))
-        dims = replace(dims, nnodes=len({node_of[r] for r in trainers}))
+        # an elastic job keeps train.batch_size at this size by accumulating more or less
+        dims = replace(dims, nnodes=len({node_of[r] for r in trainers}),
+                       grad_accum_steps=elastic_grad_accum_steps(cfg, dims, local_world_size))
         groups = {}
         if roles.single:  # today's layout, untouched: the default group is the trainer group
             mesh = dist.init_device_mesh(
@@ -382,6 +408,37 @@ class Topology:
                 intra=dist.new_subgroups_by_enumeration(intra)[0] if intra else None,
                 inter=dist.new_subgroups_by_enumeration(inter)[0] if inter else None)
         return self._node_groups[axis]
+
+    def replica_group(self) -> dist.ProcessGroup:
+        """The pp x tp ranks that hold one model replica (this rank's dp index): the
+        "model-parallel" group of Megatron and of DeepSpeed's ``PipelineParallelGrid``, over which
+        a global gradient norm is reduced. Made once (a collective: every rank calls it, in the
+        same order, the first time)."""
+        if "replica" not in self._groups:
+            d = self.dims
+            mesh = torch.tensor(self.trainer_ranks).reshape(d.pp, d.dp, d.tp)
+            self._groups["replica"] = dist.new_subgroups_by_enumeration(
+                [mesh[:, dp].flatten().tolist() for dp in range(d.dp)])[0]
+        return self._groups["replica"]
+
+    def side_group(self, purpose: str) -> dist.ProcessGroup | None:
+        """A gloo group over the trainers of its own for ``purpose``, work beside the training
+        step (background checkpoint writes, checkpoint replicas), so that its collectives never
+        interleave with the step's (torchtitan does the same). One per purpose, made once (a
+        collective: every trainer calls it at the same point); None without a process group."""
+        if purpose not in self._groups and dist.is_initialized():
+            self._groups[purpose] = dist.new_group(ranks=self.trainer_ranks, backend="gloo")
+        return self._groups.get(purpose)
+
+    def role_group(self, role: str) -> dist.ProcessGroup | None:
+        """The ranks of ``role`` among themselves (e.g. the parameter servers), made by those
+        ranks alone (``use_local_synchronization``) the first time; None for a role of one rank."""
+        key = f"role:{role}"
+        if key not in self._groups:
+            ranks = list(self.roles.ranks[role])
+            self._groups[key] = (dist.new_group(ranks, use_local_synchronization=True)
+                                 if len(ranks) > 1 else None)
+        return self._groups[key]
 
     # Megatron-core names, for code ported from there and for DeepSpeed's ``mpu`` interface.
     def get_data_parallel_group(self) -> dist.ProcessGroup:

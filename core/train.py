@@ -16,8 +16,8 @@ from omegaconf import DictConfig
 from plait.config import job_last_step
 from plait.meta import build_model, materialize
 from plait.metrics import StepMeter
-from plait.plugin_manager import PlaitPluginManager
-from plait.topology import TRAINER, Topology, elastic_grad_accum_steps
+from plait.plugin_manager import PlaitPluginManager, check_engine
+from plait.topology import TRAINER, Topology
 from plait.types import Engine, TokenDataset, TrainState
 
 
@@ -38,10 +38,6 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
     seed_everything(cfg.seed)
     if topology.role != TRAINER:
         return run_role(cfg, pm, topology)
-    # an elastic job keeps train.batch_size at this world size by accumulating more or less
-    cfg.train.grad_accum_steps = elastic_grad_accum_steps(cfg, topology.dims,
-                                                          topology.local_world_size)
-
     train_data = hook.plait_build_dataset(cfg=cfg, topology=topology, split="train")
     loader = hook.plait_shard_data(cfg=cfg, dataset=train_data, topology=topology)
     val_data = None
@@ -63,10 +59,12 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
     optimizer = hook.plait_build_optimizer(cfg=cfg, model=model)
     lr_at = hook.plait_build_lr_schedule(cfg=cfg)
     grad_reducer = hook.plait_grad_reducer(cfg=cfg, topology=topology)
-    engine = hook.plait_build_engine(cfg=cfg, model=model, optimizer=optimizer, loss_fn=loss_fn,
-                                     grad_reducer=grad_reducer, topology=topology, hook=hook)
+    engine = check_engine(hook.plait_build_engine(
+        cfg=cfg, model=model, optimizer=optimizer, loss_fn=loss_fn, grad_reducer=grad_reducer,
+        topology=topology, hook=hook), hook)  # has the surfaces its plugins declared
 
-    state = hook.plait_load_checkpoint(cfg=cfg, engine=engine, topology=topology) or TrainState()
+    state = (hook.plait_load_checkpoint(cfg=cfg, engine=engine, topology=topology, hook=hook)
+             or TrainState())
     if state.data:
         loader.load_state_dict(state.data)
     logging = topology.is_logging_rank
@@ -102,7 +100,8 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
                     state.metrics.update(metrics)
                     hook.plait_log_metrics(step=state.step, metrics=metrics, state=state)
             checkpoint = hook.plait_save_checkpoint(cfg=cfg, engine=engine, state=state,
-                                                    topology=topology, final=final) or checkpoint
+                                                    topology=topology, final=final,
+                                                    hook=hook) or checkpoint
         status = "finished"
     except BaseException as error:
         hook.plait_on_failure(cfg=cfg, error=error, state=state)
@@ -110,7 +109,7 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
     finally:
         batches.close()  # stops the loader's background work before the process exits
         if logging:
-            hook.plait_on_run_end(state=state, status=status)
+            hook.plait_on_run_end(cfg=cfg, state=state, status=status)
     if not logging:
         return None
     return {"metrics": state.metrics, "checkpoint": str(checkpoint) if checkpoint else None}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -214,6 +214,88 @@ class Engine(Protocol):
 
     def load_state(self, directory: Path) -> None:
         """Read back what ``save_state`` wrote; called on every rank."""
+
+
+# Optional engine surfaces. A strategy whose engine has one declares its capability in
+# ``PluginInfo.provides``; the plan matches it with the plugins that require it before launch, so
+# the code that calls these methods trusts the plan instead of probing the engine at run time.
+# When the engine is built the core checks it against every surface its plugins declared
+# (:func:`engine_problems`), so a plugin that declares more than it implements is named at start.
+
+
+@runtime_checkable
+class LayoutFreeStateEngine(Protocol):
+    """``engine:layout_free_state``: model and optimizer state by the unsplit model's parameter
+    names, so a checkpoint saves in the background and loads at another layout
+    (the checkpoint plugin's ``layout_free.py``)."""
+
+    def layout_free_state(self) -> dict[str, Any]:
+        """This rank's part of the state, keyed by unsplit parameter names (DCP's form)."""
+
+    def load_layout_free_state(self, state: dict[str, Any]) -> None:
+        """Take back a state of that form (loaded by DCP into ``layout_free_state()``'s)."""
+
+
+@runtime_checkable
+class PipelineDrivenEngine(Protocol):
+    """``engine:pipeline``: an engine a pipeline schedule can drive. Its ``model`` is this
+    rank's stages (``PipelineStageModules``); the pipeline engine sets the learning rate on
+    ``optimizer``, runs the schedule's forwards and backwards itself, and leaves the files to
+    ``save_state``/``load_state``. After the backward it hands the step to the engine
+    (:class:`SelfSteppingEngine`) or, for an engine that does not step itself, averages,
+    clips and steps ``optimizer`` (:class:`LossScaledEngine`)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def save_state(self, directory: Path) -> None: ...
+
+    def load_state(self, directory: Path) -> None: ...
+
+
+@runtime_checkable
+class SelfSteppingEngine(Protocol):
+    """``engine:pipeline_step``: after a pipeline schedule's backward the engine reduces the
+    gradients over dp, clips and steps itself (DeepSpeed ZeRO-1's partitioned optimizer)."""
+
+    def step_after_backward(self, loss: float, local_loss: torch.Tensor) -> StepOutput:
+        """``loss``: the global mean; ``local_loss``: this rank's (what the step guard sees)."""
+
+
+@runtime_checkable
+class LossScaledEngine(Protocol):
+    """An ``engine:pipeline`` engine without ``engine:pipeline_step``: the pipeline engine steps
+    its optimizer and scales the schedule's loss with ``scaler`` (a ``torch.amp.GradScaler``,
+    enabled under fp16 only), counting the steps an overflow skipped in ``skipped_steps``, which
+    the engine checkpoints."""
+
+    scaler: torch.amp.GradScaler
+    skipped_steps: int
+
+
+ENGINE_SURFACES: dict[str, type] = {"engine:layout_free_state": LayoutFreeStateEngine}
+"""The capabilities that promise methods on the engine the train loop gets, and their surface.
+(``engine:pipeline``'s surfaces are those of the engine a pipeline wraps; the pipeline plugin
+checks them.)"""
+
+
+def engine_problems(engine: Any, declared: Iterable[tuple[str, PluginInfo]],
+                    surfaces: Mapping[str, type] = ENGINE_SURFACES) -> list[str]:
+    """The surfaces ``engine`` lacks of those its plugins declare: ``declared`` holds
+    ``(capability, declaring plugin)`` pairs; one problem per missing surface, naming the plugin
+    and the methods or attributes it lacks."""
+    problems = []
+    for capability, info in declared:
+        surface = surfaces.get(capability)
+        if surface is None or isinstance(engine, surface):
+            continue
+        members = {*vars(surface).get("__annotations__", {}),
+                   *(name for name, value in vars(surface).items() if callable(value))}
+        missing = sorted(m for m in members if not m.startswith("_") and not hasattr(engine, m))
+        problems.append(f"plugin {info.name!r} declares {capability!r}, but its engine "
+                        f"{type(engine).__name__} lacks {', '.join(missing)}: "
+                        f"implement {surface.__name__} (plait.types) or drop the capability")
+    return problems
 
 
 class TokenDataset(Protocol):

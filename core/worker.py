@@ -18,9 +18,12 @@ def run_worker(config: dict[str, Any], objects: tuple[Any, ...] = ()) -> dict | 
         ``checkpoint``: the last checkpoint written), elsewhere None.
     """
     cfg = OmegaConf.create(config)
-    pm = keep_selected(make_plugin_manager(cfg, objects), cfg)
+    OmegaConf.set_readonly(cfg, True)  # configured before launch: what differs per worker is in
+    # the topology (e.g. an elastic job's accumulation at its present size: dims.grad_accum_steps)
+    pm = keep_selected(make_plugin_manager(cfg), cfg)
     try:
         return train(cfg, pm)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+

@@ -49,6 +49,7 @@ from plait import hookimpl  # noqa: E402
 from plait.plugins.models.gpt import GPT  # noqa: E402
 from plait.plugins.zero.estimate import zero_formula  # noqa: E402
 from plait.testing import read_metrics, run_training, spawn  # noqa: E402
+from plait.topology import ParallelDims  # noqa: E402
 
 
 class StepClock:
@@ -128,7 +129,8 @@ def run_raw(plait_run: Path, steps: int, args) -> dict[int, float]:
     optimizer = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=opt.lr,
                                   betas=tuple(opt.betas), eps=opt.eps,
                                   weight_decay=opt.weight_decay)
-    ds_config = engine_config(cfg, args.world_size, optimizer)
+    ds_config = engine_config(cfg, ParallelDims.from_config(cfg, world_size=args.world_size),
+                              optimizer)
     model_cfg = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "_target_"}
     out = plait_run.parent / f"raw-{plait_run.name}.json"
     spawn(raw_rank, args.world_size, ds_config, model_cfg, steps, args.seq_len, str(out))
@@ -160,7 +162,7 @@ def engine_ab_rank(rank: int, world_size: int, overrides: list[str], blocks: int
     optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=cfg.optimizer.lr,
                                   betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,
                                   weight_decay=weight_decay)
-    ds_config = engine_config(cfg, topology.dims.dp, optimizer)
+    ds_config = engine_config(cfg, topology.dims, optimizer)
     guard = StepGuard()  # fault=checkpoint's, on by default: its agreement is plait's overhead
 
     def check_step(**step):

@@ -33,7 +33,9 @@ version hooks and arguments are only added, never removed or renamed, so a plugi
 argument keeps working, registering it warns (`FutureWarning`) naming the replacement, and it
 stays for at least one minor version. `tests/hookspec_signatures.json` records every hook and its
 arguments; a test fails when one disappears without a deprecation entry there. Deprecated now:
-`plait_comm_hook` (since 1.1, use `plait_grad_reducer`; `strategy=ddp` adapts it).
+`plait_comm_hook` (since 1.1, use `plait_grad_reducer`; `strategy=ddp` adapts it), and
+`plait_on_step_end`'s argument `metrics` (since 1.2, read `output` or implement
+`plait_log_metrics`); both go in 2.0.
 
 A plugin that cannot be loaded (its import raises, it implements a hook the spec lacks, or a hook
 with an argument the spec lacks) is named with its distribution and entry point, the hook, the

@@ -346,6 +346,15 @@ class Rank0:
     dims = SimpleNamespace(dp=1, tp=1, pp=1)
 
 
+class NoCapabilities:
+    """The hook relay of a run as far as the checkpoint plugin reads it: no active plugin
+    declares a capability, so an engine is saved through its own files only."""
+
+    @staticmethod
+    def plait_declare() -> list:
+        return []
+
+
 # ---------------------------------------------------------------------------------------------
 # probes: test-only plugins that report from inside the workers of a real run, into run.dir
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from plait.cli import main
 from plait.plugins import checkpoint
+from plait.plugins.checkpoint import directory
 from plait.testing import compose, read_metrics, run_losses, run_training
 from plait.types import TrainState
 
@@ -69,10 +70,11 @@ def test_a_failed_write_leaves_latest_on_the_previous_checkpoint(tmp_path):
     (root / "latest").write_text("step_00000002")
     with pytest.raises(OSError, match="disk full"):
         checkpoint.plait_save_checkpoint(cfg=cfg, engine=FailingEngine(), state=TrainState(step=4),
-                                         topology=inhouse.Rank0(), final=False)
+                                         topology=inhouse.Rank0(), final=False,
+                                         hook=inhouse.NoCapabilities)
     assert (root / "latest").read_text() == "step_00000002"
     assert not (root / "step_00000004").exists()
-    assert checkpoint.resolve_resume(cfg, "latest") == root / "step_00000002"
+    assert directory.resolve_resume(cfg, "latest") == root / "step_00000002"
 
 
 @pytest.mark.slow

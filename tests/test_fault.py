@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from plait.plugins import checkpoint
+from plait.plugins.checkpoint import directory
 from plait.testing import TEST_OVERRIDES, compose, read_metrics, run_losses, run_training
 from plait.types import TrainState
 
@@ -174,7 +175,8 @@ def save_then_die(cfg, engines: list[TorchEngine], steps: list[int], die_at_call
     try:
         for step, engine in zip(steps, engines):
             checkpoint.plait_save_checkpoint(cfg=cfg, engine=engine, topology=inhouse.Rank0(),
-                                             state=TrainState(step=step), final=False)
+                                             state=TrainState(step=step), final=False,
+                                             hook=inhouse.NoCapabilities)
     except BaseException as e:  # never return into pytest from the fork
         print(f"child failed: {e!r}", file=sys.stderr, flush=True)
         os._exit(1)
@@ -182,13 +184,13 @@ def save_then_die(cfg, engines: list[TorchEngine], steps: list[int], die_at_call
 
 
 def assert_loads_whole(root: Path, at_least: int) -> int:
-    newest = checkpoint.latest_checkpoint(root)
+    newest = directory.latest_checkpoint(root)
     assert newest is not None and not newest.name.startswith(".")
     step = json.loads((newest / "trainer_state.json").read_text())["step"]
     assert newest.name == f"step_{step:08d}" and step >= at_least
     assert torch.equal(torch.load(newest / "model.pt", weights_only=True)["w"], weights(step))
     if (root / "latest").exists():  # latest, when present, names a complete checkpoint
-        assert checkpoint.checkpoint_problem(root / (root / "latest").read_text()) is None
+        assert directory.checkpoint_problem(root / (root / "latest").read_text()) is None
     return step
 
 
@@ -201,7 +203,8 @@ def test_sigkill_at_every_moment_of_a_checkpoint_write_never_leaves_a_bad_checkp
                    "fault.keep_last=2"])
     root = tmp_path / "r" / "checkpoints"
     checkpoint.plait_save_checkpoint(cfg=cfg, engine=TorchEngine(0), topology=inhouse.Rank0(),
-                                     state=TrainState(step=0), final=False)
+                                     state=TrainState(step=0), final=False,
+                                     hook=inhouse.NoCapabilities)
     steps = [2, 4, 4]
     engines = [TorchEngine(step) for step in steps]
     moments, finished = 0, False
@@ -217,11 +220,12 @@ def test_sigkill_at_every_moment_of_a_checkpoint_write_never_leaves_a_bad_checkp
         newest = assert_loads_whole(root, at_least=0)
         partial = root / ".step_00000004.partial"
         if partial.exists():
-            assert checkpoint.latest_checkpoint(root) != partial
+            assert directory.latest_checkpoint(root) != partial
     print(f"killed at {moments - 1} moments")
     assert moments >= 10 and newest == 4
     checkpoint.plait_save_checkpoint(cfg=cfg, engine=TorchEngine(6), topology=inhouse.Rank0(),
-                                     state=TrainState(step=6), final=False)
+                                     state=TrainState(step=6), final=False,
+                                     hook=inhouse.NoCapabilities)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000006"]
 
 
@@ -231,14 +235,15 @@ def test_a_damaged_checkpoint_is_skipped_with_a_message(tmp_path, capsys):
     root = tmp_path / "r" / "checkpoints"
     for step in (2, 4):
         checkpoint.plait_save_checkpoint(cfg=cfg, engine=TorchEngine(step), topology=inhouse.Rank0(),
-                                         state=TrainState(step=step), final=False)
+                                         state=TrainState(step=step), final=False,
+                                         hook=inhouse.NoCapabilities)
     model = root / "step_00000004" / "model.pt"
     model.write_bytes(model.read_bytes()[:1000])  # truncated by a failing disk
-    assert checkpoint.resolve_resume(cfg, "auto") == root / "step_00000002"
+    assert directory.resolve_resume(cfg, "auto") == root / "step_00000002"
     assert (f"plait: skipping checkpoint {root / 'step_00000004'}: model.pt has 1000 bytes, "
             "complete.json says") in capsys.readouterr().err
     with pytest.raises(ValueError, match="not a complete checkpoint: model.pt has 1000 bytes"):
-        checkpoint.resolve_resume(cfg, str(root / "step_00000004"))
+        directory.resolve_resume(cfg, str(root / "step_00000004"))
 
 
 # One process, a ZeroEngine each (zero2 runs in the tests above): stage and precision.
@@ -278,7 +283,7 @@ def _zero_stages_skip_a_nan_step(rank, world_size, out_file):
             return [guard.plait_check_step(cfg=cfg, topology=topology, **step)]
 
         engine = ZeroEngine(model, optimizer, cross_entropy, topology,
-                            zero_config.engine_config(cfg, 1, optimizer), check_step)
+                            zero_config.engine_config(cfg, topology.dims, optimizer), check_step)
         nan_grad = [False]
         next(engine.model.parameters()).register_hook(
             lambda g: g * float("nan") if nan_grad[0] else g)

@@ -81,7 +81,7 @@ def test_printed_overrides_give_an_accepted_plan_with_the_json_numbers(ds_json, 
     # and the param groups (weight decay on matrices only) DeepSpeed is given
     model = plan.pm.hook.plait_build_model(cfg=plan.cfg)
     optimizer = plan.pm.hook.plait_build_optimizer(cfg=plan.cfg, model=model)
-    params = engine_config(plan.cfg, plan.dims.dp, optimizer)["optimizer"]["params"]
+    params = engine_config(plan.cfg, plan.dims, optimizer)["optimizer"]["params"]
     json_params = TYPICAL["optimizer"]["params"]
     assert {k: params[k] for k in ("lr", "betas", "eps")} == {
         k: json_params[k] for k in ("lr", "betas", "eps")}

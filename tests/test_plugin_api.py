@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from plait import plugin_manager
+from plait import HOOKSPEC_VERSION, plugin_manager
 from plait.plan import make_plan
 from plait.plugin_manager import make_plugin_manager
 from plait.testing import read_metrics, run_training
@@ -59,7 +59,8 @@ def test_broken_plugins_refuse_with_their_names_and_no_traceback(broken_site, ar
         assert f"plugin {module!r} [entry point ({module} 1.0: {module} = {module})]" in done.stderr
         assert reason in done.stderr
     assert "plait_log_metrics has (step, metrics, state)" in done.stderr
-    assert "written for plait>=0.0.1,<0.1; this is plait 0.1.0 (hook spec 1.2.0)" in done.stderr
+    assert (f"written for plait>=0.0.1,<0.1; this is plait 0.1.0 (hook spec {HOOKSPEC_VERSION})"
+            in done.stderr)
 
 
 def test_plait_plugins_lists_the_broken_ones_and_exits_0(broken_site):

@@ -44,11 +44,12 @@ CASES = [
     # checkpoint, pipeline, local launcher, W&B: each plugin checks its own
     ("fault.checkpoint_every=-1 fault.keep_last=-1 pipeline.microbatches=0 "
      "pipeline.virtual_stages=0 launcher.node_rank=-1 launcher.master_port=70000 "
-     "launcher.max_restarts=-1 tracker=wandb tracker.mode=loud",
+     "launcher.max_restarts=-1 launcher.start_method=thread tracker=wandb tracker.mode=loud",
      ["set fault.checkpoint_every >= 0 (0: only at the end)",
       "set fault.keep_last >= 0 (0 keeps all)", "set pipeline.microbatches >= 1",
       "set pipeline.virtual_stages >= 1", "set launcher.node_rank >= 0",
       "set launcher.master_port in [0, 65535]", "set launcher.max_restarts >= 0",
+      "launcher.start_method=thread: choose one of forkserver, spawn",
       "tracker.mode=loud: choose offline, online or disabled"]),
     ("fault.max_bad_steps=0 fault.spike_factor=-1",
      ["set fault.max_bad_steps >= 1", "set fault.spike_factor >= 0 (0: off)"]),

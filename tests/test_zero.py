@@ -31,6 +31,7 @@ from plait.plugins.zero.estimate import (
     zero_formula,
 )
 from plait.testing import TEST_OVERRIDES, compose, read_metrics, run_training
+from plait.topology import ParallelDims
 from plait.train import cross_entropy, evaluate
 from plait.types import PlanError, PluginInfo
 
@@ -104,7 +105,7 @@ def built_optimizer(*overrides: str):
 def test_the_built_adamw_maps_to_deepspeed_torch_adamw():
     cfg, optimizer = built_optimizer("strategy=zero1", "optimizer.lr=3e-4", "optimizer.eps=1e-6",
                                      "optimizer.fused=false")
-    ds = engine_config(cfg, 2, optimizer)
+    ds = engine_config(cfg, ParallelDims.from_config(cfg, world_size=2), optimizer)
     assert ds["optimizer"] == {"type": "AdamW", "params": {
         "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.01,
         "torch_adam": True}}  # weight decay per parameter group, as plait's adamw built them
@@ -113,7 +114,7 @@ def test_the_built_adamw_maps_to_deepspeed_torch_adamw():
 def test_offload_maps_to_deepspeed_cpu_adam():
     cfg, optimizer = built_optimizer("strategy=zero3", "strategy.offload_optimizer=cpu",
                                      "strategy.offload_params=cpu")
-    ds = engine_config(cfg, 2, optimizer)
+    ds = engine_config(cfg, ParallelDims.from_config(cfg, world_size=2), optimizer)
     zero = ds["zero_optimization"]
     assert zero["offload_optimizer"] == {"device": "cpu"}
     assert zero["offload_param"] == {"device": "cpu"}
@@ -123,7 +124,7 @@ def test_offload_maps_to_deepspeed_cpu_adam():
 def test_another_optimizer_goes_to_deepspeed_as_a_client_optimizer():
     cfg = compose([*TEST_OVERRIDES, "strategy=zero1"])
     sgd = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
-    ds = engine_config(cfg, 2, sgd)
+    ds = engine_config(cfg, ParallelDims.from_config(cfg, world_size=2), sgd)
     assert "optimizer" not in ds and ds["zero_allow_untested_optimizer"] is True
 
 

@@ -15,7 +15,6 @@ import sys
 from concurrent.futures import Future
 from typing import Callable
 
-import torch.distributed as dist
 
 
 def cpu_stager():
@@ -30,14 +29,6 @@ def cpu_stager():
 class BackgroundWrites:
     def __init__(self) -> None:
         self.published: Future | None = None  # the write in flight, done once published
-        self.group = None
-
-    def process_group(self, topology):
-        """The checkpoint writers' own group over the trainer ranks (made once, by every rank)."""
-        if self.group is None and dist.is_initialized():
-            ranks = dist.get_process_group_ranks(topology.trainer_group)
-            self.group = dist.new_group(ranks=ranks, backend="gloo")
-        return self.group
 
     def start(self, write: Callable, publish: Callable[[], None] | None) -> None:
         """``write(stager)`` copies the state with ``stager`` and returns the future of the

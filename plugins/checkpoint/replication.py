@@ -38,14 +38,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import plait.plugins.checkpoint as store
+from plait.plugins.checkpoint.directory import (
+    COMPLETE,
+    atomic_write_text,
+    checkpoint_problem,
+    fsync_path,
+    node_root,
+    publish,
+)
 
 PART = "part_node{}.json"
-
-
-def node_root(cfg, node: int) -> Path:
-    """Where node ``node`` keeps its checkpoints (on its own disk)."""
-    return Path(cfg.fault.local_dir) / cfg.run.name / f"node{node}"
 
 
 def holders(node: int, nnodes: int, replicas: int) -> list[int]:
@@ -66,13 +68,13 @@ def placement(nnodes: int, replicas: int, shown: int = 8) -> dict[str, str]:
 
 
 def mark_part(directory: Path, node: int, nnodes: int, files: dict[str, int]) -> None:
-    store.atomic_write_text(directory / PART.format(node),
-                            json.dumps({"node": node, "nnodes": nnodes, "files": files}))
+    atomic_write_text(directory / PART.format(node),
+                      json.dumps({"node": node, "nnodes": nnodes, "files": files}))
 
 
 def own_files(directory: Path) -> dict[str, int]:
     """Every file in ``directory`` but the markers: the node's part, before replicas arrive."""
-    markers = {store.COMPLETE, *(m.name for m in directory.glob(PART.format("*")))}
+    markers = {COMPLETE, *(m.name for m in directory.glob(PART.format("*")))}
     return {str(f.relative_to(directory)): f.stat().st_size
             for f in sorted(directory.rglob("*")) if f.is_file() and f.name not in markers}
 
@@ -91,7 +93,7 @@ def holdings(root: Path) -> dict[str, dict[int, dict]]:
     partial ones are skipped with a message)."""
     held = {}
     for path in sorted(root.glob("step_*")):
-        problem = store.checkpoint_problem(path)
+        problem = checkpoint_problem(path)
         if problem is not None:
             print(f"plait: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
             continue
@@ -159,16 +161,10 @@ def plan_restore(held: dict[int, dict[str, dict[int, dict]]], nnodes: int,
     return None
 
 
-_group: dist.ProcessGroup | None = None
-
-
 def leaders_group(topology) -> dist.ProcessGroup | None:
-    """A gloo group over the trainers for the replicas' traffic, made once (a collective: every
-    trainer calls it at the same point)."""
-    global _group
-    if _group is None and dist.is_initialized():
-        _group = dist.new_group(ranks=topology.trainer_ranks, backend="gloo")
-    return _group
+    """The gloo group over the trainers the replicas' traffic runs on (the topology makes it
+    once: a collective, every trainer calls this at the same point)."""
+    return topology.side_group("checkpoint replicas")
 
 
 def leader_of(topology, node: int) -> int:
@@ -242,7 +238,7 @@ def replicate(partial: Path, name: str, topology, replicas: int) -> int:
     sent = transfer(group, sends, receives)
     for peer in sources:
         mark_part(partial, peer, nnodes, by_node[peer])
-    store.fsync_path(partial)
+    fsync_path(partial)
     print(f"plait: node {node} sent its part of {name} ({sent} bytes) to node(s) "
           f"{', '.join(map(str, holders(node, nnodes, replicas)))}", flush=True)
     return sent
@@ -298,4 +294,4 @@ def fetch_parts(root: Path, plan: Restore, held: dict, topology, group) -> None:
             print(f"plait: node {node}: node {part}'s part of checkpoint {name} {how}",
                   flush=True)
     if wanted:
-        store.publish(root, partial, name)
+        publish(root, partial, name)

@@ -121,7 +121,7 @@ def plait_shard_data(cfg, dataset, topology) -> StepLoader:
         n_samples=len(dataset),
         epoch_order=epoch_order_of(dataset, cfg.seed, setting(cfg, "shuffle", True)),
         global_batch_size=cfg.train.batch_size,
-        grad_accum_steps=cfg.train.grad_accum_steps,
+        grad_accum_steps=topology.dims.grad_accum_steps,
         dp_rank=topology.dp_rank,
         dp_size=topology.dims.dp,
     )

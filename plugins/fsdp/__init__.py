@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait import hookimpl
-from plait.config import AT_LEAST_1, StrategyConfig, node_range, range_problems
+from plait.config import AT_LEAST_1, StrategyConfig, range_problems
+from plait.plugin_manager import offered_by
 from plait.types import PluginInfo, StrategyCost
 
 
@@ -74,16 +75,17 @@ def plait_validate(cfg, dims, hook) -> list[str]:
     if dims.dp % settings.replicate:
         problems.append(f"strategy.replicate={settings.replicate} does not divide dp={dims.dp}: "
                         f"choose a divisor of {dims.dp} (e.g. the number of nodes)")
-    if node_range(cfg.launcher.nnodes).elastic:
+    if dims.elastic:
         problems.append(f"launcher.nnodes={cfg.launcher.nnodes} with strategy=fsdp: an elastic "
                         "job changes the shard count, which plait does not re-form for FSDP; use "
                         "a fixed launcher.nnodes or strategy=zero1..zero3")
     comm = hook.plait_comm_spec(cfg=cfg)
-    if comm is not None and (comm.algorithm != "allreduce" or comm.compression != "none"):
+    if comm is not None and not (comm.native and comm.compression == "none"):
         problems.append(f"comm={comm.algorithm} comm.compression={comm.compression} with "
                         "strategy=fsdp: FSDP reduce-scatters gradients with its own collectives "
                         "and cannot call a plait reducer; use comm=allreduce (with "
-                        "strategy.replicate for the hierarchical scheme, HSDP), or strategy=ddp")
+                        "strategy.replicate for the hierarchical scheme, HSDP), or "
+                        f"{offered_by('engine:grad_reducer')}")
     return problems
 
 

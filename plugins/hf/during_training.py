@@ -62,7 +62,7 @@ def barrier(topology) -> None:
 
 
 def save(cfg, engine, step: int, topology, model) -> Path:
-    from plait.plugins.checkpoint import atomic_write_text
+    from plait.plugins.checkpoint.directory import atomic_write_text
     from plait.plugins.hf.checkpoint_files import write_safetensors
     from plait.plugins.hf.writer import (copy_side_files, partial_directory, publish, stage_file,
                                          tensors_to_write, write_index)
@@ -92,11 +92,8 @@ def save(cfg, engine, step: int, topology, model) -> Path:
 
 
 class HFCheckpoints:
-    """The plugin: remembers the model it is built with (its config, source directory and
-    dtypes), then writes after plait's checkpoints."""
-
-    def __init__(self):
-        self.model = None
+    """The plugin: writes after plait's checkpoints; the model's config, source directory and
+    dtypes come from the model plugin's model on the meta device (no state kept)."""
 
     @hookimpl
     def plait_declare(self) -> PluginInfo:
@@ -127,18 +124,11 @@ class HFCheckpoints:
         return problems
 
     @hookimpl(wrapper=True)
-    def plait_build_model(self, cfg):
-        model = yield
-        if cfg.checkpoint.hf_every:
-            self.model = model
-        return model
-
-    @hookimpl(wrapper=True)
-    def plait_save_checkpoint(self, cfg, engine, state, topology, final):
+    def plait_save_checkpoint(self, cfg, engine, state, topology, final, hook):
         written = yield
         every = cfg.checkpoint.hf_every
         if every and (state.step % every == 0 or final):
-            path = save(cfg, engine, state.step, topology, self.model)
+            path = save(cfg, engine, state.step, topology, meta_model(hook, cfg))
             if topology.is_logging_rank:
                 print(f"plait: wrote {path} (Hugging Face format)", flush=True)
         return written

@@ -30,7 +30,8 @@ from typing import Any, Callable, Optional
 from omegaconf import OmegaConf
 
 from plait import hookimpl
-from plait.config import AT_LEAST_0, LauncherConfig, Range, node_range, range_problems
+from plait.config import AT_LEAST_0, LauncherConfig, Range, range_problems
+from plait.plugins.launch.forkserver import START_METHODS
 from plait.plugins.launch.slurm import in_srun_task, task_count_problems, torch_env_from_slurm
 from plait.types import PluginInfo
 
@@ -43,6 +44,9 @@ class LocalLauncherConfig(LauncherConfig):
     master_port: int = 0  # 0: pick a free port (single node)
     local_addr: Optional[str] = None  # this node's address as the others reach it (multi-node)
     max_restarts: int = 0
+    # torchrun's --start-method: "forkserver" forks every worker from one process that has
+    # imported torch and the plugins (forkserver.py); "spawn" starts each as a fresh interpreter
+    start_method: str = "forkserver"
     # torchrun's --rdzv-conf: c10d rendezvous settings; torch's defaults where not given
     # (last_call_timeout 30 s, join_timeout 600 s, keep_alive_interval 5 s x 3 attempts)
     rdzv_conf: Any = field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False}))
@@ -71,10 +75,13 @@ def plait_register_configs(config_store) -> None:
 
 
 @hookimpl
-def plait_validate(cfg) -> list[str]:
+def plait_validate(cfg, dims) -> list[str]:
     launcher = cfg.launcher
     problems = range_problems("launcher", launcher, RANGES)
-    nodes = node_range(launcher.nnodes)
+    if launcher.start_method not in START_METHODS:
+        problems.append(f"launcher.start_method={launcher.start_method}: choose one of "
+                        f"{', '.join(START_METHODS)}")
+    nodes = dims.nodes
     if launcher.node_rank >= nodes.max:
         problems.append(f"launcher.node_rank={launcher.node_rank} with launcher.nnodes="
                         f"{launcher.nnodes}: give each node its rank, 0 to {nodes.max - 1}")
@@ -87,7 +94,7 @@ def plait_validate(cfg) -> list[str]:
             problems.append(f"launcher.nnodes={launcher.nnodes} goes on after a node leaves by "
                             "restarting the group at the smaller size, which spends a restart: "
                             "set launcher.max_restarts >= 1 (one per node that may leave)")
-    return problems + gpu_problems(cfg) + task_count_problems(cfg, os.environ)
+    return problems + gpu_problems(cfg) + task_count_problems(cfg, dims, os.environ)
 
 
 def gpu_problems(cfg) -> list[str]:
@@ -110,7 +117,7 @@ def gpu_problems(cfg) -> list[str]:
 
 
 @hookimpl
-def plait_launch(cfg, entrypoint, args, hook) -> dict[int, Any]:
+def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
     launcher = cfg.launcher
     if started_externally():
         os.environ.update(torch_env_from_slurm(os.environ, launcher.master_port))
@@ -122,14 +129,19 @@ def plait_launch(cfg, entrypoint, args, hook) -> dict[int, Any]:
     # workers sharing a machine slow each other down many times over.
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // launcher.nproc_per_node)))
-    if node_range(launcher.nnodes).elastic:
+    if dims.elastic:
         # torch 2.13's shared rendezvous TCPStore breaks a re-formed group with a new member:
         # the host's agent publishes MASTER_ADDR for the first round only, so a node joining a
         # later round waits for it forever (seen: scale-up restart, both agents timed out). Not
         # sharing it makes each round publish a fresh store address (and key space).
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    launch = elastic_launch(launch_config(cfg), entrypoint=entrypoint)
-    expendable = expendable_ranks(cfg, hook)
+    if launcher.start_method == "forkserver":
+        from plait.plugins.launch.forkserver import use_forkserver, worker_entry
+
+        use_forkserver(on_cpu=runs_on_cpu(cfg))
+        entrypoint, args = worker_entry, (entrypoint, dict(os.environ), *args)
+    launch = elastic_launch(launch_config(cfg, dims), entrypoint=entrypoint)
+    expendable = expendable_ranks(cfg, dims, hook)
     if expendable is None:
         return launch(*args)
     from plait.plugins.launch.departures import agent_class
@@ -138,12 +150,18 @@ def plait_launch(cfg, entrypoint, args, hook) -> dict[int, Any]:
         return launch(*args)
 
 
-def launch_config(cfg):
+def runs_on_cpu(cfg) -> bool:
+    import torch
+
+    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+
+
+def launch_config(cfg, dims):
     """torch elastic's ``LaunchConfig`` for this node, as ``torchrun`` would build it."""
     from torch.distributed.launcher.api import LaunchConfig
 
     launcher = cfg.launcher
-    nodes = node_range(launcher.nnodes)
+    nodes = dims.nodes
     if nodes.max == 1 and launcher.master_port == 0:
         endpoint = "localhost:0"  # torchrun --standalone: a free port on this machine
     else:
@@ -160,18 +178,18 @@ def launch_config(cfg):
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs,
         max_restarts=launcher.max_restarts,
-        start_method="spawn",
+        start_method=launcher.start_method,
         monitor_interval=0.1,
         local_addr=launcher.local_addr,
     )
 
 
-def expendable_ranks(cfg, hook) -> Callable[[int], frozenset[int]] | None:
+def expendable_ranks(cfg, dims, hook) -> Callable[[int], frozenset[int]] | None:
     """The ranks whose death the strategy survives (``Roles.expendable``), by world size; None
     when it declares none (torch's own agent then runs, as for every strategy without roles)."""
     def expendable(world_size: int) -> frozenset[int]:
         roles = hook.plait_assign_roles(cfg=cfg, world_size=world_size)
         return frozenset(roles.expendable) if roles is not None else frozenset()
 
-    launched = node_range(cfg.launcher.nnodes).max * cfg.launcher.nproc_per_node
+    launched = dims.nodes.max * cfg.launcher.nproc_per_node
     return expendable if expendable(launched) else None

@@ -11,7 +11,6 @@ A job of fixed size reports nothing here.
 from __future__ import annotations
 
 from plait import hookimpl
-from plait.config import node_range
 from plait.types import PluginInfo
 
 
@@ -27,15 +26,14 @@ class ElasticReport:
 
     @hookimpl
     def plait_on_run_start(self, cfg, state, topology) -> None:
-        if not node_range(cfg.launcher.nnodes).elastic:
-            return
         dims = topology.dims
+        if not dims.elastic:
+            return
         self.figures = {"nodes": float(dims.nnodes), "world_size": float(dims.world_size),
-                        "dp": float(dims.dp),
-                        "grad_accum_steps": float(cfg.train.grad_accum_steps)}
+                        "dp": float(dims.dp), "grad_accum_steps": float(dims.grad_accum_steps)}
         print(f"plait: elastic group of {dims.nnodes} node(s) (launcher.nnodes="
               f"{cfg.launcher.nnodes}): world size {dims.world_size}, dp {dims.dp}, "
-              f"grad_accum_steps {cfg.train.grad_accum_steps}, train.batch_size "
+              f"grad_accum_steps {dims.grad_accum_steps}, train.batch_size "
               f"{cfg.train.batch_size} kept; continuing at step {state.step}", flush=True)
 
     @hookimpl(wrapper=True)

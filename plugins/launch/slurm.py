@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from plait import hookimpl
-from plait.config import AT_LEAST_1, LauncherConfig, Range, node_range, range_problems
+from plait.config import AT_LEAST_1, LauncherConfig, Range, range_problems
 from plait.types import PluginInfo
 
 
@@ -107,12 +107,12 @@ def torch_env_from_slurm(environ: Mapping[str, str], master_port: int) -> dict[s
     }
 
 
-def task_count_problems(cfg, environ: Mapping[str, str]) -> list[str]:
+def task_count_problems(cfg, dims, environ: Mapping[str, str]) -> list[str]:
     """Inside ``srun`` the tasks are the workers: their count must be the planned world size."""
     if not in_srun_task(environ) or "RANK" in environ:
         return []
     tasks = int(environ["SLURM_NTASKS"])
-    planned = node_range(cfg.launcher.nnodes).max * cfg.launcher.nproc_per_node
+    planned = dims.nodes.max * cfg.launcher.nproc_per_node
     if tasks == planned:
         return []
     return [f"srun started {tasks} task(s) but the plan has launcher.nnodes * "
@@ -133,7 +133,7 @@ def plait_register_configs(config_store) -> None:
 
 
 @hookimpl
-def plait_validate(cfg) -> list[str]:
+def plait_validate(cfg, dims) -> list[str]:
     launcher = cfg.launcher
     problems = range_problems("launcher", launcher, RANGES)
     if (launcher.nnodes, launcher.nproc_per_node) != (launcher.nodes, launcher.tasks_per_node):
@@ -141,7 +141,7 @@ def plait_validate(cfg) -> list[str]:
             f"launcher=slurm takes its layout from launcher.nodes={launcher.nodes} and "
             f"launcher.tasks_per_node={launcher.tasks_per_node}; do not set launcher.nnodes="
             f"{launcher.nnodes} or launcher.nproc_per_node={launcher.nproc_per_node}")
-    return problems + task_count_problems(cfg, os.environ)
+    return problems + task_count_problems(cfg, dims, os.environ)
 
 
 @hookimpl

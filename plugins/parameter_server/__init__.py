@@ -25,7 +25,6 @@ from plait.types import PluginInfo
 
 MODES = ("sync", "async")
 SERVER = "server"
-_run: dict = {}  # what the first worker's plait_on_run_end needs of its run (set at its start)
 
 
 @dataclass
@@ -91,18 +90,13 @@ def plait_run_role(cfg, topology, hook) -> bool | None:
 
 
 @hookimpl
-def plait_on_run_start(cfg) -> None:
-    _run["servers"] = cfg.strategy.servers
-
-
-@hookimpl
-def plait_on_run_end() -> None:
+def plait_on_run_end(cfg) -> None:
     """The first worker's run ended (its final checkpoint written): the servers may stop once
     they have served every push."""
     from plait.plugins.parameter_server.store import inbox, job_store
 
     store = job_store()
-    for server in range(_run["servers"]):
+    for server in range(cfg.strategy.servers):
         store.queue_push(inbox(server), "end")
 
 

@@ -85,9 +85,7 @@ class Server:
         self.store = job_store()
         self.inbox = inbox(self.index)
         self.alive = set(self.workers)
-        # The servers' own group, for the global gradient norm; only servers create it.
-        self.group = (dist.new_group(self.servers, use_local_synchronization=True)
-                      if len(self.servers) > 1 else None)
+        self.group = topology.role_group(SERVER)  # the servers', for the global gradient norm
         self.checkpoint_name = f"ps_server{self.index}.pt"
         resume_from = hook.plait_find_checkpoint(cfg=cfg, path=cfg.resume)
         if resume_from is not None:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from plait import hookimpl
-from plait.config import AT_LEAST_1, PipelineConfig, node_range, range_problems
+from plait.config import AT_LEAST_1, PipelineConfig, range_problems
 from plait.meta import meta_model
 from plait.plugins.pipeline.schedules import (
     SCHEDULES,
@@ -54,7 +54,20 @@ from plait.plugins.pipeline.split import (
     part_modules,
     split_stages,
 )
-from plait.types import PluginInfo
+from plait.plugin_manager import provided
+from plait.types import (
+    LossScaledEngine,
+    PipelineDrivenEngine,
+    PluginInfo,
+    SelfSteppingEngine,
+    engine_problems,
+)
+
+PIPELINE, SELF_STEPPING = "engine:pipeline", "engine:pipeline_step"
+STEPPED_HERE = "engine:pipeline without engine:pipeline_step"
+# What the engine a pipeline wraps must have, by what its strategy declares.
+INNER_SURFACES = {PIPELINE: PipelineDrivenEngine, SELF_STEPPING: SelfSteppingEngine,
+                  STEPPED_HERE: LossScaledEngine}
 
 
 @dataclass
@@ -81,7 +94,7 @@ RANGES = {"microbatches": AT_LEAST_1, "virtual_stages": AT_LEAST_1}
 def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="pipeline", selected_by={"pipeline.name": "torch"},
-        requires={"pp": frozenset({"engine:pipeline"})},
+        requires={"pp": frozenset({PIPELINE})},
         description="pipeline stages + schedules via torch.distributed.pipelining")
 
 
@@ -186,7 +199,7 @@ def plait_validate(cfg, dims, hook) -> list[str]:
                         f"{pp}: the pipeline micro-batches are the step's accumulation micro-"
                         f"batches; leave train.grad_accum_steps unset (1) or equal to "
                         f"pipeline.microbatches={settings.microbatches}")
-    if node_range(cfg.launcher.nnodes).elastic:
+    if dims.elastic:
         problems.append(f"launcher.nnodes={cfg.launcher.nnodes} with parallel.pp={pp}: a smaller "
                         "world keeps the global batch by accumulating more micro-batches, but "
                         "the schedule's pipeline.microbatches is fixed; use a fixed "
@@ -246,4 +259,11 @@ def plait_build_engine(cfg, loss_fn, grad_reducer, topology, hook):
                          "another plugin answered plait_split_pipeline; set pipeline=torch")
     from plait.plugins.pipeline.engine import PipelineEngine
 
-    return PipelineEngine(cfg, engine, loss_fn, grad_reducer, topology, hook)
+    inner_steps = SELF_STEPPING in provided(hook)
+    strategies = [info for info in hook.plait_declare() if PIPELINE in info.provides]
+    stepping = SELF_STEPPING if inner_steps else STEPPED_HERE
+    problems = engine_problems(engine, [(c, info) for info in strategies
+                                        for c in (PIPELINE, stepping)], INNER_SURFACES)
+    if problems:
+        raise TypeError("; ".join(problems))
+    return PipelineEngine(cfg, engine, loss_fn, grad_reducer, topology, hook, inner_steps)

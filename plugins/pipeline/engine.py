@@ -15,7 +15,7 @@ from plait.plugins.optim.clip_grads import clip_grad_norm_
 from plait.plugins.optim.mixed_precision import autocast
 from plait.plugins.pipeline.schedules import SCHEDULES, make_schedule, stage_to_rank
 from plait.plugins.pipeline.split import PipelineStageModules
-from plait.types import Batch, StepOutput
+from plait.types import Batch, PipelineDrivenEngine, StepOutput
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 MAX_DIMS = 6
@@ -44,9 +44,10 @@ class PipelineEngine:
 
     Reuses the strategy engine's optimizer and checkpoint files; the loss is computed on the
     last stage and summed over the pipeline group (zero elsewhere), so every rank, rank 0
-    included, returns the global mean. After the schedule's backward, a strategy engine with a
-    ``step_after_backward()`` (ZeRO-1: DeepSpeed averages into its partitions, clips and steps)
-    finishes the step; otherwise this engine does, with the comm plugin's reducer. The gradient
+    included, returns the global mean. After the schedule's backward, a strategy engine that
+    steps itself (``engine:pipeline_step``, :class:`plait.types.SelfSteppingEngine`; ZeRO-1:
+    DeepSpeed averages into its partitions, clips and steps) finishes the step; otherwise
+    (:class:`plait.types.LossScaledEngine`) this engine does, with the comm plugin's reducer. The gradient
     norm is the global one, ``sqrt(sum over stages (and tp shards) of |g|^2)``, and clipping
     scales every stage by the same factor.
 
@@ -57,10 +58,14 @@ class PipelineEngine:
     found-inf is per rank, and another stage's overflow is not in it).
     """
 
-    def __init__(self, cfg, inner, loss_fn, grad_reducer, topology, hook):
+    def __init__(self, cfg, inner: PipelineDrivenEngine, loss_fn, grad_reducer, topology, hook,
+                 inner_steps: bool):
+        """``inner_steps``: the strategy declared ``engine:pipeline_step`` (its engine is a
+        :class:`SelfSteppingEngine`); else ``inner`` is a :class:`LossScaledEngine`."""
         from torch.distributed import pipelining
 
         self.inner = inner
+        self.inner_steps = inner_steps
         self.check_step = functools.partial(hook.plait_check_step, cfg=cfg, topology=topology)
         self.model: PipelineStageModules = inner.model
         self.optimizer = inner.optimizer
@@ -84,7 +89,7 @@ class PipelineEngine:
                                        SCHEDULES[cfg.pipeline.schedule][2])
         self.pp_rank = topology.pp_rank
         self.has_first, self.has_last = 0 in self.chunks, n_stages - 1 in self.chunks
-        scaler = getattr(inner, "scaler", None)
+        scaler = None if inner_steps else inner.scaler
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         if self.scaler:  # a stage without the loss never scales one: make the scale exist
             self.scaler.scale(torch.ones((), device=self.device))
@@ -120,7 +125,7 @@ class PipelineEngine:
                                return_outputs=False)
         local_loss = torch.stack(losses).mean() / scale if self.has_last else torch.zeros(())
         loss = self._reduce_loss(local_loss.clone())  # reduced in place
-        if hasattr(self.inner, "step_after_backward"):  # the strategy reduces and steps (ZeRO)
+        if self.inner_steps:  # the strategy reduces and steps (ZeRO)
             return self.inner.step_after_backward(loss, local_loss.detach())
         if self.dp_size > 1:
             average_gradients(self.model.parameters(), self.grad_reducer, self.dp_group)

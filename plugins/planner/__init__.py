@@ -99,7 +99,8 @@ def search_layouts(argv: list[str]):
     fixed, overrides = split_overrides(overrides)
     pm = make_plugin_manager()
     cfg = compose_config(overrides, pm)
-    nnodes = node_range(cfg.launcher.nnodes).max  # an elastic job is planned at MAX nodes
+    nodes = node_range(cfg.launcher.nnodes)  # parsed once: each layout's dims carry it
+    nnodes = nodes.max  # an elastic job is planned at MAX nodes
     if world_size % nnodes:
         raise ValueError(f"world_size={world_size} is not a multiple of launcher.nnodes="
                          f"{cfg.launcher.nnodes}")
@@ -110,7 +111,8 @@ def search_layouts(argv: list[str]):
         raise ValueError(f"model._target_={cfg.model._target_} cannot be built with these "
                          "settings: `plait plan` with the same overrides says why")
     def strategy_cost(strategy: str, dp: int, tp: int, pp: int):
-        dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, nnodes=nnodes)
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, nnodes=nnodes,
+                            nodes=nodes)
         return pm.hook.plait_strategy_cost(cfg=cfg, strategy=strategy, model=model, dims=dims)
 
     work = Workload(model, cfg.train.batch_size, cfg.train.seq_len, cfg.precision,

@@ -28,7 +28,8 @@ from plait.types import PluginInfo
 def plait_declare() -> PluginInfo:
     return PluginInfo(name="zero", selected_by={"strategy.name": tuple(zero_config.STAGES)},
                       provides=frozenset({"engine:tensor_parallel", "engine:grad_comm",
-                                          "engine:pipeline", "engine:layout_free_state"}),
+                                          "engine:pipeline", "engine:pipeline_step",
+                                          "engine:layout_free_state"}),
                       description="DeepSpeed ZeRO stages 0-3, offload, bf16/fp16")
 
 
@@ -62,9 +63,9 @@ def plait_backend_config(cfg, dims, hook) -> dict:
     comm = hook.plait_comm_spec(cfg=cfg)
     if zero_config.validate(cfg, dims, comm):
         return {}
-    ds = zero_config.deepspeed_config(cfg, dims.dp, comm, meta_model(hook, cfg))
+    ds = zero_config.deepspeed_config(cfg, dims, comm, meta_model(hook, cfg))
     mapped = {owner: {key: zero_config.flatten(ds)[key]}
-              for key, owner in zero_config.comm_config(cfg, comm)[1].items()}
+              for key, owner in zero_config.comm_config(cfg, dims, comm)[1].items()}
     return {"deepspeed": ds, **({"deepspeed (from comm)": mapped} if mapped else {})}
 
 
@@ -96,7 +97,7 @@ def plait_build_engine(cfg, model, optimizer, loss_fn, grad_reducer, topology, h
     from plait.plugins.zero.engine import ZeroEngine
 
     comm = grad_reducer.spec if grad_reducer is not None else None
-    ds_config = zero_config.engine_config(cfg, topology.dims.dp, optimizer, comm,
+    ds_config = zero_config.engine_config(cfg, topology.dims, optimizer, comm,
                                           meta_model(hook, cfg))
     check_step = functools.partial(hook.plait_check_step, cfg=cfg, topology=topology)
     return ZeroEngine(model, optimizer, loss_fn, topology, ds_config, check_step)

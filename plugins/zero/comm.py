@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from plait.plugin_manager import offered_by
 from plait.types import CommSpec
 
 CAST = ("fp16", "bf16")
+REDUCER_TAKERS = "engine:grad_reducer"  # strategies whose engine calls plait's reducers
 
 
 def comm_settings(spec: CommSpec | None, cfg, stage: int, nnodes: int,
@@ -42,7 +44,7 @@ def comm_settings(spec: CommSpec | None, cfg, stage: int, nnodes: int,
     elif spec.compression != "none":
         problems.append(f"comm.compression={spec.compression} under {strategy}: DeepSpeed has no "
                         f"such gradient compression (its own is communication_data_type); use "
-                        f"comm.compression=fp16|bf16|none, or strategy=ddp")
+                        f"comm.compression=fp16|bf16|none, or {offered_by(REDUCER_TAKERS)}")
     if spec.bucket_bytes is not None:
         itemsize = 2 if spec.compression in CAST or cfg.precision != "fp32" else 4
         zero["reduce_bucket_size"] = spec.bucket_bytes // itemsize
@@ -61,11 +63,11 @@ def comm_settings(spec: CommSpec | None, cfg, stage: int, nnodes: int,
             zero["zero_hpz_partition_size"] = cfg.launcher.nproc_per_node
             owners["zero_optimization.zero_hpz_partition_size"] = (
                 "comm=hierarchical (processes per node)")
-    elif spec.algorithm != "allreduce":
+    elif not spec.native:
         problems.append(f"comm={spec.algorithm} under {strategy}: DeepSpeed reduces gradients "
                         "with its own collectives and cannot call a plait reducer; use "
                         "comm=allreduce (with comm.compression / comm.bucket_mb), or "
-                        "strategy=ddp")
+                        f"{offered_by(REDUCER_TAKERS)}")
     if zero:
         settings["zero_optimization"] = zero
     return settings, owners, problems

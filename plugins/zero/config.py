@@ -15,15 +15,18 @@ import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from plait.config import StrategyConfig, node_range
+from plait.config import StrategyConfig
 from plait.plugins.zero.comm import comm_settings
 from plait.plugins.zero.sizing import working_memory_settings
 from plait.types import CommSpec
+
+if TYPE_CHECKING:
+    from plait.topology import ParallelDims
 
 STAGES = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -45,13 +48,14 @@ def stage_of(cfg: DictConfig) -> int:
     return STAGES[cfg.strategy.name]
 
 
-def micro_batch_size(cfg: DictConfig, dp: int) -> int:
-    return cfg.train.batch_size // (cfg.train.grad_accum_steps * dp)
+def micro_batch_size(cfg: DictConfig, dims: ParallelDims) -> int:
+    return cfg.train.batch_size // (dims.grad_accum_steps * dims.dp)
 
 
-def generated_config(cfg: DictConfig, dp: int, comm: CommSpec | None = None,
+def generated_config(cfg: DictConfig, dims: ParallelDims, comm: CommSpec | None = None,
                      model: torch.nn.Module | None = None) -> dict[str, Any]:
-    """The DeepSpeed config that follows from plait's settings alone, the comm plugin's
+    """The DeepSpeed config that follows from plait's settings and the layout ``dims`` (its
+    accumulation is an elastic job's at its present size), the comm plugin's
     :class:`~plait.types.CommSpec` (``comm.py``) and, given the unsplit ``model`` (meta device),
     buffer sizes for it (``sizing.py``); the optimizer section is added from the built
     optimizer: :func:`optimizer_section`."""
@@ -66,8 +70,8 @@ def generated_config(cfg: DictConfig, dp: int, comm: CommSpec | None = None,
         zero["offload_param"] = {"device": strategy.offload_params}
     generated = {
         "train_batch_size": train.batch_size,
-        "train_micro_batch_size_per_gpu": micro_batch_size(cfg, dp),
-        "gradient_accumulation_steps": train.grad_accum_steps,
+        "train_micro_batch_size_per_gpu": micro_batch_size(cfg, dims),
+        "gradient_accumulation_steps": dims.grad_accum_steps,
         "gradient_clipping": float(train.grad_clip),
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.precision == "bf16"},
@@ -75,13 +79,12 @@ def generated_config(cfg: DictConfig, dp: int, comm: CommSpec | None = None,
         "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0},
         "steps_per_print": QUIET,
     }
-    return deep_merge(generated, comm_config(cfg, comm)[0])
+    return deep_merge(generated, comm_config(cfg, dims, comm)[0])
 
 
-def comm_config(cfg: DictConfig, comm: CommSpec | None):
+def comm_config(cfg: DictConfig, dims: ParallelDims, comm: CommSpec | None):
     """The comm plugin's choice as DeepSpeed settings: ``(settings, owners, problems)``."""
-    nnodes = node_range(cfg.launcher.nnodes).max
-    return comm_settings(comm, cfg, stage_of(cfg), nnodes, cfg.parallel.tp)
+    return comm_settings(comm, cfg, stage_of(cfg), dims.nodes.max, dims.tp)
 
 
 def optimizer_section(optimizer: torch.optim.Optimizer, offload: bool) -> dict[str, Any] | None:
@@ -104,11 +107,11 @@ def optimizer_section(optimizer: torch.optim.Optimizer, offload: bool) -> dict[s
     return {"type": "AdamW", "params": params}
 
 
-def engine_config(cfg: DictConfig, dp: int, optimizer: torch.optim.Optimizer,
+def engine_config(cfg: DictConfig, dims: ParallelDims, optimizer: torch.optim.Optimizer,
                   comm: CommSpec | None = None, model: torch.nn.Module | None = None
                   ) -> dict[str, Any]:
     """What ``deepspeed.initialize`` gets: :func:`deepspeed_config` plus the optimizer section."""
-    ds = deepspeed_config(cfg, dp, comm, model)
+    ds = deepspeed_config(cfg, dims, comm, model)
     section = optimizer_section(optimizer, cfg.strategy.offload_optimizer != "none")
     if section is None:
         return {**ds, "zero_allow_untested_optimizer": True}
@@ -189,11 +192,11 @@ def user_sources(cfg: DictConfig) -> list[tuple[str, dict[str, Any]]]:
     return sources
 
 
-def conflicts(cfg: DictConfig, dp: int, comm: CommSpec | None = None) -> list[str]:
+def conflicts(cfg: DictConfig, dims: ParallelDims, comm: CommSpec | None = None) -> list[str]:
     """Every user-given DeepSpeed key that contradicts a plait setting, naming both. The keys
     the comm plugin's choice sets are owned too; where it sets none, the user's value stands."""
-    generated = flatten(generated_config(cfg, dp, comm))
-    owned = {**OWNED, **comm_config(cfg, comm)[1]}
+    generated = flatten(generated_config(cfg, dims, comm))
+    owned = {**OWNED, **comm_config(cfg, dims, comm)[1]}
     problems = []
     for source, settings in user_sources(cfg):
         for section, owner in OWNED_SECTIONS.items():
@@ -214,10 +217,10 @@ def conflicts(cfg: DictConfig, dp: int, comm: CommSpec | None = None) -> list[st
     return problems
 
 
-def deepspeed_config(cfg: DictConfig, dp: int, comm: CommSpec | None = None,
+def deepspeed_config(cfg: DictConfig, dims: ParallelDims, comm: CommSpec | None = None,
                      model: torch.nn.Module | None = None) -> dict[str, Any]:
     """The DeepSpeed config a run uses: generated, then the file, then the passthrough."""
-    ds = generated_config(cfg, dp, comm, model)
+    ds = generated_config(cfg, dims, comm, model)
     for _, settings in user_sources(cfg):
         ds = deep_merge(ds, settings)
     return ds
@@ -226,7 +229,7 @@ def deepspeed_config(cfg: DictConfig, dp: int, comm: CommSpec | None = None,
 def validate(cfg: DictConfig, dims, comm: CommSpec | None = None) -> list[str]:
     """Refusals before launch (the capability checks of ``PluginInfo`` cover devices/axes)."""
     strategy, stage = cfg.strategy, stage_of(cfg)
-    problems = list(comm_config(cfg, comm)[2]) + pipeline_problems(cfg, dims)
+    problems = list(comm_config(cfg, dims, comm)[2]) + pipeline_problems(cfg, dims)
     for setting in ("offload_optimizer", "offload_params"):
         value = strategy[setting]
         if value not in OFFLOAD_DEVICES:
@@ -259,7 +262,7 @@ def validate(cfg: DictConfig, dims, comm: CommSpec | None = None) -> list[str]:
         except (OSError, ValueError) as e:
             problems.append(f"strategy.config_file={strategy.config_file} is not valid JSON ({e})")
             return problems
-    return problems + conflicts(cfg, dims.dp, comm) + zero_section_problems(cfg, dims.dp)
+    return problems + conflicts(cfg, dims, comm) + zero_section_problems(cfg, dims)
 
 
 def pipeline_problems(cfg: DictConfig, dims) -> list[str]:
@@ -283,7 +286,7 @@ def pipeline_problems(cfg: DictConfig, dims) -> list[str]:
             "strategy=zero1 (optimizer states partitioned over each stage's dp group)"]
 
 
-def zero_section_problems(cfg: DictConfig, dp: int) -> list[str]:
+def zero_section_problems(cfg: DictConfig, dims: ParallelDims) -> list[str]:
     """DeepSpeed's own checks (its pydantic model) of the ``zero_optimization`` section, run only
     when the user's file or passthrough sets keys in it: importing DeepSpeed takes seconds."""
     sources = [(source, flatten(settings)) for source, settings in user_sources(cfg)
@@ -294,7 +297,7 @@ def zero_section_problems(cfg: DictConfig, dp: int) -> list[str]:
     from pydantic import ValidationError
 
     try:
-        DeepSpeedZeroConfig(**deepspeed_config(cfg, dp)["zero_optimization"])
+        DeepSpeedZeroConfig(**deepspeed_config(cfg, dims)["zero_optimization"])
     except ValidationError as e:
         problems = []
         for error in e.errors():

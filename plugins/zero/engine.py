@@ -46,9 +46,7 @@ class TopologyMPU:
         self.tp_group = topology.get_tensor_model_parallel_group()
         self.mp_group, self.mp_rank, self.mp_size = self.tp_group, topology.tp_rank, dims.tp
         if dims.pp > 1:
-            replicas = torch.arange(dims.world_size).reshape(dims.pp, dims.dp, dims.tp)
-            self.mp_group, _ = dist.new_subgroups_by_enumeration(
-                [replicas[:, d].flatten().tolist() for d in range(dims.dp)])
+            self.mp_group = topology.replica_group()
             self.mp_rank = topology.pp_rank * dims.tp + topology.tp_rank
             self.mp_size = dims.pp * dims.tp
         self.pp_group = topology.get_pipeline_model_parallel_group()

@@ -43,7 +43,7 @@ def materialize_partitioned(model: nn.Module, init: ParameterInit, cfg, topology
     partitioned: list[nn.Parameter] = []
 
     settings = dict(data_parallel_group=mpu.get_data_parallel_group(),
-                    config_dict_or_path=deepspeed_config(cfg, topology.dims.dp),
+                    config_dict_or_path=deepspeed_config(cfg, topology.dims),
                     remote_device=None if offload == "none" else offload, mpu=mpu)
     if init.read is not None:
         zero_init = deepspeed.zero.Init(module=nn.ParameterList(), **settings)

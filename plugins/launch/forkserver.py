@@ -1,0 +1,63 @@
+"""Workers forked from a server that has already imported torch and the plugins: torchrun's
+``--start-method forkserver``, plait's default (``launcher.start_method``).
+
+A worker started with ``spawn`` is a fresh interpreter. Before its first step it imports torch,
+torch's compiler stack (every torch optimizer's constructor imports ``torch._dynamo``), the
+plugins and their libraries: 2-4 s of CPU per worker, paid again by every worker of every
+launch and of every restart. With ``forkserver`` the launcher starts one server process that
+imports them once (this module, listed in ``multiprocessing``'s forkserver preload); every
+worker is then a fork of that server, ready at once. A launcher that launches again (a sweep, a
+test session, an elastic restart) keeps its server.
+
+What a fork of the server does not carry is mended by :func:`worker_entry`:
+
+- the environment: the server's is the launcher's at the moment the server started, so each
+  worker takes the launcher's environment as it is at this launch, and keeps the variables torch
+  elastic set for it (``RANK``, ``MASTER_PORT``, ...);
+- the intra-op thread count: OpenMP read ``OMP_NUM_THREADS`` when the server imported torch; the
+  launcher's value for this launch is set again.
+
+DeepSpeed is preloaded only for CPU runs: importing it probes its accelerator, which on a GPU
+host initialises CUDA, and CUDA does not survive a fork.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from importlib.metadata import entry_points
+from typing import Any, Callable
+
+# The environment the server started with: a forked worker's variables that differ from it were
+# set for that worker by torch elastic.
+SERVER_ENV = dict(os.environ)
+SERVER_PID = os.getpid()  # another pid in a worker: this module was imported by the server
+START_METHODS = ("forkserver", "spawn")
+# What every worker imports before its first step; DeepSpeed on CPU runs only (see above).
+PRELOAD = ("torch", "torch._dynamo", "plait.worker", "wandb")
+PRELOAD_CPU = ("deepspeed",)
+
+
+def use_forkserver(on_cpu: bool) -> None:
+    """Name the modules the server imports, the plugins of the ``plait`` entry-point group among
+    them (each worker's plugin manager loads them); takes effect when the server starts."""
+    plugins = sorted({entry.module for entry in entry_points(group="plait")})
+    modules = [__name__, *PRELOAD, *(PRELOAD_CPU if on_cpu else ()), *plugins]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
+
+
+def worker_entry(entrypoint: Callable[..., Any], launcher_env: dict[str, str],
+                 *args: Any) -> Any:
+    """Run ``entrypoint(*args)`` in a forked worker as if it had been spawned by the launcher."""
+    if SERVER_PID == os.getpid():  # a server started without plait's preload: add, keep all
+        os.environ.update({k: v for k, v in launcher_env.items() if k not in os.environ})
+    else:
+        set_by_torch = {k: v for k, v in os.environ.items() if SERVER_ENV.get(k) != v}
+        os.environ.clear()
+        os.environ.update(launcher_env)
+        os.environ.update(set_by_torch)
+    if "OMP_NUM_THREADS" in os.environ:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    return entrypoint(*args)
