@@ -20,7 +20,7 @@ def run_worker(config: dict[str, Any], objects: tuple[Any, ...] = ()) -> dict | 
     cfg = OmegaConf.create(config)
     OmegaConf.set_readonly(cfg, True)  # configured before launch: what differs per worker is in
     # the topology (e.g. an elastic job's accumulation at its present size: dims.grad_accum_steps)
-    pm = keep_selected(make_plugin_manager(cfg), cfg)
+    pm = keep_selected(make_plugin_manager(cfg, objects), cfg)
     try:
         return train(cfg, pm)
     finally:
