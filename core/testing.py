@@ -242,6 +242,22 @@ def resident_bytes() -> int:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
+class SaveClock:
+    """A plugin for benchmarks: how long each step's ``plait_save_checkpoint`` call (every
+    wrapper around it included) held the logging rank, one JSON line per step in
+    ``run.dir/save_seconds.jsonl``: ``{"step", "seconds"}``."""
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_save_checkpoint(self, cfg, state, topology):
+        started = time.perf_counter()
+        written = yield
+        if topology.is_logging_rank:
+            with open(Path(cfg.run.dir) / "save_seconds.jsonl", "a") as f:
+                f.write(json.dumps({"step": state.step,
+                                    "seconds": time.perf_counter() - started}) + "\n")
+        return written
+
+
 class SlowRank:
     """A plugin for tests and benchmarks: a straggler. Global rank ``rank`` sleeps ``seconds``
     before each forward pass of its model (registered on every rank; only that one sleeps).

@@ -16,6 +16,11 @@ MLP 2048, 8 layers, 12 heads / 4 KV heads, vocabulary 16384: 75M parameters, 300
 - ``plait ddp`` / ``plait zero3`` / ``plait tp2_pp2``: a real ``plait train model=hf`` run of one
   step (``train.steps=1``), every rank reading its slices (``plait.testing.LoadClock``).
 
+and, with ``--saves``, how long saving stops a tp=2 x pp=2 run of 4 steps (``plait.testing.
+SaveClock``, the logging rank's time in ``plait_save_checkpoint`` at steps 2 and 4): a plait
+checkpoint (``fault.checkpoint_every=2``: model, optimizer states and the layout-free copy)
+against ``checkpoint.hf_every=2`` alone (Hugging Face safetensors of the weights).
+
 Per rank it measures, from the moment the model is asked for (``plait_build_model``; the
 baseline: the call of ``from_pretrained``) until the engine is built (the DDP wrap):
 
@@ -139,6 +144,7 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--saves", action="store_true", help="also time the saves (see above)")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_hf_load_"))
@@ -166,7 +172,34 @@ def main() -> int:
     print(f"checkpoint {size / 2**20:.1f} MiB (fp32) on {args.nproc} processes; load s: median "
           f"of {args.repeats}, the slowest rank; peak: the largest rank over repeats; load "
           f"average {os.getloadavg()[0]:.2f}")
+    if args.saves:
+        print_saves(checkpoint, shards, root, args.repeats)
     return 0
+
+
+SAVES = {"plait checkpoint": ["fault.checkpoint_every=2", "fault.save_final=false"],
+         "checkpoint.hf_every=2": ["checkpoint.hf_every=2", "fault.save_final=false"]}
+
+
+def print_saves(checkpoint: Path, shards: Path, root: Path, repeats: int) -> None:
+    from plait.testing import SaveClock, run_training
+
+    seconds: dict[str, list[float]] = {name: [] for name in SAVES}
+    for repeat in range(repeats):
+        for name, settings in SAVES.items():
+            run_dir = root / f"save_{name.split('.')[-1].split('=')[0].replace(' ', '_')}_{repeat}"
+            run_training(run_dir, ["model=hf", f"model.path={checkpoint}", "data=shards",
+                                   f"data.path={shards}", "train.steps=4", "train.batch_size=4",
+                                   "train.seq_len=16", "launcher.nproc_per_node=4",
+                                   *LAYOUTS["plait tp2_pp2"], *settings], plugins=[SaveClock()])
+            lines = [json.loads(line) for line in
+                     (run_dir / "save_seconds.jsonl").read_text().splitlines()]
+            seconds[name] += [line["seconds"] for line in lines if line["step"] % 2 == 0]
+    base = statistics.median(seconds["plait checkpoint"])
+    for name, values in seconds.items():
+        median = statistics.median(values)
+        print(f"save, tp2_pp2: {name:24s} {median:8.2f} s  x{median / base:.2f}  (median of "
+              f"{len(values)} saves)")
 
 
 if __name__ == "__main__":
