@@ -32,6 +32,7 @@ from plait.plan import (
     unknown_option,
 )
 from plait.plugin_manager import broken_problems, make_plugin_manager
+from plait.sample import cmd_sample
 from plait.types import PlanError
 
 USAGE = """usage: plait <command> [key=value ...]
@@ -127,7 +128,9 @@ def commands() -> dict[str, tuple[Callable[[list[str]], int], str]]:
         "train": (cmd_train, "launch training workers and train"),
         "plan": (cmd_plan, "print the composed plan (plugins, mesh, backend configs, refusals)"),
         "plugins": (cmd_plugins, "list registered plugins, their source and hooks"),
-        "export": (cmd_export, "write a checkpoint's consolidated fp32 state_dict"),
+        "export": (cmd_export, "write a checkpoint's unsplit model (format=pt: a state_dict; "
+                               "format=hf: Hugging Face safetensors)"),
+        "sample": (cmd_sample, "print a continuation of prompt=\"...\" by a checkpoint's model"),
     }
 
     def register(name: str, function: Callable[[list[str]], int], help: str) -> None:

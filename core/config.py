@@ -154,6 +154,13 @@ class FaultConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Formats written beside plait's own checkpoints (``fault``), e.g. Hugging Face's."""
+
+    name: str = MISSING
+
+
+@dataclass
 class TrackerConfig:
     name: str = MISSING
 
@@ -179,6 +186,7 @@ class PlaitConfig:
     model: ModelConfig = MISSING
     optimizer: OptimizerConfig = MISSING
     fault: FaultConfig = MISSING
+    checkpoint: CheckpointConfig = MISSING
     tracker: TrackerConfig = MISSING
     launcher: LauncherConfig = MISSING
     tune: TuneConfig = MISSING

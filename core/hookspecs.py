@@ -23,7 +23,9 @@ Order of a run (``plait.train.train`` reads as this list)::
     per step:  plait_check_step (in the engine's step, every rank), plait_on_step_end,
                plait_log_metrics (logged steps), plait_save_checkpoint
     plait_on_failure (on an exception), plait_on_run_end
-    plait export: plait_find_checkpoint, plait_read_model_shards, plait_merge_tensor_parallel_shards
+    plait export: plait_find_checkpoint, plait_read_model_shards, plait_merge_tensor_parallel_shards,
+                  plait_export_model (format=...)
+    plait sample: the same, then plait_tokenizer
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
         StepOutput,
         StrategyCost,
         TokenDataset,
+        Tokenizer,
         TrainState,
     )
 
@@ -213,6 +216,20 @@ def plait_objective(cfg: DictConfig, metrics: dict[str, float]) -> float | None:
 
     :param metrics: the last logged value of every metric of the run (``loss``, ``eval/loss``,
         ...), from the logging rank.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_tokenizer(cfg: DictConfig) -> Tokenizer | None:
+    """The tokenizer the run's data was tokenized with (since hook spec 1.4).
+
+    Stops at the first non-None result; the data plugin answers (None where it does not know,
+    e.g. token files made elsewhere). Asked before launch, through ``plait_validate``'s
+    ``hook``, by a model plugin whose model has a tokenizer of its own (is the data the model's
+    vocabulary?), and by ``plait sample`` to encode the prompt and decode the continuation.
+
+    :return: a :class:`plait.types.Tokenizer` (``encode``, ``decode``, ``identity``,
+        ``vocab_size``).
     """
 
 
@@ -515,6 +532,23 @@ def plait_merge_tensor_parallel_shards(
     unsplit state dict. Stops at the first non-None result; None is right only when tp == 1.
 
     :param model: the unsplit model on the meta device (its plan says how each tensor was split).
+    """
+
+
+@hookspec(firstresult=True)
+def plait_export_model(cfg: DictConfig, state_dict: dict, model: torch.nn.Module, format: str,
+                       out: Path) -> Path | None:
+    """Write a checkpoint's unsplit model in ``format`` (``plait export <run> format=<format>
+    out=<dir>``; since hook spec 1.4); the default format (``pt``, a ``torch.save`` of the state
+    dict) is the core's.
+
+    Stops at the first non-None result; the plugin that knows the format answers (``hf``: the
+    ``model=hf`` plugin writes Hugging Face safetensors, config and tokenizer files). No answer
+    refuses the format.
+
+    :param state_dict: the unsplit model's fp32 tensors by name (every shard joined).
+    :param model: the unsplit model on the meta device.
+    :return: what was written.
     """
 
 

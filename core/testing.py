@@ -210,6 +210,38 @@ class MemoryProbe:
 memory_probe = MemoryProbe()  # for `+plugins=[plait.testing:memory_probe]` on a command line
 
 
+class LoadClock:
+    """A plugin for benchmarks: how long and how much memory building the model took, from the
+    first ``plait_build_model`` (after importing ``modules``, so the figures are the model's)
+    until the engine is built (every parameter loaded, partitioned and wrapped). Every rank
+    writes ``{"seconds", "peak"}`` (the rise of its peak resident memory) to
+    ``run.dir/load/rank<r>.json``."""
+
+    def __init__(self, modules: Iterable[str] = ()):
+        self.modules, self.started, self.base, self.pid = tuple(modules), None, 0, None
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_model(self):
+        import importlib
+
+        for name in self.modules:
+            importlib.import_module(name)
+        if self.pid != os.getpid():  # the first build in this worker (the plan built it before)
+            self.base, self.pid = resident_bytes(), os.getpid()
+            reset_peak_resident_bytes()
+            self.started = time.perf_counter()
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+        path = Path(cfg.run.dir) / "load" / f"rank{topology.rank}.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"seconds": time.perf_counter() - self.started,
+                                    "peak": peak_resident_bytes() - self.base}))
+        return engine
+
+
 def reset_peak_resident_bytes() -> None:
     """Start this process's peak resident memory (``VmHWM``) afresh (Linux ``clear_refs``)."""
     Path("/proc/self/clear_refs").write_text("5")
@@ -227,6 +259,22 @@ def resident_bytes() -> int:
     """This process's resident set size now (Linux ``/proc/self/statm``)."""
     pages = int(Path("/proc/self/statm").read_text().split()[1])
     return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+class SaveClock:
+    """A plugin for benchmarks: how long each step's ``plait_save_checkpoint`` call (every
+    wrapper around it included) held the logging rank, one JSON line per step in
+    ``run.dir/save_seconds.jsonl``: ``{"step", "seconds"}``."""
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_save_checkpoint(self, cfg, state, topology):
+        started = time.perf_counter()
+        written = yield
+        if topology.is_logging_rank:
+            with open(Path(cfg.run.dir) / "save_seconds.jsonl", "a") as f:
+                f.write(json.dumps({"step": state.step,
+                                    "seconds": time.perf_counter() - started}) + "\n")
+        return written
 
 
 class SlowRank:

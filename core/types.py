@@ -345,6 +345,22 @@ class BatchLoader(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
+class Tokenizer(Protocol):
+    """Text to token ids and back, as a run's data was tokenized (``plait_tokenizer``).
+
+    ``identity`` is the same string for the same tokenizer (``bytes-v1``, or the SHA-256 of a
+    ``tokenizer.json``'s serialisation), so two tokenizers compare by it.
+    """
+
+    name: str
+    identity: str
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
 class PlanError(ValueError):
     """A composed configuration that cannot run; raised before any worker starts."""
 

@@ -972,3 +972,100 @@ class RecordCompiled:
 
         after_first_step(engine, write)
         return engine
+
+
+class RecordFirstBatch:
+    """Writes the micro-batches of the first step on rank 0 (``run.dir/first_batch.pt``:
+    ``[(inputs, targets), ...]``), outermost around the engine, what the loop feeds."""
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+        if topology.rank == 0:
+            train_step, path = engine.train_step, Path(cfg.run.dir) / "first_batch.pt"
+
+            def first_step(micro_batches, lr):  # stays in place: other plugins may wrap it too
+                if not path.exists():
+                    torch.save([(x.clone(), y.clone()) for x, y in micro_batches], path)
+                return train_step(micro_batches, lr)
+
+            engine.train_step = first_step
+        return engine
+
+
+class RecordHeld:
+    """What each rank holds after its first step: ``held_rank<r>.json`` in ``run.dir`` with
+    ``params`` (``{name: elements this rank holds}``: a ZeRO-3 partition's, an FSDP shard's, a
+    tensor-parallel shard's) and ``optimizer_elements`` (the Adam first moments this rank's
+    optimizer keeps: a ZeRO partition holds a share of its stage's)."""
+
+    @hookimpl(wrapper=True, tryfirst=True)  # outermost: the engine the loop steps (a pipeline's)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+
+        def record():
+            params = {}
+            for name, p in engine.model.named_parameters():
+                part = getattr(p, "ds_tensor", None)
+                local = part if part is not None else (p.to_local() if hasattr(p, "to_local")
+                                                       else p)
+                params[name] = local.numel()
+            inner = getattr(engine, "inner", engine)
+            optimizer = inner.ds.optimizer.optimizer if hasattr(inner, "ds") else inner.optimizer
+            moments = [s["exp_avg"] for s in optimizer.state.values() if "exp_avg" in s]
+            moments = [m.to_local() if hasattr(m, "to_local") else m for m in moments]  # FSDP
+            record = {"params": params,
+                      "optimizer_elements": sum(m.numel() for m in moments)}
+            (Path(cfg.run.dir) / f"held_rank{topology.rank}.json").write_text(json.dumps(record))
+
+        after_first_step(engine, record)
+        return engine
+
+
+class RecordReads:
+    """Counts the checkpoint elements each rank reads while its model is built (``model=hf``:
+    ``CheckpointFiles.read``), into ``reads_rank<r>.json`` in ``run.dir``: ``{"elements"}``."""
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_model(self):
+        from plait.plugins.hf.checkpoint_files import CheckpointFiles
+
+        if not hasattr(CheckpointFiles, "plait_elements_read"):
+            read = CheckpointFiles.read
+
+            def counting_read(files, name, box=None, dtype=torch.float32):
+                value = read(files, name, box, dtype)
+                CheckpointFiles.plait_elements_read += value.numel()
+                return value
+
+            CheckpointFiles.read = counting_read
+        CheckpointFiles.plait_elements_read = 0
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def plait_build_loss(self, cfg, topology):
+        from plait.plugins.hf.checkpoint_files import CheckpointFiles
+
+        (Path(cfg.run.dir) / f"reads_rank{topology.rank}.json").write_text(
+            json.dumps({"elements": CheckpointFiles.plait_elements_read}))
+        return (yield)
+
+
+class LayerListLM(torch.nn.Module):
+    """A user's own model with no plan and no plugin: an embedding, a ``ModuleList`` of residual
+    MLP layers, a norm and a head (``pipeline.layers=layers`` cuts it into stages)."""
+
+    def __init__(self, vocab_size: int = 256, width: int = 32, n_layers: int = 4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, width)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                torch.nn.Linear(2 * width, width)) for _ in range(n_layers))
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab_size)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(self.norm(x))

@@ -125,6 +125,16 @@ CASES = [
     ("model=custom model._target_=torch.nn.Embedding +model.num_embeddings=-3 "
      "+model.embedding_dim=4",
      ["model._target_=torch.nn.Embedding cannot be built with these settings (RuntimeError"]),
+    # model=hf, checkpoint.hf_every, pipeline.layers (tests/test_hf.py: the checkpoint files)
+    ("model=hf", ["model=hf needs model.path=<a directory with config.json and *.safetensors, or a "
+                  "model name already in the local Hugging Face cache>"]),
+    ("checkpoint.hf_every=-1 parallel.pp=2 pipeline.microbatches=2 pipeline.layers=nosuch",
+     ["checkpoint.hf_every=-1 is out of range: set checkpoint.hf_every >= 0 (0: never)",
+      "pipeline.layers=nosuch: GPT (the model) has no child 'nosuch'; it has ['embed', 'blocks', "
+      "'norm', 'head']"]),
+    ("checkpoint.hf_every=5", ["checkpoint.hf_every=5 writes Hugging Face's format, which needs a "
+                               "transformers model (model=hf, llama_tiny), not model._target_="
+                               "plait.plugins.models.gpt.GPT: set checkpoint.hf_every=0"]),
     # DeepSpeed's own checks of the zero_optimization section
     ("strategy=zero2 strategy.deepspeed.zero_optimization.reduce_bucket_size=-1",
      ["strategy.deepspeed.zero_optimization.reduce_bucket_size=-1 is refused by DeepSpeed "

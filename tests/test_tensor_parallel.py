@@ -23,7 +23,6 @@ from inhouse import (CommCounter, CountCollectives, RecordLayout, assert_layout,
 
 from plait.plugins.models.gpt import GPT, Block
 from plait.plugins.tensor_parallel.layers import VocabParallelCrossEntropy, split_tensor
-from plait.plugins.models.llama import TENSOR_PARALLEL_PLAN as LLAMA_STYLES
 from plait.plugins.tensor_parallel.plan import (
     TensorParallelPlan,
     apply_plan,
@@ -33,7 +32,6 @@ from plait.plugins.tensor_parallel.plan import (
 from plait.testing import compose, read_metrics, run_losses, spawn
 
 GPT_PLAN = TensorParallelPlan(GPT.tensor_parallel_plan)
-LLAMA_PLAN = TensorParallelPlan(LLAMA_STYLES)
 from plait.types import PlanError
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed (strategy=zero1) on CPU
@@ -69,8 +67,8 @@ GRAD_CLIP = "train.grad_clip=0.05"
     (["parallel.tp=2", "model=custom", "model._target_=torch.nn.Identity"],
      "plugin 'tensor_parallel' needs 'model:tensor_parallel_plan' for parallel.tp=2, which no "
      "active plugin provides (installed plugins that provide it: gpt (model._target_="
-     "plait.plugins.models.gpt.GPT), llama (model._target_=plait.plugins.models.llama.build_llama)"
-     "; or set parallel.tp=1)"),
+     "plait.plugins.models.gpt.GPT), hf (model._target_=plait.plugins.hf.model.build_hf), llama "
+     "(model._target_=plait.plugins.models.llama.build_llama); or set parallel.tp=1)"),
 ])
 def test_refused_before_launch(overrides, expected):
     with pytest.raises(PlanError) as refused:
@@ -198,7 +196,8 @@ def check_llama(rank, tp, counter):
     full = build_llama()
     torch.manual_seed(0)
     split = build_llama()
-    apply_plan(split, LLAMA_PLAN, dist.group.WORLD, rank, tp, sequence_parallel=False)
+    llama_plan = TensorParallelPlan(split.tensor_parallel_plan)  # transformers' own, mapped
+    apply_plan(split, llama_plan, dist.group.WORLD, rank, tp, sequence_parallel=False)
     idx = torch.randint(0, 256, (2, 32))
     targets = torch.randint(0, 256, (2, 32))
 
@@ -210,7 +209,7 @@ def check_llama(rank, tp, counter):
     step = counter.take()
 
     torch.testing.assert_close(logits_split, logits_full.chunk(tp, dim=-1)[rank], **CLOSE)
-    assert_grads_match(split, full, LLAMA_PLAN, rank, tp)
+    assert_grads_match(split, full, llama_plan, rank, tp)
     return step
 
 

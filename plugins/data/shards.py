@@ -183,6 +183,27 @@ def plait_validate(cfg, dims, hook) -> list[str]:
 
 
 @hookimpl
+def plait_tokenizer(cfg):
+    """The tokenizer ``plait prepare`` made the (first) source with: bytes, or the
+    ``tokenizer.json`` it saved beside the shards, with its end-of-text id."""
+    from fsspec.core import url_to_fs
+
+    from plait.plugins.data.index import TOKENIZER, join
+    from plait.plugins.data.tokenizer import ByteTokenizer, HFTokenizer
+
+    _, path, _ = sources_of(cfg.data)[0]
+    try:
+        index = read_index(path)
+    except ShardIndexError:
+        return None  # refused by plait_validate
+    if index.tokenizer["name"] == ByteTokenizer.name:
+        return ByteTokenizer()
+    fs, root = url_to_fs(path)
+    return HFTokenizer.from_json(fs.cat_file(join(root, TOKENIZER)).decode(),
+                                 index.tokenizer["name"], index.tokenizer.get("eot"))
+
+
+@hookimpl
 def plait_build_dataset(cfg, split: str):
     data = cfg.data
     datasets, weights = [], []

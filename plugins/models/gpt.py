@@ -6,9 +6,9 @@ and masks attention across documents, so every document is computed as if it wer
 
 Modules are named so that splitting plans read like Megatron's: ``blocks.<i>.attn.qkv`` (column
 parallel), ``blocks.<i>.attn.proj`` (row parallel), ``blocks.<i>.mlp.fc`` / ``mlp.proj``,
-``embed.tok`` (vocab parallel), ``head``. Blocks live in a ``ModuleDict`` keyed by layer index and
-every part may be set to None, so a pipeline stage keeps only its share and the same ``forward``
-runs on each stage (torchtitan's pattern).
+``embed.tok`` (vocab parallel), ``head``. Blocks live in a ``ModuleDict`` keyed by layer index;
+a pipeline stage replaces the parts it does not hold by identities (or None), so the same
+``forward`` runs on each stage (torchtitan's pattern).
 """
 
 from __future__ import annotations
@@ -157,6 +157,9 @@ class GPT(nn.Module):
         "norm": "norm",
         "head": "vocab",
     }
+    # Pipeline stages (plait.plugins.pipeline.split): the embedding on the first stage, runs of
+    # blocks, the final norm and head on the last.
+    pipeline_plan = {"first": ["embed"], "layers": "blocks", "last": ["norm", "head"]}
     # What each train.activation_checkpointing mode recomputes (module-name patterns): every
     # block, or only the attention core (Korthikanti et al. 2022, "selective").
     activation_checkpointing_plan = {"full": "blocks.*",
@@ -255,8 +258,8 @@ class GPT(nn.Module):
 def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="gpt", selected_by={"model._target_": GPTConfig._target_},
-        provides=frozenset({"model:tensor_parallel_plan", "model:pipeline_stages",
-                            "model:activation_checkpointing_plan", "model:context_parallel"}),
+        provides=frozenset({"model:tensor_parallel_plan", "model:activation_checkpointing_plan",
+                            "model:context_parallel"}),
         description="plait's GPT: schema, checks, and what it lets split")
 
 
