@@ -16,15 +16,23 @@ import sys
 from typing import Callable
 
 from hydra._internal.utils import get_args_parser
-from hydra.errors import HydraException
+from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from plait import api
 from plait.export import cmd_export
-from plait.plan import CONFIG_NAME, compose_config, format_plan, hydra_app, make_plan
+from plait.plan import (
+    CONFIG_NAME,
+    compose_config,
+    format_plan,
+    hydra_app,
+    make_plan,
+    unknown_option,
+)
 from plait.plugin_manager import broken_problems, make_plugin_manager
+from plait.sample import cmd_sample
 from plait.types import PlanError
 
 USAGE = """usage: plait <command> [key=value ...]
@@ -120,7 +128,9 @@ def commands() -> dict[str, tuple[Callable[[list[str]], int], str]]:
         "train": (cmd_train, "launch training workers and train"),
         "plan": (cmd_plan, "print the composed plan (plugins, mesh, backend configs, refusals)"),
         "plugins": (cmd_plugins, "list registered plugins, their source and hooks"),
-        "export": (cmd_export, "write a checkpoint's consolidated fp32 state_dict"),
+        "export": (cmd_export, "write a checkpoint's unsplit model (format=pt: a state_dict; "
+                               "format=hf: Hugging Face safetensors)"),
+        "sample": (cmd_sample, "print a continuation of prompt=\"...\" by a checkpoint's model"),
     }
 
     def register(name: str, function: Callable[[list[str]], int], help: str) -> None:
@@ -159,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         return refused
     try:
         return command(overrides) or 0
+    except MissingConfigException as e:  # composed by Hydra itself: -m, --cfg, --info
+        print(f"plait: {unknown_option(e) or e}", file=sys.stderr)
+        return 2
     except (PlanError, HydraException, OmegaConfBaseException, ValueError) as e:
         print(f"plait: {e}", file=sys.stderr)
         return 2

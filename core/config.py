@@ -62,10 +62,11 @@ class RunConfig:
 class ParallelConfig:
     """The process layout, which the core owns; how layers are split is each plugin's schema."""
 
-    dp: int = -1  # -1: world_size // (tp * pp)
+    dp: int = -1  # -1: world_size // (cp * tp * pp)
     tp: int = 1
     pp: int = 1
     ep: int = 1  # expert parallelism: experts spread over ep of the dp ranks (ep divides dp)
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
 
 
 @dataclass
@@ -123,6 +124,11 @@ class ExpertParallelConfig:
 
 
 @dataclass
+class ContextParallelConfig:
+    name: str = MISSING
+
+
+@dataclass
 class PipelineConfig:
     name: str = MISSING
 
@@ -154,6 +160,13 @@ class FaultConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Formats written beside plait's own checkpoints (``fault``), e.g. Hugging Face's."""
+
+    name: str = MISSING
+
+
+@dataclass
 class TrackerConfig:
     name: str = MISSING
 
@@ -173,12 +186,14 @@ class PlaitConfig:
     parallel: ParallelConfig = MISSING
     tensor_parallel: TensorParallelConfig = MISSING
     expert_parallel: ExpertParallelConfig = MISSING
+    context_parallel: ContextParallelConfig = MISSING
     pipeline: PipelineConfig = MISSING
     comm: CommConfig = MISSING
     data: DataConfig = MISSING
     model: ModelConfig = MISSING
     optimizer: OptimizerConfig = MISSING
     fault: FaultConfig = MISSING
+    checkpoint: CheckpointConfig = MISSING
     tracker: TrackerConfig = MISSING
     launcher: LauncherConfig = MISSING
     tune: TuneConfig = MISSING

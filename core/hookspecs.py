@@ -16,6 +16,7 @@ Order of a run (``plait.train.train`` reads as this list)::
     a rank whose role is not "trainer": plait_run_role, and nothing below
     plait_build_dataset, plait_shard_data
     plait_build_model, plait_apply_tensor_parallel, plait_apply_expert_parallel,
+    plait_apply_context_parallel,
     plait_apply_activation_checkpointing, plait_split_pipeline, plait_materialize_model,
     plait_build_loss
     plait_build_optimizer, plait_build_lr_schedule, plait_grad_reducer, plait_build_engine
@@ -23,7 +24,9 @@ Order of a run (``plait.train.train`` reads as this list)::
     per step:  plait_check_step (in the engine's step, every rank), plait_on_step_end,
                plait_log_metrics (logged steps), plait_save_checkpoint
     plait_on_failure (on an exception), plait_on_run_end
-    plait export: plait_find_checkpoint, plait_read_model_shards, plait_merge_tensor_parallel_shards
+    plait export: plait_find_checkpoint, plait_read_model_shards, plait_merge_tensor_parallel_shards,
+                  plait_export_model (format=...)
+    plait sample: the same, then plait_tokenizer
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
         StepOutput,
         StrategyCost,
         TokenDataset,
+        Tokenizer,
         TrainState,
     )
 
@@ -216,6 +220,20 @@ def plait_objective(cfg: DictConfig, metrics: dict[str, float]) -> float | None:
     """
 
 
+@hookspec(firstresult=True)
+def plait_tokenizer(cfg: DictConfig) -> Tokenizer | None:
+    """The tokenizer the run's data was tokenized with (since hook spec 1.4).
+
+    Stops at the first non-None result; the data plugin answers (None where it does not know,
+    e.g. token files made elsewhere). Asked before launch, through ``plait_validate``'s
+    ``hook``, by a model plugin whose model has a tokenizer of its own (is the data the model's
+    vocabulary?), and by ``plait sample`` to encode the prompt and decode the continuation.
+
+    :return: a :class:`plait.types.Tokenizer` (``encode``, ``decode``, ``identity``,
+        ``vocab_size``).
+    """
+
+
 # ---------------------------------------------------------------------------------------------
 # build: run in every worker, in this order
 # ---------------------------------------------------------------------------------------------
@@ -304,9 +322,24 @@ def plait_apply_expert_parallel(
     share of every mixture-of-experts layer's experts (under their global names) and the layer
     exchanges tokens with its peers.
 
-    Called on every active plugin after tensor parallelism and before activation
-    checkpointing (torchtitan's order); a plugin does nothing when ``topology.dims.ep == 1``.
-    Since hook spec 1.4.
+    Called on every active plugin after tensor parallelism and before context parallelism and
+    activation checkpointing (torchtitan's order); a plugin does nothing when
+    ``topology.dims.ep == 1``. Added in hook spec 1.4.
+    """
+
+
+@hookspec
+def plait_apply_context_parallel(
+    cfg: DictConfig, model: torch.nn.Module, topology: Topology
+) -> None:
+    """Make the model hold only this rank's part of each sequence, in place: its input is cut
+    along the sequence and its attention exchanges keys and values with the other
+    context-parallel ranks (``topology.get_context_parallel_group()``).
+
+    Called on every active plugin after tensor and expert parallelism and before activation
+    checkpointing (so a checkpointed block recomputes the exchanging attention), on the meta
+    device where the model is built there; a plugin does nothing when ``topology.dims.cp == 1``.
+    Added in hook spec 1.4.
     """
 
 
@@ -517,6 +550,23 @@ def plait_merge_tensor_parallel_shards(
     """
 
 
+@hookspec(firstresult=True)
+def plait_export_model(cfg: DictConfig, state_dict: dict, model: torch.nn.Module, format: str,
+                       out: Path) -> Path | None:
+    """Write a checkpoint's unsplit model in ``format`` (``plait export <run> format=<format>
+    out=<dir>``; since hook spec 1.4); the default format (``pt``, a ``torch.save`` of the state
+    dict) is the core's.
+
+    Stops at the first non-None result; the plugin that knows the format answers (``hf``: the
+    ``model=hf`` plugin writes Hugging Face safetensors, config and tokenizer files). No answer
+    refuses the format.
+
+    :param state_dict: the unsplit model's fp32 tensors by name (every shard joined).
+    :param model: the unsplit model on the meta device.
+    :return: what was written.
+    """
+
+
 # ---------------------------------------------------------------------------------------------
 # step: tracking, called on the logging rank only (the first trainer: global rank 0 unless a
 # strategy assigns roles)
@@ -551,7 +601,9 @@ def plait_on_step_end(step: int, output: StepOutput, state: TrainState,
 @hookspec
 def plait_log_metrics(step: int, metrics: dict[str, float], state: TrainState) -> None:
     """A logged step (every ``train.log_every`` steps and the last): ``metrics`` holds loss, lr,
-    grad_norm, tokens_per_s, step time and peak memory (min and max over ranks), mfu where the
+    grad_norm, tokens_per_s, tokens, step time and peak memory (min and max over ranks), each
+    rank's figures as ``<figure>/rank<r>`` (peak memory, and the means since the last logged
+    step of step time, data wait and the phases a timing plugin measured), mfu where the
     device's peak is known, the engine's own figures, and ``eval/loss`` when evaluated."""
 
 

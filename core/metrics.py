@@ -58,7 +58,16 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class StepMeter:
-    """Times each step and turns an engine's output into the logged metrics."""
+    """Times each step and turns an engine's output into the logged metrics.
+
+    Per rank it sums, over the steps since the last logged step, its step time, its data wait
+    and the phase times the engine's output carries (``StepOutput.timings``); a logged step
+    gathers every rank's means and peak memory in one all-gather over ``topology.step_group``
+    (no collective on other steps), logged as ``<figure>/rank<r>`` beside the min/max of the
+    logged step itself::
+
+        step_time_s/rank<r> = (1/n) sum_{steps since the last logged one} step time of rank r
+    """
 
     def __init__(self, cfg: DictConfig, model: torch.nn.Module, topology: Topology):
         self.cfg = cfg
@@ -68,6 +77,8 @@ class StepMeter:
         peak = cfg.train.peak_flops or device_peak_flops(topology.device)
         self.peak_flops = peak * topology.dims.world_size if peak else None
         self._started = self._data_ready = 0.0
+        self._sums: dict[str, float] = {}
+        self._steps = 0
 
     def start(self) -> None:
         self._started = time.perf_counter()
@@ -76,32 +87,55 @@ class StepMeter:
         """The step's batches are in hand: the time since ``start`` was spent waiting for data."""
         self._data_ready = time.perf_counter()
 
-    def stop(self, step: int, out: StepOutput, lr: float, last: bool) -> dict[str, float]:
+    def stop(self, step: int, out: StepOutput, lr: float, last: bool,
+             tokens_seen: int | None = None) -> dict[str, float]:
         """Metrics for ``step``; empty on steps that are not logged (every ``train.log_every``
         and the ``last`` of the job). Collective on logged steps."""
         step_time = time.perf_counter() - self._started
         data_wait = self._data_ready - self._started
+        for name, seconds in {"step_time_s": step_time, "data_wait_s": data_wait,
+                              **out.timings}.items():
+            self._sums[name] = self._sums.get(name, 0.0) + seconds
+        self._steps += 1
         if step % self.cfg.train.log_every and not last:
             return {}
-        memory = float(peak_memory_bytes(self.topology.device))
-        # One MAX reduction gives both extremes: min(x) = -max(-x).
-        figures = torch.tensor([step_time, memory, data_wait, -step_time, -memory],
-                               dtype=torch.float64, device=self.topology.device)
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.topology.step_group)
-        highs, lows = figures[:3].tolist(), (-figures[3:]).tolist()
-        slowest = highs[0]
+        mine = {"step_time_s": step_time, "data_wait_s": data_wait,
+                "peak_memory_bytes": float(peak_memory_bytes(self.topology.device)),
+                "means": {name: total / self._steps for name, total in self._sums.items()}}
+        self._sums, self._steps = {}, 0
+        figures = self._gather(mine)
+        step_times = [f["step_time_s"] for f in figures.values()]
+        memories = [f["peak_memory_bytes"] for f in figures.values()]
+        slowest = max(step_times)
         metrics = {
             "loss": out.loss,
             "lr": lr,
             "grad_norm": out.grad_norm,
             "tokens_per_s": self.tokens_per_step / slowest,
-            "step_time_s/min": lows[0],
+            "step_time_s/min": min(step_times),
             "step_time_s/max": slowest,
-            "peak_memory_bytes/min": lows[1],
-            "peak_memory_bytes/max": highs[1],
-            "data_wait_s/max": highs[2],
+            "peak_memory_bytes/min": min(memories),
+            "peak_memory_bytes/max": max(memories),
+            "data_wait_s/max": max(f["data_wait_s"] for f in figures.values()),
             **out.metrics,
         }
+        if tokens_seen is not None:
+            metrics["tokens"] = float(tokens_seen)
         if self.peak_flops:
             metrics["mfu"] = self.flops_per_step / slowest / self.peak_flops
+        for rank, rank_figures in figures.items():
+            metrics[f"peak_memory_bytes/rank{rank}"] = rank_figures["peak_memory_bytes"]
+            for name, value in sorted(rank_figures["means"].items()):
+                metrics[f"{name}/rank{rank}"] = value
         return metrics
+
+    def _gather(self, mine: dict) -> dict[int, dict]:
+        """Every rank's figures by global rank (one all-gather over the step group). Objects,
+        not a tensor: ranks may time different phases (a pipeline stage, an offloading
+        optimizer), and tensors of unequal length would mismatch the collective."""
+        group = self.topology.step_group
+        ranks = (dist.get_process_group_ranks(group) if group is not None
+                 else list(range(dist.get_world_size())))
+        rows: list = [None] * len(ranks)
+        dist.all_gather_object(rows, mine, group=group)
+        return dict(zip(ranks, rows))

@@ -22,6 +22,7 @@ from hydra._internal.utils import create_config_search_path
 from hydra.core.config_search_path import SearchPathQuery
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -70,7 +71,7 @@ CORE_RANGES = {
               "seq_len": AT_LEAST_1, "grad_clip": Range(0, meaning="0 turns clipping off"),
               "log_every": AT_LEAST_1, "eval_every": Range(0, meaning="0: no evaluation"),
               "eval_batches": AT_LEAST_1, "peak_flops": POSITIVE, "stop_at": AT_LEAST_1},
-    "parallel": {"tp": AT_LEAST_1, "pp": AT_LEAST_1, "ep": AT_LEAST_1},
+    "parallel": {"tp": AT_LEAST_1, "pp": AT_LEAST_1, "cp": AT_LEAST_1, "ep": AT_LEAST_1},
     "launcher": {"nproc_per_node": AT_LEAST_1, "timeout_s": AT_LEAST_1},
     "": {"seed": Range(0, 2**32 - 1)},  # numpy's seeds
 }  # launcher.nnodes (N or MIN:MAX) is checked by plait.config.node_range
@@ -139,12 +140,28 @@ def hydra_app(pm: PlaitPluginManager, config_dir: str | None = None) -> Iterator
         GlobalHydra.instance().clear()
 
 
+def unknown_option(error: MissingConfigException) -> PlanError | None:
+    """Hydra's "Could not find 'strategy/zero9'" as a refusal that lists the options a user can
+    choose: the group's YAML options, without the ``base_*`` schemas plugins store for them
+    (those are extended by options, never chosen) or Hydra's search path. None when the missing
+    config is not an option of a group."""
+    group, _, option = (error.missing_cfg_file or "").rpartition("/")
+    if not group or not error.options:
+        return None
+    choices = sorted(o for o in error.options if not o.startswith("base_"))
+    setting = group.replace("/", ".")
+    return PlanError([f"{setting}={option}: no such option; choose one of {', '.join(choices)}"])
+
+
 def compose_config(overrides: Iterable[str], pm: PlaitPluginManager) -> DictConfig:
     """Compose ``plait.conf/config.yaml`` with the user's overrides, as Hydra's compose API does
     (no output directory, no logging set-up, no ``hydra`` node)."""
     with hydra_app(pm) as hydra:
-        cfg = hydra.compose_config(CONFIG_NAME, list(overrides), run_mode=RunMode.RUN,
-                                   from_shell=False, with_log_configuration=False)
+        try:
+            cfg = hydra.compose_config(CONFIG_NAME, list(overrides), run_mode=RunMode.RUN,
+                                       from_shell=False, with_log_configuration=False)
+        except MissingConfigException as e:
+            raise unknown_option(e) or e from None
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
@@ -316,17 +333,19 @@ def unselected_choices(
 
 
 def capability_problems(pm: PlaitPluginManager, cfg: DictConfig, dims: ParallelDims) -> list[str]:
-    """Refuse a device, precision or parallel axis that an active plugin does not declare."""
+    """Refuse a device, precision or parallel axis that an active plugin does not declare. A
+    device or precision the core does not know is refused once by the core rules, not again
+    by every plugin."""
     problems = []
-    device = cfg.device if cfg.device != "auto" else None
+    device = cfg.device if cfg.device in ALL_DEVICES else None
     active = {r.info.name for r in pm.records.values()}
-    axis_setting = {axis: f"parallel.{axis}" for axis in ("dp", "tp", "pp", "ep")}
+    axis_setting = {axis: f"parallel.{axis}" for axis in ("dp", "cp", "tp", "pp", "ep")}
     for record in pm.records.values():
         info, who = record.info, f"plugin {record.info.name!r}"
         if device is not None and device not in info.devices:
             problems.append(f"{who} does not run on device={device}: supports "
                             f"{', '.join(sorted(info.devices))}")
-        if cfg.precision not in info.precisions:
+        if cfg.precision in PRECISIONS and cfg.precision not in info.precisions:
             problems.append(f"{who} does not support precision={cfg.precision}: choose one of "
                             f"{', '.join(sorted(info.precisions))}")
         for axis in sorted(dims.enabled_axes - info.parallel_axes):
@@ -377,8 +396,9 @@ def format_plan(plan: Plan) -> str:
         per_node = cfg.launcher.nproc_per_node
         trainers = "" if plan.roles.single else " trainers"
         experts = f" (dp = edp {d.edp} x ep {d.ep})" if d.ep > 1 else ""
-        lines.append(f"mesh: world_size={d.world_size}{trainers} = pp {d.pp} x dp {d.dp} x tp "
-                     f"{d.tp}{experts} on {d.nnodes} node(s) x {per_node} process(es)")
+        cp = f" x cp {d.cp}" if d.cp > 1 else ""
+        lines.append(f"mesh: world_size={d.world_size}{trainers} = pp {d.pp} x dp {d.dp}{cp} x "
+                     f"tp {d.tp}{experts} on {d.nnodes} node(s) x {per_node} process(es)")
         # Before launch, nodes as plait's launcher and torchrun number ranks: node by node.
         lines += describe_nodes(d, [r // per_node for r in range(d.nnodes * per_node)],
                                 plan.roles)

@@ -89,6 +89,25 @@ def _spawned(rank: int, fn, world_size: int, nproc_per_node: int, port: int,
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+    exit_without_teardown()
+
+
+def exit_without_teardown(code: int = 0) -> None:
+    """End a finished distributed child process as a forked worker ends (``os._exit``, after
+    flushing Python's output), not through the interpreter's teardown.
+
+    A ``spawn``-started child returns through ``sys.exit``, and at teardown objects that held
+    gloo work (a DeepSpeed engine, layers holding their group) are freed after the process group
+    is gone; now and then this aborted the child ("terminate called without an active
+    exception", SIGABRT: ``scripts/bench_zero.py``'s raw ZeRO-3 loop, ``bench_tp.py``; see
+    pytorch/pytorch#179291). torch elastic's and ``multiprocessing``'s forked workers end with
+    ``os._exit`` and never met it. Only for a child whose work is done and whose results are
+    written."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def read_wandb_run(run_dir: str | Path) -> dict[str, Any]:
@@ -191,6 +210,38 @@ class MemoryProbe:
 memory_probe = MemoryProbe()  # for `+plugins=[plait.testing:memory_probe]` on a command line
 
 
+class LoadClock:
+    """A plugin for benchmarks: how long and how much memory building the model took, from the
+    first ``plait_build_model`` (after importing ``modules``, so the figures are the model's)
+    until the engine is built (every parameter loaded, partitioned and wrapped). Every rank
+    writes ``{"seconds", "peak"}`` (the rise of its peak resident memory) to
+    ``run.dir/load/rank<r>.json``."""
+
+    def __init__(self, modules: Iterable[str] = ()):
+        self.modules, self.started, self.base, self.pid = tuple(modules), None, 0, None
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_model(self):
+        import importlib
+
+        for name in self.modules:
+            importlib.import_module(name)
+        if self.pid != os.getpid():  # the first build in this worker (the plan built it before)
+            self.base, self.pid = resident_bytes(), os.getpid()
+            reset_peak_resident_bytes()
+            self.started = time.perf_counter()
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+        path = Path(cfg.run.dir) / "load" / f"rank{topology.rank}.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"seconds": time.perf_counter() - self.started,
+                                    "peak": peak_resident_bytes() - self.base}))
+        return engine
+
+
 def reset_peak_resident_bytes() -> None:
     """Start this process's peak resident memory (``VmHWM``) afresh (Linux ``clear_refs``)."""
     Path("/proc/self/clear_refs").write_text("5")
@@ -208,6 +259,22 @@ def resident_bytes() -> int:
     """This process's resident set size now (Linux ``/proc/self/statm``)."""
     pages = int(Path("/proc/self/statm").read_text().split()[1])
     return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+class SaveClock:
+    """A plugin for benchmarks: how long each step's ``plait_save_checkpoint`` call (every
+    wrapper around it included) held the logging rank, one JSON line per step in
+    ``run.dir/save_seconds.jsonl``: ``{"step", "seconds"}``."""
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_save_checkpoint(self, cfg, state, topology):
+        started = time.perf_counter()
+        written = yield
+        if topology.is_logging_rank:
+            with open(Path(cfg.run.dir) / "save_seconds.jsonl", "a") as f:
+                f.write(json.dumps({"step": state.step,
+                                    "seconds": time.perf_counter() - started}) + "\n")
+        return written
 
 
 class SlowRank:

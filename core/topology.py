@@ -1,9 +1,16 @@
-"""The process layout: how many ranks go to data, tensor and pipeline parallelism, the nodes
-they sit on, and the groups.
+"""The process layout: how many ranks go to data, context, tensor and pipeline parallelism, the
+nodes they sit on, and the groups.
 
-Ranks are laid out Megatron-style on a ``(pp, dp, tp)`` device mesh: tensor-parallel peers are
-adjacent ranks (on one node, where the fast links are), data-parallel peers next, pipeline stages
-outermost. Which node each rank runs on comes from the launcher (torch elastic / ``torchrun`` set
+Ranks are laid out Megatron-style on a ``(pp, dp, cp, tp)`` device mesh: tensor-parallel peers
+are adjacent ranks (on one node, where the fast links are), context-parallel peers (each holding a
+part of every sequence) next, data-parallel peers after them, pipeline stages outermost (the order
+of Megatron-core's ``tp-cp-ep-dp-pp`` and torchtitan's ``[pp, dp, cp, tp]``). Context-parallel
+ranks read the same samples as their dp rank's other ranks but hold different tokens, so their
+gradients are reduced together with the data-parallel ones: ``get_data_parallel_group(
+with_context_parallel=True)`` is the ``dp x cp`` group (Megatron's name; torchtitan's
+``dp_shard_cp``).
+
+Which node each rank runs on comes from the launcher (torch elastic / ``torchrun`` set
 ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; plait's launcher derives them from
 ``srun``'s variables) and is gathered once, so a group's split into nodes is known, not guessed
 from rank numbers::
@@ -37,11 +44,12 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from plait.config import NodeRange, node_range
 from plait.host_memory import fix_mmap_threshold
 
-MESH_AXES = ("pp", "dp", "tp")
+MESH_AXES = ("pp", "dp", "cp", "tp")
 TRAINER = "trainer"
 
 
@@ -49,7 +57,7 @@ TRAINER = "trainer"
 class ParallelDims:
     """Sizes of each parallel axis; their product is the world size.
 
-    ``dp=-1`` in the config means "whatever is left": ``world_size // (tp * pp)``.
+    ``dp=-1`` in the config means "whatever is left": ``world_size // (cp * tp * pp)``.
 
     ``nnodes``: the nodes the ranks run on (a plan counts MAX of an elastic range; a running
     job, the nodes its group formed with). ``nodes``: ``launcher.nnodes`` as ``(MIN, MAX)``,
@@ -64,6 +72,7 @@ class ParallelDims:
     pp: int
     world_size: int
     nnodes: int = 1
+    cp: int = 1
     nodes: NodeRange | None = None
     grad_accum_steps: int = 1
     ep: int = 1  # expert parallelism, within dp: dp = edp x ep
@@ -71,14 +80,15 @@ class ParallelDims:
     def __post_init__(self) -> None:
         if self.nodes is None:
             object.__setattr__(self, "nodes", NodeRange(self.nnodes, self.nnodes))
-        for axis in ("dp", "tp", "pp", "world_size", "nnodes", "grad_accum_steps", "ep"):
+        for axis in ("dp", "cp", "tp", "pp", "world_size", "nnodes", "grad_accum_steps", "ep"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"{axis}={getattr(self, axis)} must be at least 1")
-        if self.dp * self.tp * self.pp != self.world_size:
+        if self.dp * self.cp * self.tp * self.pp != self.world_size:
+            cp = f" * cp({self.cp})" if self.cp > 1 else ""
             raise ValueError(
-                f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) != world_size({self.world_size}): "
-                "set parallel.dp=-1 to fill the remaining ranks with data parallelism, or change "
-                "launcher.nproc_per_node / launcher.nnodes"
+                f"dp({self.dp}){cp} * tp({self.tp}) * pp({self.pp}) != world_size("
+                f"{self.world_size}): set parallel.dp=-1 to fill the remaining ranks with data "
+                "parallelism, or change launcher.nproc_per_node / launcher.nnodes"
             )
         if self.ep > self.dp:
             raise ValueError(
@@ -102,19 +112,22 @@ class ParallelDims:
         if world_size is None:
             world_size = int(os.environ.get("WORLD_SIZE", nnodes * launcher.nproc_per_node))
         tp, pp = cfg.parallel.tp, cfg.parallel.pp
+        cp = cfg.parallel.cp
         dp = cfg.parallel.dp
         if dp < -1 or dp == 0:
             raise ValueError(f"parallel.dp={dp} is out of range: set parallel.dp >= 1, or -1 for "
-                             "what parallel.tp and parallel.pp leave of the world")
+                             "what parallel.cp, parallel.tp and parallel.pp leave of the world")
         if dp == -1:
-            if world_size % (tp * pp):
+            if world_size % (cp * tp * pp):
+                factors = (f"cp({cp}) * " if cp > 1 else "") + f"tp({tp}) * pp({pp})"
+                settings = "parallel.cp / " if cp > 1 else ""
                 raise ValueError(
-                    f"world_size({world_size}) is not divisible by tp({tp}) * pp({pp}): change "
-                    "parallel.tp / parallel.pp or launcher.nproc_per_node"
+                    f"world_size({world_size}) is not divisible by {factors}: change "
+                    f"{settings}parallel.tp / parallel.pp or launcher.nproc_per_node"
                 )
-            dp = world_size // (tp * pp)
-        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, nnodes=nnodes, nodes=nodes,
-                   grad_accum_steps=cfg.train.grad_accum_steps,
+            dp = world_size // (cp * tp * pp)
+        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, nnodes=nnodes, nodes=nodes, cp=cp,
+                   grad_accum_steps=configured_grad_accum_steps(cfg),
                    ep=getattr(cfg.parallel, "ep", 1))
 
     @property
@@ -129,7 +142,18 @@ class ParallelDims:
 
     @property
     def enabled_axes(self) -> frozenset[str]:
-        return frozenset(a for a in ("dp", "tp", "pp", "ep") if getattr(self, a) > 1)
+        return frozenset(a for a in ("dp", "cp", "tp", "pp", "ep") if getattr(self, a) > 1)
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks one parameter's gradients are reduced over: data- and context-parallel."""
+        return self.dp * self.cp
+
+
+def configured_grad_accum_steps(cfg) -> int:
+    """``train.grad_accum_steps``; 1 for a config made for a topology alone (collectives, no
+    training loop: a benchmark's, a test's), which may leave ``train`` out."""
+    return OmegaConf.select(cfg, "train.grad_accum_steps", default=1)
 
 
 def elastic_grad_accum_steps(cfg, dims: ParallelDims, local_world_size: int) -> int:
@@ -150,7 +174,7 @@ def elastic_grad_accum_steps(cfg, dims: ParallelDims, local_world_size: int) -> 
     """
     nodes = dims.nodes
     if not nodes.elastic:
-        return cfg.train.grad_accum_steps
+        return configured_grad_accum_steps(cfg)
     full = ParallelDims.from_config(cfg, world_size=nodes.max * local_world_size, nodes=nodes)
     micro_batches = cfg.train.grad_accum_steps * full.dp  # per step, over all dp ranks
     if micro_batches % dims.dp:
@@ -196,11 +220,14 @@ def launcher_node_env(environ: dict[str, str]) -> tuple[int, int, int]:
 
 
 def mesh_groups(dims: ParallelDims, axis: str, ranks: list[int] | None = None) -> list[list[int]]:
-    """The global ranks of every group along ``axis`` of the ``(pp, dp, tp)`` mesh, the layout
-    ``init_device_mesh`` builds (the same enumeration ``plait plan`` prints without processes).
-    ``ranks``: the global ranks the mesh is laid over, in order (the trainers); default all."""
+    """The global ranks of every group along ``axis`` of the ``(pp, dp, cp, tp)`` mesh, the
+    layout ``init_device_mesh`` builds (the same enumeration ``plait plan`` prints without
+    processes); ``axis="dp_cp"``: the data- and context-parallel ranks together. ``ranks``: the
+    global ranks the mesh is laid over, in order (the trainers); default all."""
     ranks = list(range(dims.world_size)) if ranks is None else ranks
-    mesh = torch.tensor(ranks).reshape(dims.pp, dims.dp, dims.tp)
+    mesh = torch.tensor(ranks).reshape(mesh_shape(dims))
+    if axis == "dp_cp":
+        return mesh.movedim(3, 1).reshape(-1, dims.dp * dims.cp).tolist()
     dim = MESH_AXES.index(axis)
     return mesh.movedim(dim, -1).reshape(-1, mesh.shape[dim]).tolist()
 
@@ -215,6 +242,10 @@ def expert_groups(dims: ParallelDims, ranks: list[int] | None = None
         ep_groups += runs
         edp_groups += [list(peers) for peers in zip(*runs)]
     return ep_groups, edp_groups
+
+
+def mesh_shape(dims: ParallelDims) -> tuple[int, int, int, int]:
+    return (dims.pp, dims.dp, dims.cp, dims.tp)
 
 
 def split_by_node(ranks: list[int], node_of: list[int]) -> list[list[int]] | None:
@@ -370,6 +401,7 @@ class Topology:
     ep_group: dist.ProcessGroup | None = None
     edp_group: dist.ProcessGroup | None = None
     _node_groups: dict[str, NodeGroups] = field(default_factory=dict, repr=False)
+    _dp_cp_mesh: dist.DeviceMesh | None = field(default=None, repr=False)
     _groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -397,12 +429,10 @@ class Topology:
                        grad_accum_steps=elastic_grad_accum_steps(cfg, dims, local_world_size))
         groups = {}
         if roles.single:  # today's layout, untouched: the default group is the trainer group
-            mesh = dist.init_device_mesh(
-                device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_AXES
-            )
+            mesh = dist.init_device_mesh(device.type, mesh_shape(dims), mesh_dim_names=MESH_AXES)
         else:  # every rank takes part in creating each group, members or not
-            mesh = dist.DeviceMesh(device.type, torch.tensor(trainers).reshape(
-                dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_AXES)
+            mesh = dist.DeviceMesh(device.type, torch.tensor(trainers).reshape(mesh_shape(dims)),
+                                   mesh_dim_names=MESH_AXES)
             groups["trainer_group"] = groups["step_group"] = dist.new_group(trainers)
         if not roles.lockstep:
             groups["step_group"] = dist.new_subgroups_by_enumeration([[r] for r in trainers])[0]
@@ -452,16 +482,27 @@ class Topology:
                 inter=dist.new_subgroups_by_enumeration(inter)[0] if inter else None)
         return self._node_groups[axis]
 
+    def dp_cp_mesh(self) -> dist.DeviceMesh:
+        """The data- and context-parallel ranks as one mesh axis ``dp_cp`` (built once, by every
+        rank: torchtitan's ``dp_shard_cp``), what gradients are reduced and FSDP shards over.
+        Without context parallelism it is the ``dp`` axis itself."""
+        if self.dims.cp == 1:
+            return self.mesh["dp"]
+        if self._dp_cp_mesh is None:
+            self._dp_cp_mesh = self.mesh["dp", "cp"]._flatten("dp_cp")
+        return self._dp_cp_mesh
+
     def replica_group(self) -> dist.ProcessGroup:
-        """The pp x tp ranks that hold one model replica (this rank's dp index): the
+        """The pp x tp ranks that hold one model replica (this rank's dp and cp index): the
         "model-parallel" group of Megatron and of DeepSpeed's ``PipelineParallelGrid``, over which
         a global gradient norm is reduced. Made once (a collective: every rank calls it, in the
         same order, the first time)."""
         if "replica" not in self._groups:
             d = self.dims
-            mesh = torch.tensor(self.trainer_ranks).reshape(d.pp, d.dp, d.tp)
+            mesh = torch.tensor(self.trainer_ranks).reshape(mesh_shape(d))
             self._groups["replica"] = dist.new_subgroups_by_enumeration(
-                [mesh[:, dp].flatten().tolist() for dp in range(d.dp)])[0]
+                [mesh[:, dp, cp].flatten().tolist()
+                 for dp in range(d.dp) for cp in range(d.cp)])[0]
         return self._groups["replica"]
 
     def side_group(self, purpose: str) -> dist.ProcessGroup | None:
@@ -484,8 +525,16 @@ class Topology:
         return self._groups[key]
 
     # Megatron-core names, for code ported from there and for DeepSpeed's ``mpu`` interface.
-    def get_data_parallel_group(self) -> dist.ProcessGroup:
+    def get_data_parallel_group(self, with_context_parallel: bool = False) -> dist.ProcessGroup:
+        """The ranks that read different samples (``dp``); ``with_context_parallel``: and the
+        context-parallel ranks that hold other tokens of them, whose gradients are averaged
+        together (Megatron's ``get_data_parallel_group(with_context_parallel=True)``)."""
+        if with_context_parallel:
+            return self.dp_cp_mesh().get_group()
         return self.group("dp")
+
+    def get_context_parallel_group(self) -> dist.ProcessGroup:
+        return self.group("cp")
 
     def get_tensor_model_parallel_group(self) -> dist.ProcessGroup:
         return self.group("tp")
@@ -514,6 +563,15 @@ class Topology:
         return self.dp_rank // self.dims.ep
 
     @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place in ``get_data_parallel_group(with_context_parallel=True)``."""
+        return self.dp_rank * self.dims.cp + self.cp_rank
+
+    @property
+    def cp_rank(self) -> int:
+        return self.axis_rank("cp")
+
+    @property
     def tp_rank(self) -> int:
         return self.axis_rank("tp")
 
@@ -534,7 +592,8 @@ class Topology:
         return (
             f"rank {self.rank}/{d.world_size} (node {self.node_rank}, local {self.local_rank}/"
             f"{self.local_world_size}) pp={self.pp_rank}/{d.pp} dp={self.dp_rank}/{d.dp} "
-            f"tp={self.tp_rank}/{d.tp}" + (f" ep={self.ep_rank}/{d.ep}" if d.ep > 1 else "")
+            + (f"cp={self.cp_rank}/{d.cp} " if d.cp > 1 else "")
+            + f"tp={self.tp_rank}/{d.tp}" + (f" ep={self.ep_rank}/{d.ep}" if d.ep > 1 else "")
             + f" on {self.device}"
         )
 

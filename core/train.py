@@ -44,14 +44,15 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
     if cfg.train.eval_every:
         val_data = hook.plait_build_dataset(cfg=cfg, topology=topology, split="val")
 
-    # Parallelize in a fixed order: tensor parallel, expert parallel, activation checkpointing,
-    # pipeline stages, then the data-parallel engine (torchtitan's order). A model that
-    # initialises by name is cut on the meta device and only this rank's part is then given
+    # Parallelize in a fixed order: tensor, expert and context parallel, activation
+    # checkpointing, pipeline stages, then the data-parallel engine (torchtitan's order). A model
+    # that initialises by name is cut on the meta device and only this rank's part is then given
     # memory and values.
     model, init = build_model(hook, cfg)
     meter = StepMeter(cfg, model, topology)  # counts FLOPs on the whole model, before the split
     hook.plait_apply_tensor_parallel(cfg=cfg, model=model, topology=topology)
     hook.plait_apply_expert_parallel(cfg=cfg, model=model, topology=topology)
+    hook.plait_apply_context_parallel(cfg=cfg, model=model, topology=topology)
     hook.plait_apply_activation_checkpointing(cfg=cfg, model=model, topology=topology)
     model = hook.plait_split_pipeline(cfg=cfg, model=model, topology=topology) or model
     if init is not None:
@@ -90,7 +91,8 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
             state.tokens_seen += meter.tokens_per_step
             state.data = loader.state_dict()
             final = state.step == last_step
-            metrics = meter.stop(state.step, out, lr, final)  # a collective on logged steps
+            # a collective on logged steps
+            metrics = meter.stop(state.step, out, lr, final, state.tokens_seen)
             if val_data is not None and (state.step % cfg.train.eval_every == 0 or final):
                 metrics["eval/loss"] = evaluate(cfg, engine, val_data, topology)
             if logging:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 ALL_DEVICES = frozenset({"cpu", "cuda"})
 ALL_PRECISIONS = frozenset({"fp32", "bf16", "fp16"})
-ALL_AXES = frozenset({"dp", "tp", "pp", "ep"})
+ALL_AXES = frozenset({"dp", "cp", "tp", "pp", "ep"})
 
 
 ALWAYS = "always"
@@ -60,12 +60,16 @@ class StepOutput:
     states per rank); they are logged with the step's metrics under their own names.
     ``skipped``: a ``plait_check_step`` guard stopped the optimizer step on every rank
     (parameters and optimizer state untouched); the loop does not count the step.
+    ``timings``: this rank's seconds in each phase of the step (``forward_s``, ``backward_s``,
+    ``optimizer_s``, ``comm_wait_s``), filled by a timing plugin (``plugins/fault/phases.py``);
+    the core gathers them per rank on logged steps (``plait.metrics.StepMeter``).
     """
 
     loss: float
     grad_norm: float
     metrics: dict[str, float] = field(default_factory=dict)
     skipped: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -189,8 +193,19 @@ class GradReducer(Protocol):
         flat buffer (the bucket's own buffer, written in place)."""
 
 
-Batch = tuple["torch.Tensor", "torch.Tensor"]
-"""Inputs and next-token targets, both ``[micro_batch_size, seq_len]`` int64."""
+Batch = tuple["torch.Tensor", ...]
+"""``(inputs, targets)``: token ids and next-token targets, both ``[micro_batch_size, seq_len]``
+int64; or, with packed documents (``data.pack=true``), ``(inputs, targets, position_ids)``:
+each token's position within its document, restarting at 0 where a document starts (HF's
+``position_ids`` of packed sequences), from which the model masks attention across documents."""
+
+
+def model_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """``(inputs, keyword arguments of the model's forward, targets)`` of ``batch`` on
+    ``device`` (copied without blocking): a packed batch's positions go to the model as
+    ``position_ids=``, what an engine calls ``model(inputs, **kwargs)`` with."""
+    inputs, targets, *rest = (t.to(device, non_blocking=True) for t in batch)
+    return inputs, ({"position_ids": rest[0]} if rest else {}), targets
 
 
 class Engine(Protocol):
@@ -328,6 +343,22 @@ class BatchLoader(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class Tokenizer(Protocol):
+    """Text to token ids and back, as a run's data was tokenized (``plait_tokenizer``).
+
+    ``identity`` is the same string for the same tokenizer (``bytes-v1``, or the SHA-256 of a
+    ``tokenizer.json``'s serialisation), so two tokenizers compare by it.
+    """
+
+    name: str
+    identity: str
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 class PlanError(ValueError):

@@ -14,8 +14,11 @@ One command, interleaved runs, CPU and gloo (started by ``plait.testing.spawn``)
    (each rank reads the full tensors and cuts its shard).
 
 The save and load paths are plait's own (``plait.plugins.checkpoint.layout_free`` and
-``background.cpu_stager``) over DDP's state (``DDPEngine.layout_free_state``). Prints seconds
-and the ratios ``async block / sync save`` (target <= 0.25) and ``reshard / load``.
+``background.cpu_stager``) over the state DDP gives at fp32 (``plait.plugins.optim.
+state_by_name``, what ``DDPEngine.layout_free_state`` returns without a loss scaler). Prints
+seconds and the ratios ``async block / sync save`` (target <= 0.25) and ``reshard / load``.
+``--dir D`` writes under ``D`` (made if missing) instead of the system's temp directory, e.g. to
+measure another disk.
 """
 
 from __future__ import annotations
@@ -34,21 +37,25 @@ import torch.distributed as dist
 
 from plait.plugins.checkpoint import layout_free
 from plait.plugins.checkpoint.background import cpu_stager
-from plait.plugins.ddp import DDPEngine
 from plait.plugins.models.gpt import GPT
+from plait.plugins.optim.state_by_name import load_state_by_name, state_by_name
 from plait.plugins.tensor_parallel.plan import TensorParallelPlan, apply_plan
 from plait.testing import spawn
 
 
 class Engine:
-    """The model and optimizer with DDP's layout-free state methods."""
-
-    layout_free_state = DDPEngine.layout_free_state
-    load_layout_free_state = DDPEngine.load_layout_free_state
+    """The model and optimizer with the layout-free state surface
+    (``plait.types.LayoutFreeStateEngine``), as DDP gives and takes it at fp32."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def layout_free_state(self) -> dict:
+        return state_by_name(self.model, self.optimizer)
+
+    def load_layout_free_state(self, state: dict) -> None:
+        load_state_by_name(self.model, self.optimizer, state)
 
 
 def build(rank: int, world: int, args: dict) -> tuple[Engine, SimpleNamespace]:
@@ -109,6 +116,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = vars(parser.parse_args())
+    if args["dir"] is not None:
+        Path(args["dir"]).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args["dir"]) as tmp:
         spawn(save_and_load, 1, args, tmp, f"{tmp}/save.json")
         spawn(reshard, 2, args, tmp, f"{tmp}/reshard.json")

@@ -3,6 +3,8 @@ needs root): flat, ring, hierarchical and hierarchical+fp16, each through plait'
 
     sudo DS_ACCELERATOR=cpu python scripts/bench_comm.py --rates 1gbit 200mbit
     sudo DS_ACCELERATOR=cpu python scripts/bench_comm.py --sizes 1 64 --no-steps   # quicker
+    sudo DS_ACCELERATOR=cpu python scripts/bench_comm.py --nproc-per-node 1 --sizes 0.01 \
+        --repeats 1 --chunks-kb 4 --chunk-repeats 1 --rates --no-steps   # a smoke run, free link
 
 On 2 nodes x 2 processes (``--nodes``, ``--nproc-per-node``) it prints three tables, each run on a
 free link and on links limited by ``tc``'s tbf to each of ``--rates`` (``--delay`` adds a netem
@@ -113,7 +115,8 @@ def worker(args) -> None:
     nnodes, nproc = args.nodes, args.nproc_per_node
     cfg = OmegaConf.create({"device": "cpu", "launcher": {"timeout_s": 1800, "nnodes": nnodes,
                                                           "nproc_per_node": nproc},
-                            "parallel": {"dp": -1, "tp": 1, "pp": 1}})
+                            "parallel": {"dp": -1, "tp": 1, "pp": 1},
+                            "train": {"grad_accum_steps": 1}})
     topology = Topology.initialize(cfg)
     group = topology.get_data_parallel_group()
     built = reducers(topology, nnodes, nproc)
@@ -148,6 +151,9 @@ def worker(args) -> None:
     if lead:
         Path(args.out).write_text(json.dumps(results))
     dist.destroy_process_group()
+    from plait.testing import exit_without_teardown
+
+    exit_without_teardown()  # as plait's workers end (no abort at interpreter teardown)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,8 +265,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunks-kb", type=int, default=64)
     parser.add_argument("--chunk-repeats", type=int, default=20)
-    parser.add_argument("--rates", nargs="+", default=["1gbit", "200mbit"],
-                        help="tbf rates of the limited links, each measured in turn")
+    parser.add_argument("--rates", nargs="*", default=["1gbit", "200mbit"],
+                        help="tbf rates of the limited links, each measured in turn after the "
+                             "free link (none: the free link only)")
     parser.add_argument("--delay", help="netem delay on the limited links too (needs netem)")
     parser.add_argument("--steps", type=int, default=10, help="plait train steps per run")
     parser.add_argument("--no-steps", action="store_true", help="skip the plait train table")

@@ -3,6 +3,8 @@ consumption, and the share of step time spent waiting for data.
 
     DS_ACCELERATOR=cpu python scripts/bench_data.py                       # about 8 MB of text
     DS_ACCELERATOR=cpu python scripts/bench_data.py --mb 4 --remote-mb-s 20 --gpt2-steps 3
+    DS_ACCELERATOR=cpu python scripts/bench_data.py --mb 0.05 --vocab 300 --shard-tokens 4096 \
+        --seq-len 16 --batch-size 2 --tiny-steps 3 --gpt2-steps 0      # a smoke run (no GPT-2)
 
 Prints, from one command:
 1. ``plait prepare`` MB/s of text with 1 and 2 worker processes, for bytes and for a BPE of
@@ -12,7 +14,7 @@ Prints, from one command:
    local directory in place, each against the tokens/s the tiny GPT and GPT-2 small consume;
 3. data wait / step time for real ``plait train`` runs of the tiny GPT and GPT-2 small on the
    warm cache (``data_wait_s/max`` and ``step_time_s/max`` from ``metrics.jsonl``, steps after
-   the first two).
+   the first two). ``--gpt2-steps 0`` leaves GPT-2 small out (its columns show ``-``).
 """
 
 from __future__ import annotations
@@ -122,9 +124,13 @@ def main() -> None:
                   f"model.vocab_size={args.vocab}"]
     train_figures(root, "warm-up", [*tiny_model, "train.steps=3", *common])  # fills the cache
     tiny = train_figures(root, "tiny", [*tiny_model, f"train.steps={args.tiny_steps}", *common])
-    gpt2 = train_figures(root, "gpt2", ["model=gpt2_small", f"train.steps={args.gpt2_steps}",
-                                        *common])
-    for label, (rate, fraction, worst) in (("tiny GPT", tiny), ("GPT-2 small", gpt2)):
+    gpt2 = (train_figures(root, "gpt2", ["model=gpt2_small", f"train.steps={args.gpt2_steps}",
+                                         *common]) if args.gpt2_steps else None)
+    for label, figures in (("tiny GPT", tiny), ("GPT-2 small", gpt2)):
+        if figures is None:
+            print(f"   {label:12s} not run (--gpt2-steps 0)")
+            continue
+        rate, fraction, worst = figures
         print(f"   {label:12s} consumes {rate:10,.0f} tokens/s   data wait {100 * fraction:.3f}% "
               f"of step time (worst step {1e3 * worst:.2f} ms)")
 
@@ -143,8 +149,9 @@ def main() -> None:
     local = loader_tokens_per_s(ShardDataset(local_index, LocalShards(local_index), **settings),
                                 args, steps)
     for label, rate in (("cold cache", cold), ("warm cache", warm), ("local, in place", local)):
+        versus_gpt2 = f"{rate / gpt2[0]:10.1f}x" if gpt2 else f"{'-':>11s}"
         print(f"   {label:16s} {rate:12,.0f} tokens/s   {rate / tiny[0]:8.1f}x tiny GPT   "
-              f"{rate / gpt2[0]:10.1f}x GPT-2 small")
+              f"{versus_gpt2} GPT-2 small")
     print(f"\n({steps} loader steps over {len(index.shard_sizes)} shards of {shard_tokens} "
           f"tokens; outputs in {root})")
 

@@ -3,6 +3,8 @@ ZeRO-1 with pipeline stages, each against its baseline in the same command.
 
     DS_ACCELERATOR=cpu python scripts/bench_memory.py                      # both comparisons
     DS_ACCELERATOR=cpu python scripts/bench_memory.py --only recompute --steps 6
+    DS_ACCELERATOR=cpu python scripts/bench_memory.py --only recompute --cases 2 --tiny \
+        --steps 2 --warmup 1                       # a smoke run: 1-layer models, figures moot
     DS_ACCELERATOR=cpu python scripts/bench_memory.py --budget-mib 1200 --layouts ddp zero1_pp2
                                                      # largest n_layer per layout, by bisection
 
@@ -69,6 +71,7 @@ MIB = 2**20
 # A GPT whose activations outweigh its model states, and one the other way round.
 ACTIVATION_HEAVY = {"n_layer": 8, "n_embd": 256, "n_head": 8, "seq_len": 256, "batch_size": 8}
 STATE_HEAVY = {"n_layer": 8, "n_embd": 512, "n_head": 8, "seq_len": 64, "batch_size": 8}
+TINY = {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 16, "batch_size": 4}  # --tiny
 
 DP2 = ["launcher.nproc_per_node=2"]
 PP2_DP2 = ["parallel.pp=2", "pipeline.microbatches=2", "launcher.nproc_per_node=4"]
@@ -185,7 +188,7 @@ def compare(root: Path, name: str, args) -> None:
           "| recomputes |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     base = None
-    for case, overrides in cases.items():
+    for case, overrides in list(cases.items())[:args.cases]:
         got = measure(root, f"{name}-{case}", [*model_overrides(model), *overrides], args.steps,
                       args.warmup)
         base = base or got
@@ -262,6 +265,10 @@ def fit(root: Path, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=list(COMPARISONS), nargs="+", default=list(COMPARISONS))
+    parser.add_argument("--cases", type=int, default=None,
+                        help="only the first N cases of each comparison (the baseline first)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="1-layer models of width 32 (a smoke run: the figures mean nothing)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--budget-mib", type=float, help="bisect n_layer for this budget")
@@ -274,6 +281,9 @@ def main() -> None:
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--max-layers", type=int, default=32)
     args = parser.parse_args()
+    if args.tiny:
+        for model in (ACTIVATION_HEAVY, STATE_HEAVY):
+            model.update(TINY)
     with tempfile.TemporaryDirectory(prefix="bench_memory-") as root:
         if args.budget_mib or args.job_mib:
             fit(Path(root), args)

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from plait import api
 from plait.plugins.optim import cosine_with_warmup
-from plait.testing import StepClock, free_port, steps_per_s
+from plait.testing import StepClock, exit_without_teardown, free_port, steps_per_s
 
 
 def overrides(args, root: Path, name: str) -> list[str]:
@@ -85,6 +85,7 @@ def plain_worker(rank: int, args, port: int, clock: str, cfg: dict) -> None:
             with open(clock, "a") as f:
                 f.write(f"{time.perf_counter()}\n")
     dist.destroy_process_group()
+    exit_without_teardown()  # as plait's workers end (no abort at interpreter teardown)
 
 
 def run_plain(args, root: Path, name: str) -> float:

@@ -3,6 +3,8 @@
     DS_ACCELERATOR=cpu python scripts/bench_ps.py
     DS_ACCELERATOR=cpu python scripts/bench_ps.py --steps 40 --workers 2 --mid   # bigger model
     sudo DS_ACCELERATOR=cpu python scripts/bench_ps.py --rate 100mbit   # links between nodes
+    DS_ACCELERATOR=cpu python scripts/bench_ps.py --strategies async_ps --no-stragglers \
+        --steps 3 --warmup 1 --batch 4 --device-ms 0                  # a smoke run, one job
 
 Each strategy trains the same model on ``--workers`` workers (plus one server for the parameter
 servers) for ``--steps`` steps, first with every worker at full speed, then with the last worker
@@ -65,6 +67,8 @@ STRATEGIES = {
     "local SGD (H=4)": ["strategy=local_sgd", "strategy.sync_every=4"],
     "DiLoCo (H=4)": ["strategy=diloco", "strategy.sync_every=4"],
 }
+# --strategies: the short name of each
+SHORT = dict(zip(("ddp", "sync_ps", "async_ps", "local_sgd", "diloco"), STRATEGIES))
 CASES = ("no straggler", "straggler 2x", "moving straggler")
 MID = ["model.n_layer=4", "model.n_embd=256", "model.n_head=4"]
 
@@ -163,23 +167,23 @@ def run_on_nodes(root: Path, name: str, overrides: list[str], args, rate: str | 
             "link_mb_per_step": link_bytes_per_step(root / name, args.warmup) / 1e6}
 
 
-def link_table(args) -> None:
+def link_table(args, strategies: dict[str, list[str]]) -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, overrides in STRATEGIES.items():  # free and limited alternate per strategy
+        for name, overrides in strategies.items():  # free and limited alternate per strategy
             for rate in (None, args.rate):
                 tag = f"{name}-{rate or 'free'}".replace(" ", "_").replace("(", "").replace(")", "")
                 results[(name, rate)] = run_on_nodes(Path(tmp), tag.replace("=", ""), overrides,
                                                      args, rate)
-    ddp = results[("ddp (all-reduce)", None)]
-    budget = args.budget or ddp["stamps"][-1] - ddp["stamps"][0]
+    first = results[(next(iter(strategies)), None)]  # DDP unless left out
+    budget = args.budget or first["stamps"][-1] - first["stamps"][0]
     print(f"\n{args.workers} workers, each on its own node (+1 node for the server), global batch "
           f"{args.batch}, {args.steps} steps; links free and at {args.rate}; loss after "
           f"{budget:.1f} s of training\n")
     print(f"| strategy | samples/s, free | samples/s, {args.rate} | ratio | loss @ {budget:.0f} s, "
           f"free | loss @ {budget:.0f} s, {args.rate} | MB per step on the logging worker's link |")
     print("|---|---|---|---|---|---|---|")
-    for name in STRATEGIES:
+    for name in strategies:
         free, slow = results[(name, None)], results[(name, args.rate)]
         print(f"| {name} | {free['throughput']:.1f} | {slow['throughput']:.1f} | "
               f"{slow['throughput'] / free['throughput']:.2f}x | {loss_at(free, budget):.3f} | "
@@ -202,11 +206,17 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--rate", default=None,
                         help="measure links instead of a straggler: tbf rate, e.g. 100mbit")
+    parser.add_argument("--strategies", nargs="+", choices=list(SHORT), default=list(SHORT),
+                        help="the strategies to run (the loss budget is the first one's time)")
+    parser.add_argument("--stragglers", action=argparse.BooleanOptionalAction, default=True,
+                        help="--no-stragglers: the no-straggler case only")
     args = parser.parse_args()
+    strategies = {SHORT[s]: STRATEGIES[SHORT[s]] for s in args.strategies}
+    cases = CASES if args.stragglers else CASES[:1]
     args.common = ["model=gpt_tiny", "tracker=none", "device=cpu", "train.seq_len=64",
                    "optimizer.warmup_steps=2", "train.log_every=1", *(MID if args.mid else [])]
     if args.rate:
-        link_table(args)
+        link_table(args, strategies)
         return
     # On every logged step the core reduces step time and memory over the step group, a
     # collective: logging every step would hold local SGD and DiLoCo in lockstep, so this table
@@ -215,8 +225,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         results, delay = {}, None
-        for name, overrides in STRATEGIES.items():  # each strategy's two cases back to back
-            for case in CASES:
+        for name, overrides in strategies.items():  # each strategy's cases back to back
+            for case in cases:
                 if delay is None and case != "no straggler":  # after DDP's full-speed run
                     delay = full_speed_step_seconds(results[(name, "no straggler")], args)
                     print(f"device time {args.device_ms:.0f} ms per forward on every worker; "
@@ -227,19 +237,23 @@ def main() -> None:
                 seconds = delay if case != "no straggler" else 0.0
                 results[(name, case)] = run(root, tag, overrides, args, seconds,
                                             moving=case == "moving straggler")
-    budget = args.budget or (results[("ddp (all-reduce)", "no straggler")]["stamps"][-1]
-                             - results[("ddp (all-reduce)", "no straggler")]["stamps"][0])
+    first = results[(next(iter(strategies)), "no straggler")]  # DDP unless left out
+    budget = args.budget or first["stamps"][-1] - first["stamps"][0]
     print(f"\n{args.workers} workers, global batch {args.batch}, {args.steps} steps; loss after "
           f"{budget:.1f} s of training\n")
     print(f"| strategy | samples/s | straggler 2x: samples/s | ratio | moving straggler: "
           f"samples/s | ratio | loss @ {budget:.0f} s | straggler 2x | moving |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name in STRATEGIES:
-        base, slow, moving = (results[(name, case)] for case in CASES)
-        print(f"| {name} | {base['throughput']:.1f} | {slow['throughput']:.1f} | "
-              f"{slow['throughput'] / base['throughput']:.2f}x | {moving['throughput']:.1f} | "
-              f"{moving['throughput'] / base['throughput']:.2f}x | {loss_at(base, budget):.3f} | "
-              f"{loss_at(slow, budget):.3f} | {loss_at(moving, budget):.3f} |")
+    for name in strategies:
+        base = results[(name, "no straggler")]
+        row = [f"{base['throughput']:.1f}"]
+        for case in CASES[1:]:
+            got = results.get((name, case))
+            row += ([f"{got['throughput']:.1f}", f"{got['throughput'] / base['throughput']:.2f}x"]
+                    if got else ["-", "-"])
+        losses = [f"{loss_at(results[(name, c)], budget):.3f}" if (name, c) in results else "-"
+                  for c in CASES]
+        print(f"| {name} | {' | '.join(row)} | {' | '.join(losses)} |")
     if args.json:
         args.json.write_text(json.dumps({f"{k[0]}|{k[1]}": v for k, v in results.items()}))
 

@@ -163,6 +163,11 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
+    def cut(self, node: Node) -> None:
+        """Cut ``node`` off the others: its port on the bridge goes down (its own end stays up,
+        so its processes see no error, only silence, as when a cable or switch port fails)."""
+        ip("-n", self.switch, "link", "set", f"pl{self.tag}s{node.rank}", "down")
+
     def link_counters(self) -> list[dict[str, int]]:
         """Bytes and packets each node's link has sent and received so far (veth counters)."""
         counters = []

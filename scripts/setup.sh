@@ -4,6 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# SLURM and munge, for tests/test_slurm.py (a controller and a node daemon on localhost), where
+# root and apt-get are available; elsewhere that test skips, saying why.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmd ]; then
+  { DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } ||
+    echo "setup: slurm-wlm and munge not installed; tests/test_slurm.py will skip" >&2
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
@@ -22,4 +29,9 @@ from deepspeed.accelerator import get_accelerator
 for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
     get_accelerator().create_op_builder(name).load(verbose=False)
 PY
+fi
+# A headless browser for the test that opens `plait report`'s HTML (tests/test_report.py skips,
+# saying why, without it): Debian's chromium, where this runs as root with apt.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -q && apt-get install -y -q chromium) >/dev/null || echo "setup: chromium not installed (apt failed)" >&2
 fi

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import itertools
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -263,16 +265,17 @@ hold_alone_after_step_2 = HoldAfter(
 
 class NanLoss:
     """Makes the loss (``what="loss"``) or the gradient of this rank's first parameter
-    (``what="grad"``) NaN on global rank ``rank`` for the engine's optimizer-step calls
-    ``first .. first+count-1`` of the first attempt. Every rank records, for each poisoned call,
-    whether the engine skipped it and whether parameters and optimizer state stayed the same
-    bytes: ``directory/skip_rank<r>_call<n>.json``. Works under every engine: the loss through
-    ``engine.loss_fn`` (DDP, ZeRO), the gradient through a tensor hook (also inside a pipeline
-    schedule, which holds its own loss function)."""
+    (``what="grad"``) NaN (or ``factor`` times what it is: a loss spike) on global rank ``rank``
+    for the engine's optimizer-step calls ``first .. first+count-1`` of the first attempt.
+    Every rank records, for each poisoned call, whether the engine skipped it and whether
+    parameters and optimizer state stayed the same bytes: ``directory/skip_rank<r>_call<n>.json``.
+    Works under every engine: the loss through ``engine.loss_fn`` (DDP, ZeRO), the gradient
+    through a tensor hook (also inside a pipeline schedule, which holds its own loss function)."""
 
-    def __init__(self, directory, first: int, count: int, rank: int = 1, what: str = "loss"):
+    def __init__(self, directory, first: int, count: int, rank: int = 1, what: str = "loss",
+                 factor: float = float("nan")):
         self.directory, self.first, self.count, self.rank = str(directory), first, count, rank
-        self.what = what
+        self.what, self.factor = what, factor
 
     @hookimpl
     def plait_declare(self):
@@ -284,17 +287,17 @@ class NanLoss:
         if attempt() > 0:
             return engine
         calls, inner_step, inner_loss = itertools.count(1), engine.train_step, engine.loss_fn
-        nan = [False]
+        nan, factor = [False], self.factor
         if self.what == "grad":
             first_param = next(engine.model.parameters())
-            first_param.register_hook(lambda g: g * float("nan") if nan[0] else g)
+            first_param.register_hook(lambda g: g * factor if nan[0] else g)
 
         def train_step(micro_batches, lr):
             n = next(calls)
             poisoned = self.first <= n < self.first + self.count
             nan[0] = poisoned and topology.rank == self.rank
             if self.what == "loss":
-                engine.loss_fn = ((lambda y, t: inner_loss(y, t) * float("nan")) if nan[0]
+                engine.loss_fn = ((lambda y, t: inner_loss(y, t) * factor) if nan[0]
                                   else inner_loss)
             before = snapshot(engine) if poisoned else None
             out = inner_step(micro_batches, lr)
@@ -343,7 +346,23 @@ class Rank0:
     roles = Roles({"trainer": (0,)})
     trainer_group = None
     local_rank = local_trainer_rank = node_rank = 0
-    dims = SimpleNamespace(dp=1, tp=1, pp=1)
+    dims = SimpleNamespace(dp=1, cp=1, tp=1, pp=1)
+
+
+@contextlib.contextmanager
+def stderr_into(path: Path):
+    """Send this process's file descriptor 2 (and so the stderr of every worker it starts, which
+    inherits it) into ``path`` for the block: what a user's terminal would show."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "w") as file:
+        os.dup2(file.fileno(), 2)
+    try:
+        yield path
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 class NoCapabilities:
@@ -388,6 +407,62 @@ class CommCounter:
     def take(self) -> dict[str, int]:
         taken = {k: v for k, v in self.counts.items() if v}
         self.counts.clear()
+        return taken
+
+
+class WireRecorder:
+    """Records what this process hands to ``torch.distributed``: every point-to-point send
+    (``isend``, ``send``) as ``(peer's global rank, bytes)`` in ``sends``, and every all-reduce
+    as ``(group, bytes)`` in ``all_reduces``, ``group`` being the name of a plait algorithm's
+    group (``"ring"``, ``"hierarchical"``: an :class:`AlgorithmGroup` run with sends) or
+    ``"backend"`` (gloo's or NCCL's own all-reduce).
+
+    It replaces those functions of ``torch.distributed``, which plait's ring and torch's comm
+    hooks (compression, PowerSGD) look up at each call, so it sees what a real reducer sends,
+    also from inside DDP's backward. Thread-safe: the explicit algorithms run on the reducer's
+    thread, the pipelined hierarchical all-reduce on three.
+    """
+
+    def __init__(self):
+        import threading
+
+        self.sends: list[tuple[int, int]] = []
+        self.all_reduces: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+        self.originals = {name: getattr(dist, name) for name in ("isend", "send", "all_reduce")}
+
+    def __enter__(self):
+        from plait.plugins.comm.algorithm import AlgorithmGroup
+
+        def sending(fn):
+            def send(tensor, dst=None, group=None, tag=0, group_dst=None):
+                peer = dst if group_dst is None else (
+                    group_dst if group is None else dist.get_global_rank(group, group_dst))
+                with self.lock:
+                    self.sends.append((peer, tensor.numel() * tensor.element_size()))
+                return fn(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+            return send
+
+        def all_reduce(tensor, *args, **kwargs):
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            name = group.name if isinstance(group, AlgorithmGroup) else "backend"
+            with self.lock:
+                self.all_reduces.append((name, tensor.numel() * tensor.element_size()))
+            return self.originals["all_reduce"](tensor, *args, **kwargs)
+
+        dist.isend, dist.send = sending(self.originals["isend"]), sending(self.originals["send"])
+        dist.all_reduce = all_reduce
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.originals.items():
+            setattr(dist, name, fn)
+
+    def take(self) -> tuple[list[tuple[int, int]], list[tuple[str, int]]]:
+        """What was recorded since the last ``take``: ``(sends, all_reduces)``."""
+        with self.lock:
+            taken = self.sends, self.all_reduces
+            self.sends, self.all_reduces = [], []
         return taken
 
 
@@ -812,3 +887,259 @@ def read_expert_probe(run_dir) -> tuple[dict[int, dict], dict[int, list[dict]]]:
               [json.loads(line) for line in p.read_text().splitlines()]
               for p in run_dir.glob("alltoall_rank*.jsonl")}
     return held, counts
+
+
+class RecordLayout:
+    """Proof that a layout happened, not only equal losses: on every rank, right before the
+    engine is built, the shape of every parameter the rank holds (the model after tensor-parallel
+    cutting and pipeline splitting, under the unsplit names) and the ranks of its dp, tp and pp
+    groups; then the groups every collective of the first step ran over (the ranks handed to
+    ``torch.distributed``'s collectives, and the peer of every pipeline send or receive: each
+    ``P2POp`` a stage makes). Written
+    to ``run.dir/layout_rank<r>.json``; :func:`assert_layout` reads them. A run that silently
+    stayed plain data parallel holds whole parameters and sends nothing over a tp group."""
+
+    COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                   "reduce_scatter_tensor", "broadcast", "all_to_all_single")
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="record_layout")
+
+    @hookimpl(wrapper=True, tryfirst=True)  # outermost: the first step of the whole engine
+    def plait_build_engine(self, cfg, model, topology):
+        record = {"params": {name: list(p.shape) for name, p in model.named_parameters()},
+                  "groups": {axis: dist.get_process_group_ranks(topology.group(axis))
+                             for axis in ("dp", "tp", "pp")}}
+        engine = yield
+        used: set[tuple[str, tuple[int, ...]]] = set()
+        path = Path(cfg.run.dir) / f"layout_rank{topology.rank}.json"
+        train_step = engine.train_step
+
+        def first_step(*args, **kwargs):
+            originals = {name: getattr(dist, name) for name in (*self.COLLECTIVES, "P2POp")}
+            for name in self.COLLECTIVES:
+                setattr(dist, name, _recording_group(originals[name], name, used))
+            dist.P2POp = _recording_peers(originals["P2POp"], topology.rank, used)
+            try:
+                return train_step(*args, **kwargs)
+            finally:
+                for name, fn in originals.items():
+                    setattr(dist, name, fn)
+                engine.train_step = train_step
+                record["used"] = sorted([kind, list(ranks)] for kind, ranks in used)
+                path.write_text(json.dumps(record))
+
+        engine.train_step = first_step
+        return engine
+
+
+record_layout = RecordLayout()  # for `+plugins=[inhouse:record_layout]` on a command line
+
+
+def _group_ranks(group) -> tuple[int, ...]:
+    from plait.plugins.comm.algorithm import AlgorithmGroup
+
+    if isinstance(group, AlgorithmGroup):  # comm=ring|hierarchical: the group it runs over
+        group = group.group
+    return tuple(dist.get_process_group_ranks(group) if group is not None
+                 else range(dist.get_world_size()))
+
+
+def _recording_group(fn, kind: str, used: set):
+    import inspect
+
+    signature = inspect.signature(fn)
+
+    def collective(*args, **kwargs):
+        group = signature.bind(*args, **kwargs).arguments.get("group")
+        used.add(("collective", _group_ranks(group)))
+        return fn(*args, **kwargs)
+
+    return collective
+
+
+def _recording_peers(p2p_op, rank: int, used: set):
+    """``torch.distributed.P2POp`` noting the peer of every point-to-point op made (a pipeline
+    stage makes one per send and receive, batched or not)."""
+
+    class RecordingP2POp(p2p_op):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            used.add(("p2p", tuple(sorted((rank, self.peer)))))
+
+    return RecordingP2POp
+
+
+def whole_model_shapes(run_dir) -> dict[str, list[int]]:
+    """Parameter name -> shape of a 1-process run's model (``RecordLayout``'s record)."""
+    return json.loads((Path(run_dir) / "layout_rank0.json").read_text())["params"]
+
+
+def assert_layout(run_dir, full: dict[str, list[int]], *, dp: int, tp: int = 1,
+                  pp: int = 1) -> None:
+    """The run's ranks (``RecordLayout``) were the ``(pp, dp, tp)`` mesh and worked as it:
+
+    - each rank's dp, tp and pp groups are the mesh's (rank = (pp_i·dp + dp_i)·tp + tp_i);
+    - in the first step it ran collectives over its own tp group (tensor-parallel regions) and
+      its own dp group (the gradient average), and pipeline sends only to the ranks of the
+      stages before and after its own (in a ring: interleaved stages wrap around);
+    - every parameter it holds is the unsplit one (``full``: name -> shape) or, under tp, that
+      one cut to 1/tp along one dim, the same on every rank of its tp group, and at least one is
+      cut; the stages of a pp group hold disjoint parameters that together make the model.
+    """
+    width = dp * tp
+    layouts = [json.loads((Path(run_dir) / f"layout_rank{r}.json").read_text())
+               for r in range(width * pp)]
+    for r, layout in enumerate(layouts):
+        pp_i, dp_i, tp_i = r // width, r % width // tp, r % tp
+        groups = {"dp": [pp_i * width + d * tp + tp_i for d in range(dp)],
+                  "tp": [pp_i * width + dp_i * tp + t for t in range(tp)],
+                  "pp": [p * width + dp_i * tp + tp_i for p in range(pp)]}
+        assert layout["groups"] == groups, (r, layout["groups"])
+        used = {(kind, tuple(ranks)) for kind, ranks in layout["used"]}
+        for axis, size in (("tp", tp), ("dp", dp)):
+            if size > 1:
+                assert ("collective", tuple(groups[axis])) in used, (r, axis, sorted(used))
+        peers = {ranks for kind, ranks in used if kind == "p2p"}
+        neighbours = {tuple(sorted((r, groups["pp"][(pp_i + step) % pp]))) for step in (-1, 1)
+                      if pp > 1}
+        assert peers <= neighbours and bool(peers) == (pp > 1), (r, peers)
+        cut = 0
+        for name, shape in layout["params"].items():
+            whole = full[name]
+            if shape == whole:
+                continue
+            dims = [i for i, (a, b) in enumerate(zip(shape, whole)) if a != b]
+            assert len(shape) == len(whole) and len(dims) == 1, (r, name, shape, whole)
+            assert shape[dims[0]] * tp == whole[dims[0]], (r, name, shape, whole)
+            cut += 1
+        assert (cut > 0) == (tp > 1), (r, cut)
+        for q in groups["tp"]:
+            assert layouts[q]["params"] == layout["params"], (r, q)
+    for r in range(width):  # each pp group: its stages split the model between them
+        names = [set(layouts[q]["params"]) for q in range(r, width * pp, width)]
+        assert sum(map(len, names)) == len(set().union(*names)) == len(full), (r, names)
+
+
+class RecordCompiled:
+    """Whether the model the engine steps was compiled, and what TorchDynamo captured in the
+    first step (``torch._dynamo.utils.counters``): ``run.dir/compiled_rank<r>.json``."""
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="record_compiled")
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+
+        def write():
+            from torch._dynamo.eval_frame import OptimizedModule
+            from torch._dynamo.utils import counters
+
+            Path(cfg.run.dir, f"compiled_rank{topology.rank}.json").write_text(json.dumps({
+                "wrapper": type(getattr(engine, "wrapped", engine.model)).__name__,
+                "optimized_module": isinstance(getattr(engine, "wrapped", None),
+                                               OptimizedModule),
+                "unique_graphs": counters["stats"]["unique_graphs"]}))
+
+        after_first_step(engine, write)
+        return engine
+
+
+class RecordFirstBatch:
+    """Writes the micro-batches of the first step on rank 0 (``run.dir/first_batch.pt``:
+    ``[(inputs, targets), ...]``), outermost around the engine, what the loop feeds."""
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+        if topology.rank == 0:
+            train_step, path = engine.train_step, Path(cfg.run.dir) / "first_batch.pt"
+
+            def first_step(micro_batches, lr):  # stays in place: other plugins may wrap it too
+                if not path.exists():
+                    torch.save([(x.clone(), y.clone()) for x, y in micro_batches], path)
+                return train_step(micro_batches, lr)
+
+            engine.train_step = first_step
+        return engine
+
+
+class RecordHeld:
+    """What each rank holds after its first step: ``held_rank<r>.json`` in ``run.dir`` with
+    ``params`` (``{name: elements this rank holds}``: a ZeRO-3 partition's, an FSDP shard's, a
+    tensor-parallel shard's) and ``optimizer_elements`` (the Adam first moments this rank's
+    optimizer keeps: a ZeRO partition holds a share of its stage's)."""
+
+    @hookimpl(wrapper=True, tryfirst=True)  # outermost: the engine the loop steps (a pipeline's)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+
+        def record():
+            params = {}
+            for name, p in engine.model.named_parameters():
+                part = getattr(p, "ds_tensor", None)
+                local = part if part is not None else (p.to_local() if hasattr(p, "to_local")
+                                                       else p)
+                params[name] = local.numel()
+            inner = getattr(engine, "inner", engine)
+            optimizer = inner.ds.optimizer.optimizer if hasattr(inner, "ds") else inner.optimizer
+            moments = [s["exp_avg"] for s in optimizer.state.values() if "exp_avg" in s]
+            moments = [m.to_local() if hasattr(m, "to_local") else m for m in moments]  # FSDP
+            record = {"params": params,
+                      "optimizer_elements": sum(m.numel() for m in moments)}
+            (Path(cfg.run.dir) / f"held_rank{topology.rank}.json").write_text(json.dumps(record))
+
+        after_first_step(engine, record)
+        return engine
+
+
+class RecordReads:
+    """Counts the checkpoint elements each rank reads while its model is built (``model=hf``:
+    ``CheckpointFiles.read``), into ``reads_rank<r>.json`` in ``run.dir``: ``{"elements"}``."""
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_model(self):
+        from plait.plugins.hf.checkpoint_files import CheckpointFiles
+
+        if not hasattr(CheckpointFiles, "plait_elements_read"):
+            read = CheckpointFiles.read
+
+            def counting_read(files, name, box=None, dtype=torch.float32):
+                value = read(files, name, box, dtype)
+                CheckpointFiles.plait_elements_read += value.numel()
+                return value
+
+            CheckpointFiles.read = counting_read
+        CheckpointFiles.plait_elements_read = 0
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def plait_build_loss(self, cfg, topology):
+        from plait.plugins.hf.checkpoint_files import CheckpointFiles
+
+        (Path(cfg.run.dir) / f"reads_rank{topology.rank}.json").write_text(
+            json.dumps({"elements": CheckpointFiles.plait_elements_read}))
+        return (yield)
+
+
+class LayerListLM(torch.nn.Module):
+    """A user's own model with no plan and no plugin: an embedding, a ``ModuleList`` of residual
+    MLP layers, a norm and a head (``pipeline.layers=layers`` cuts it into stages)."""
+
+    def __init__(self, vocab_size: int = 256, width: int = 32, n_layers: int = 4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, width)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                torch.nn.Linear(2 * width, width)) for _ in range(n_layers))
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab_size)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(self.norm(x))

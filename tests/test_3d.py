@@ -25,6 +25,8 @@ from plait.plugins.zero.estimate import zero_formula
 from plait.testing import TEST_OVERRIDES, compose, read_metrics, run_training
 from plait.types import PlanError
 
+import inhouse
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 TOLERANCE = 2e-5
@@ -84,12 +86,15 @@ def runs(tmp_path_factory):
         "one": (["launcher.nproc_per_node=1", "train.grad_accum_steps=4"], STEPS),
         "zero1_pp2_dp2": ([*PP2_DP2, "strategy=zero1"], STEPS),
     }
-    return {name: run_training(root / name, [*COMMON, f"train.steps={steps}", *overrides])
+    return {name: run_training(root / name, [*COMMON, f"train.steps={steps}", *overrides],
+                               plugins=[inhouse.RecordLayout()])
             for name, (overrides, steps) in plans.items()}
 
 
 @pytest.mark.slow
 def test_zero1_pp2_dp2_trains_like_one_process(runs):
+    inhouse.assert_layout(runs["zero1_pp2_dp2"], inhouse.whole_model_shapes(runs["one"]), dp=2,
+                          pp=2)
     assert_same(figures(runs["zero1_pp2_dp2"]), figures(runs["one"]), STEPS)
 
 
@@ -121,5 +126,7 @@ def test_zero1_partitions_each_stages_optimizer_states_over_its_dp_group(runs):
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
 def test_pp2_tp2_dp2_on_8_processes_trains_like_one_process(runs, tmp_path, strategy):
     run = run_training(tmp_path / strategy, [*COMMON, f"train.steps={STEPS_8}", *PP2_TP2_DP2,
-                                             f"strategy={strategy}"])
+                                             f"strategy={strategy}"],
+                       plugins=[inhouse.RecordLayout()])
+    inhouse.assert_layout(run, inhouse.whole_model_shapes(runs["one"]), dp=2, tp=2, pp=2)
     assert_same(figures(run), figures(runs["one"]), STEPS_8)

@@ -101,3 +101,40 @@ def test_export_loads_into_the_plain_model_with_the_same_eval_loss(tmp_path):
                     model(x).flatten(0, 1), y.flatten()).item())
     logged = read_metrics(run_dir)[-1]["eval/loss"]
     assert sum(losses) / len(losses) == pytest.approx(logged, rel=1e-5)
+
+
+class StateFileEngine:
+    """Writes and reads one file, the way an engine's own files are written."""
+
+    def save_state(self, directory):
+        (directory / "model.pt").write_bytes(b"weights")
+
+    def load_state(self, directory):
+        assert (directory / "model.pt").read_bytes() == b"weights"
+
+
+def test_a_checkpoint_missing_a_ranks_random_state_is_refused_not_resumed_around(tmp_path):
+    """Written at this layout, a checkpoint holds every rank's ``rng_rank<r>.pt``: a resume
+    without it could not draw the same dropout masks, so it is an error naming the file, never a
+    silent fresh random state. The random state saved is the one a resume restores."""
+    cfg = compose([f"run.root={tmp_path}", "run.name=r", "fault.checkpoint_every=2",
+                   "launcher.nproc_per_node=1"])
+    torch.manual_seed(7)
+    checkpoint.plait_save_checkpoint(cfg=cfg, engine=StateFileEngine(), state=TrainState(step=2),
+                                     topology=inhouse.Rank0(), final=False,
+                                     hook=inhouse.NoCapabilities)
+    after_save = torch.rand(3)
+    torch.manual_seed(99)
+    resumed = checkpoint.plait_load_checkpoint(cfg=cfg, engine=StateFileEngine(),
+                                               topology=inhouse.Rank0(),
+                                               hook=inhouse.NoCapabilities)
+    assert resumed.step == 2 and torch.equal(torch.rand(3), after_save)
+
+    saved = tmp_path / "r" / "checkpoints" / "step_00000002"
+    (saved / "rng_rank0.pt").unlink()
+    files = json.loads((saved / "complete.json").read_text())
+    del files["files"]["rng_rank0.pt"]  # complete by its own record: only the RNG file is gone
+    (saved / "complete.json").write_text(json.dumps(files))
+    with pytest.raises(FileNotFoundError, match="has no rng_rank0.pt: rank 0's random state"):
+        checkpoint.plait_load_checkpoint(cfg=cfg, engine=StateFileEngine(),
+                                         topology=inhouse.Rank0(), hook=inhouse.NoCapabilities)

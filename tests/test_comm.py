@@ -1,7 +1,9 @@
 """Gradient communication without a network: the node layout, plan checks, the ZeRO mapping (no
 processes), and the algorithms on 4 gloo processes posing as 2 nodes x 2 (the launcher's node
-variables, as torch elastic sets them). The same algorithms across real network namespaces:
-tests/test_comm_multinode.py."""
+variables, as torch elastic sets them): their sums, and what each rank sends to which peer and
+hands to all-reduce (``inhouse.WireRecorder``), which tells ring from hierarchical from gloo's own
+all-reduce and a compressed payload from an uncompressed one. The same algorithms across real
+network namespaces: tests/test_comm_multinode.py."""
 
 from __future__ import annotations
 
@@ -129,15 +131,24 @@ def test_zero_refuses_what_deepspeed_cannot_do():
 # ---------------------------------------------------------------------------------------------
 
 
-def _cfg(name: str, compression: str = "none", bucket_mb: float | None = None):
+def _cfg(name: str, compression: str = "none", bucket_mb: float | None = None,
+         powersgd_rank: int = 1):
     from omegaconf import OmegaConf
 
     return OmegaConf.create({
         "device": "cpu", "seed": 0,
         "launcher": {"timeout_s": 120, "nnodes": 2, "nproc_per_node": 2},
-        "parallel": {"dp": -1, "tp": 1, "pp": 1},
+        "parallel": {"dp": -1, "tp": 1, "pp": 1}, "train": {"grad_accum_steps": 1},
         "comm": {"name": name, "compression": compression, "bucket_mb": bucket_mb,
-                 "powersgd_rank": 1, "powersgd_start_iter": 2}})
+                 "powersgd_rank": powersgd_rank, "powersgd_start_iter": 2}})
+
+
+# What one step of the reducer hands to all-reduce for the gradients [16x12, 12, 12x20] (444
+# fp32 values, 1776 bytes): the whole bucket; half the bytes in fp16 / bf16; PowerSGD at rank
+# r=1 sends the vector whole and each matrix M (m x n) as its factors P (m x r) and Q (n x r),
+# (m+n)·r values instead of m·n, in three all-reduces: the uncompressed tensors, every P, every Q.
+PAYLOAD = {"none": [4 * 444], "fp16": [2 * 444], "bf16": [2 * 444],
+           "powersgd": [4 * 12, 4 * (16 + 12) * 1, 4 * (12 + 20) * 1]}
 
 
 def _same_on_every_rank(tensor: torch.Tensor) -> None:
@@ -153,6 +164,7 @@ def _algorithms_on_two_nodes(rank: int, world_size: int) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from plait.plugins import comm as plugins
+    from inhouse import WireRecorder
     from plait.plugins.comm.buckets import FlatBucket
     from plait.plugins.comm.hierarchical import hierarchical_all_reduce_
     from plait.plugins.comm.ring import ring_all_reduce_
@@ -182,7 +194,8 @@ def _algorithms_on_two_nodes(rank: int, world_size: int) -> None:
         assert torch.equal(pipelined, expected), numel
 
     # floats, through each plugin's reducer and every compression: the average, up to the
-    # summation order (fp32) or the rounding of the wire format, the same on every rank
+    # summation order (fp32) or the rounding of the wire format, the same on every rank; and
+    # what went on the wire (inhouse.WireRecorder), by peer, in the step that counts
     torch.manual_seed(rank)
     grads = [torch.randn(16, 12), torch.randn(12), torch.randn(12, 20)]
     exact = [g.clone() for g in grads]
@@ -190,13 +203,26 @@ def _algorithms_on_two_nodes(rank: int, world_size: int) -> None:
         dist.all_reduce(g)
         g /= world_size
     tolerance = {"none": 1e-6, "fp16": 2e-3, "bf16": 2e-2}
+    right, partner, across = (rank + 1) % 4, rank ^ 1, (rank + 2) % 4  # nodes [0 1 | 2 3]
     for name in ALGORITHMS:
         for compression in COMPRESSIONS:
             reducer = plugins.comm.plait_grad_reducer(_cfg(name, compression), topology)
             assert (reducer.spec.algorithm, reducer.spec.compression) == (name, compression)
-            for _ in range(3):  # PowerSGD: 2 uncompressed steps, then compressed
-                bucket = FlatBucket(0, [g.clone() for g in grads], last=True)
-                averaged = reducer.reduce(bucket, group).wait()
+            with WireRecorder() as wire:
+                for _ in range(3):  # PowerSGD: 2 uncompressed steps, then compressed
+                    bucket = FlatBucket(0, [g.clone() for g in grads], last=True)
+                    wire.take()
+                    averaged = reducer.reduce(bucket, group).wait()
+                sends, all_reduces = wire.take()
+            # the compression decides the payload; the algorithm the group it goes through
+            group_name = "backend" if name == "flat" else name
+            assert all_reduces == [(group_name, b) for b in PAYLOAD[compression]], (
+                name, compression, all_reduces)
+            # flat is gloo's own all-reduce: no send of plait's. Ring and hierarchical send
+            # 2(p-1)/p = 1.5 of each payload (p = 4 ranks; 2 per node: 1/2 + 2·1/4 + 1/2)
+            assert sum(b for _, b in sends) == (0 if name == "flat" else
+                                                1.5 * sum(PAYLOAD[compression])), (
+                name, compression, sends)
             _same_on_every_rank(averaged)
             bucket.copy_back(averaged)
             error = max((a - e).abs().max().item() for a, e in zip(bucket._grads, exact))
@@ -204,6 +230,28 @@ def _algorithms_on_two_nodes(rank: int, world_size: int) -> None:
                 assert 1e-3 < error < 10, (name, error)
             else:
                 assert error < tolerance[compression] * 4, (name, compression, error)
+            if compression != "none":
+                continue
+            S = 4 * 444
+            if name == "ring":  # 2(N-1) = 6 chunks of S/N, all to the right neighbour
+                assert sends == [(right, S // 4)] * 6, sends
+            if name == "hierarchical":  # reduce-scatter in the node, all-reduce across the
+                assert sends == [(partner, S // 2),  # nodes of the half this rank holds,
+                                 (across, S // 4), (across, S // 4),
+                                 (partner, S // 2)], sends  # all-gather in the node
+    # Between nodes: the ring's ranks 1 and 3 send all 6 chunks across (3·S in all), the
+    # hierarchical ranks 2 chunks each (2·S): the (n-1)L/(nL-1) = 2/3 of hierarchical.py.
+
+    # PowerSGD's ratio for one matrix at rank r = 2: (m+n)·r / (m·n) of the bytes
+    with WireRecorder() as wire:
+        reducer = plugins.comm.plait_grad_reducer(_cfg("ring", "powersgd", powersgd_rank=2),
+                                                  topology)
+        for _ in range(3):
+            wire.take()
+            reducer.reduce(FlatBucket(0, [torch.randn(32, 24)], last=True), group).wait()
+        sends, all_reduces = wire.take()
+    assert [b for _, b in all_reduces] == [0, 4 * 32 * 2, 4 * 24 * 2], all_reduces  # -; P; Q
+    assert sum(b for _, b in sends) / (1.5 * 4 * 32 * 24) == (32 + 24) * 2 / (32 * 24), sends
 
     # DDP keeps its C++ paths for comm=allreduce, takes every other reducer as a hook, and
     # its bucket size from comm.bucket_mb
@@ -213,12 +261,22 @@ def _algorithms_on_two_nodes(rank: int, world_size: int) -> None:
         ddp = DistributedDataParallel(torch.nn.Linear(4, 4), process_group=group,
                                       **ddp_options(reducer))
         register_reducer(ddp, reducer, group)
+        return ddp
+
+    def hook_and_bucket(ddp):
         return str(ddp._get_ddp_logging_data().get("comm_hook")), ddp.bucket_bytes_cap
 
-    assert ddp_with("allreduce", "none") == ("None", 25 * 2**20)  # DDP's own C++ all-reduce
-    assert ddp_with("allreduce", "fp16")[0] == "BuiltinCommHookType.FP16_COMPRESS"
-    assert ddp_with("allreduce", "bf16")[0] == "reduce_bucket"
-    assert ddp_with("ring", "none", bucket_mb=0.5) == ("reduce_bucket", 2**19)
+    assert hook_and_bucket(ddp_with("allreduce", "none")) == ("None", 25 * 2**20)  # DDP's C++
+    assert hook_and_bucket(ddp_with("allreduce", "fp16"))[0] == "BuiltinCommHookType.FP16_COMPRESS"
+    assert hook_and_bucket(ddp_with("allreduce", "bf16"))[0] == "reduce_bucket"
+    ring = ddp_with("ring", "none", bucket_mb=0.5)
+    assert hook_and_bucket(ring) == ("reduce_bucket", 2**19)
+    # and DDP's backward really runs the ring: its one bucket (the Linear's 20 gradients, 80
+    # bytes) goes round in 6 chunks of 20 bytes to the right neighbour
+    with WireRecorder() as wire:
+        ring(torch.randn(2, 4)).sum().backward()
+    sends, all_reduces = wire.take()
+    assert (sends, all_reduces) == ([(right, 20)] * 6, [("ring", 80)]), (sends, all_reduces)
 
 
 @pytest.mark.slow

@@ -4,13 +4,14 @@ from pathlib import Path
 
 import pytest
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from plait.cli import main
 from plait.plan import make_plan
 from plait.plugins.data.prepare import PrepareDataConfig, prepare
 from plait.testing import compose
+from plait.types import PlanError
 
 CONF = Path(__file__).parents[1] / "conf"
 OPTIONS = sorted(
@@ -21,7 +22,8 @@ OPTIONS = sorted(
 NEEDS = {("data", "text"): ["data.path=README.md"],
          ("data", "tokens"): ["data.path=__TOKENS__"],
          ("data", "shards"): ["data.path=__SHARDS__"],
-         ("model", "custom"): ["model._target_=torch.nn.Identity"]}
+         ("model", "custom"): ["model._target_=torch.nn.Identity"],
+         ("model", "hf"): ["model.path=__HF__", "model.pretrained=false"]}
 
 
 @pytest.mark.parametrize("group,option", OPTIONS)
@@ -34,14 +36,21 @@ def test_every_option_of_every_group_composes_and_passes_the_checks(group, optio
                                                        num_workers=1)),
                 tmp_path / "shards", log=lambda message: None)
         extra = [o.replace("__SHARDS__", str(tmp_path / "shards")) for o in extra]
+    if (group, option) == ("model", "hf"):  # a config-only directory: random weights
+        from transformers import LlamaConfig
+
+        LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4).save_pretrained(tmp_path / "hf")
+        extra = [o.replace("__HF__", str(tmp_path / "hf")) for o in extra]
     cfg = compose([f"{group}={option}", f"run.root={tmp_path}", *extra])
     assert cfg[group] is not None
 
 
 def test_unknown_option_lists_valid_choices():
-    with pytest.raises(MissingConfigException) as err:
+    with pytest.raises(PlanError) as err:
         compose(["strategy=nosuch"])
-    assert "Available options in 'strategy'" in str(err.value) and "ddp" in str(err.value)
+    assert "strategy=nosuch: no such option; choose one of ddp, " in str(err.value)
+    assert "base_" not in str(err.value)  # the schemas plugins store are not choices
 
 
 def test_unknown_key_and_wrong_type_are_errors():

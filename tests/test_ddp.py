@@ -1,5 +1,6 @@
 """DDP on 2 processes against 1 process on the same global batch, and mixed precision."""
 
+import json
 import re
 
 import pytest
@@ -76,3 +77,17 @@ def test_fp16_loss_scaler_skips_the_steps_that_overflow(tmp_path):
     run_losses(run, [*inhouse.OVERFLOW_RUN, "train.batch_size=8", "launcher.nproc_per_node=1",
                      "precision=fp16"], plugins=[inhouse.OverflowAtSteps(2, 3)])
     inhouse.assert_steps_2_and_3_skipped(run, scales=[1, 0.5, 0.25, 0.25])
+
+
+def test_compiled_model_trains_like_eager(tmp_path, fp32, monkeypatch):
+    """``strategy.compile=true``: torch.compile (TorchDynamo, Inductor's CPU kernels) around the
+    model; the same losses as eager within float32 rounding of fused kernels (REL). Inductor
+    compiles its kernels in the worker itself (one thread: no pool of compile processes, each
+    importing torch, on a 2-core machine)."""
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    run = tmp_path / "compiled"
+    compiled = run_losses(run, [*STEPS, "launcher.nproc_per_node=1", "strategy.compile=true"],
+                          plugins=[inhouse.RecordCompiled()])
+    record = json.loads((run / "compiled_rank0.json").read_text())
+    assert record["optimized_module"] and record["unique_graphs"] >= 1, record
+    assert compiled == pytest.approx(fp32, rel=REL)

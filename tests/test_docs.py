@@ -16,3 +16,39 @@ def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     assert "./scripts/test.sh" in readme and "./scripts/train.sh" in readme
     assert "./scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def entry_points_by_package() -> dict[str, set[str]]:
+    """``pyproject.toml``'s ``plait`` entry points, by the package of ``plugins/`` they live in."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    found: dict[str, set[str]] = {}
+    for name, target in project["entry-points"]["plait"].items():
+        package = target.removeprefix("plait.plugins.").split(":")[0].split(".")[0]
+        found.setdefault(package, set()).add(name)
+    return found
+
+
+def documented_packages() -> dict[str, set[str]]:
+    """docs/architecture.md's package table: each ``plugins/`` package and the entry points its
+    second column names (backticked, outside parentheses)."""
+    import re
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| `(\w+)/` \| (.+?) \| .+ \|$", text, re.M)
+    documented = {}
+    for package, plugins in rows:
+        while re.search(r"\([^()]*\)", plugins):
+            plugins = re.sub(r"\([^()]*\)", "", plugins)
+        documented[package] = set(re.findall(r"`(\w+)`", plugins))
+    return documented
+
+
+def test_the_architecture_package_table_lists_every_plugin_package_and_entry_point():
+    packages = {p.name for p in (ROOT / "plugins").iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    documented = documented_packages()
+    assert set(documented) == packages, (
+        f"docs/architecture.md lacks {sorted(packages - set(documented))}, lists "
+        f"{sorted(set(documented) - packages)} that plugins/ does not have")
+    assert documented == entry_points_by_package()

@@ -22,10 +22,15 @@ from plait.types import TrainState
 import inhouse
 
 STEPS = 8
+# Dropout on: every step draws from each rank's random generators, so a resume that does not
+# restore them (rng_rank<r>.pt) continues with other masks and other losses.
 RUN = [f"train.steps={STEPS}", "optimizer.decay_steps=8", "fault.checkpoint_every=3",
-       "launcher.nproc_per_node=2", "fault.keep_last=0"]
+       "launcher.nproc_per_node=2", "fault.keep_last=0", "model.dropout=0.1"]
 LAYOUTS = {"ddp": [], "zero2": ["strategy=zero2"],
-           "pp2": ["parallel.pp=2", "pipeline.microbatches=2"]}
+           "pp2": ["parallel.pp=2", "pipeline.microbatches=2"],
+           # tensor parallelism: the killed rank 1 holds the other half of every split layer
+           # and draws its own dropout masks in them
+           "tp2": ["parallel.tp=2"]}
 KILL_STEP = random.Random().randint(4, 7)  # a random step; printed in a failure's report
 
 
@@ -95,7 +100,7 @@ POISON = {"ddp": {"what": "loss", "rank": 1}, "zero2": {"what": "grad", "rank": 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", ["ddp", "zero2", "pp2"])
 def test_nan_on_one_rank_skips_the_step_everywhere_and_k_in_a_row_roll_back(uninterrupted, layout,
                                                                            tmp_path):
     """fault.max_bad_steps=2: the first NaN step is skipped on both ranks with parameters and
@@ -112,6 +117,22 @@ def test_nan_on_one_rank_skips_the_step_everywhere_and_k_in_a_row_roll_back(unin
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in metrics] == straight
     assert [m["restarts"] for m in metrics][3:] == [1.0] * (STEPS - 3)
+
+
+@pytest.mark.slow
+def test_a_loss_spike_skips_the_step_on_every_rank(tmp_path):
+    """fault.spike_factor=3: rank 1's loss at the 7th step is 100 times what it is (6 steps
+    taken: the running median is judged), so the step is skipped on both ranks with parameters
+    and optimizer state unchanged, counted, and the run takes one more batch for its 8 steps."""
+    run_dir = tmp_path / "spike"
+    run_training(run_dir, [*RUN, "fault.spike_factor=3"],
+                 plugins=[inhouse.NanLoss(tmp_path, first=7, count=1, rank=1, factor=100.0)])
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"skip_rank{rank}_call7.json").read_text())
+        assert record == {"skipped": True, "unchanged": True}, f"rank {rank}"
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert [m["loss_spikes"] for m in metrics] == [0.0] * 6 + [1.0] * (STEPS - 6)
 
 
 @pytest.mark.slow

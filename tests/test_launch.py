@@ -1,6 +1,7 @@
 """Starting workers: under torchrun, and under a SLURM-style launcher (environment only)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -14,8 +15,14 @@ pytestmark = pytest.mark.slow
 STEPS = ["train.steps=3", "optimizer.decay_steps=3"]
 
 
-def test_torchrun_runs_plait_in_place_with_the_same_losses(tmp_path):
-    reference = run_losses(tmp_path / "ref", [*STEPS, "launcher.nproc_per_node=2"])
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Losses of the same run started by plait's own launcher with 2 worker processes."""
+    return run_losses(tmp_path_factory.mktemp("ref") / "local",
+                      [*STEPS, "launcher.nproc_per_node=2"])
+
+
+def test_torchrun_runs_plait_in_place_with_the_same_losses(reference, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            f"--master_port={free_port()}", "-m", "plait", "train", *TEST_OVERRIDES, *STEPS,
            f"run.root={tmp_path}", "run.name=torchrun"]
@@ -28,8 +35,11 @@ def test_torchrun_runs_plait_in_place_with_the_same_losses(tmp_path):
     assert not list(tmp_path.glob("**/.hydra"))
 
 
-def test_srun_environment_is_translated_for_torch(tmp_path):
+def test_srun_environment_is_translated_for_torch(reference, tmp_path):
     # A stand-in for srun (no SLURM here): start 2 processes with the variables srun sets.
+    # They must form one job of 2 ranks: one rank 0 saying so, and the 2-process run's losses.
+    # (The losses alone cannot tell: two tasks that each ran a 1-process job of the whole batch
+    # in the same directory log the same losses, DDP equalling one process.)
     port = free_port()
     procs = []
     for rank in range(2):
@@ -42,11 +52,16 @@ def test_srun_environment_is_translated_for_torch(tmp_path):
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "plait", "train", *TEST_OVERRIDES, *STEPS,
              f"run.root={tmp_path}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = []
     for p in procs:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out.decode()[-2000:]
-    # both ranks agreed on the run directory through the job id
-    assert len(read_metrics(tmp_path / "job-4242")) == 3
+        outputs.append(out.decode())
+    started = re.findall(r"plait: training .* on (\d+) process\(es\)", "".join(outputs))
+    assert started == ["2"], outputs
+    # both ranks agreed on the run directory through the job id, and trained as one job
+    losses = [m["loss"] for m in read_metrics(tmp_path / "job-4242")]
+    assert losses == pytest.approx(reference, rel=1e-6)
 
 
 def test_slurm_variables_map_to_torch_env():

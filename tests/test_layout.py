@@ -155,9 +155,9 @@ def test_third_party_strategy_takes_tensor_parallelism_but_not_pipelines(third_p
 def test_third_party_model_is_split_by_its_own_plan(third_party):
     tiny = ["model=custom", "model._target_=thirdparty.TinyLM", "parallel.tp=2"]
     assert problems(*tiny) == ""
-    assert "needs 'model:pipeline_stages' for parallel.pp=2" in problems(
-        "model=custom", "model._target_=thirdparty.TinyLM", "parallel.pp=2",
-        "pipeline.microbatches=2")
+    assert ("parallel.pp=2: model._target_=thirdparty.TinyLM has no pipeline_plan: name its layer "
+            "list" in problems("model=custom", "model._target_=thirdparty.TinyLM", "parallel.pp=2",
+                               "pipeline.microbatches=2"))
     # without its plugin the same model declares nothing, and tp is refused before launch
     assert "needs 'model:tensor_parallel_plan' for parallel.tp=2" in problems(
         "model=custom", "model._target_=torch.nn.Identity", "parallel.tp=2")

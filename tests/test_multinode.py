@@ -7,7 +7,6 @@ the command needs nothing a real cluster would not: the c10d rendezvous meets at
 ``launcher.master_addr``, and the workers find each other by host name.
 """
 
-import os
 import re
 import shutil
 import subprocess
@@ -20,6 +19,9 @@ import pytest
 from plait.cli import main
 from plait.plan import make_plan
 from plait.testing import TEST_OVERRIDES, read_metrics, run_losses
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+import netns_cluster  # noqa: E402
 
 README = Path(__file__).parents[1] / "README.md"
 STEPS = ["train.steps=3", "optimizer.decay_steps=3"]
@@ -42,8 +44,12 @@ def ip(*args):
 @pytest.fixture
 def two_nodes():
     """Node i: (namespace, host name, address); node 0 has the README's master_addr."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
-        pytest.skip("needs root, iproute2 and unshare to make network and UTS namespaces")
+    # tried, not assumed: root in a container may still be refused namespaces
+    reason = netns_cluster.can_make_namespaces()
+    if reason is None and shutil.which("unshare") is None:
+        reason = "needs unshare (util-linux) to give each node its own host name"
+    if reason is not None:
+        pytest.skip(reason)
     master = settings(readme_multinode_overrides())["launcher.master_addr"]
     prefix, last = master.rsplit(".", 1)
     tag = uuid.uuid4().hex[:6]

@@ -311,11 +311,14 @@ def test_replicas_meet_every_h_steps_and_learn_with_adamw(replica_runs, name):
 
 
 @pytest.mark.slow
-def test_local_sgd_resumes_diverged_replicas_as_if_uninterrupted(tmp_path, replica_runs):
+@pytest.mark.parametrize("name", ["local_sgd", "diloco"])
+def test_replicas_resume_diverged_as_if_uninterrupted(tmp_path, replica_runs, name):
     """The step-4 checkpoint holds replicas that differ (H=3); rank 1 is SIGKILLed after step 5,
-    torch elastic restarts both, each replica resumes from its own file."""
-    straight, run = replica_runs("local_sgd"), tmp_path / "killed"
-    run_training(run, [*replica_overrides("local_sgd"), "fault.checkpoint_every=2",
+    torch elastic restarts both, each replica resumes from its own file. DiLoCo's files also
+    hold the outer parameters and the outer Nesterov momentum of step 3's outer step, which
+    step 6's outer step needs."""
+    straight, run = replica_runs(name), tmp_path / "killed"
+    run_training(run, [*replica_overrides(name), "fault.checkpoint_every=2",
                        "launcher.max_restarts=1"], plugins=[inhouse.KillAt(step=5, rank=1)])
     assert not identical(*replicas(run, 4))
     logged = read_metrics(run)
@@ -323,6 +326,82 @@ def test_local_sgd_resumes_diverged_replicas_as_if_uninterrupted(tmp_path, repli
     resumed = {m["step"]: m["loss"] for m in logged}  # step 5 may be logged twice: last wins
     assert resumed == {m["step"]: m["loss"] for m in read_metrics(straight)}
     assert all(identical(a, b) for a, b in zip(replicas(straight, 6), replicas(run, 6)))
+
+
+def _diloco_two_parameters(rank: int, world_size: int, config: dict, out: str) -> None:
+    """DiLoCo's engine on ``y = w·x + b`` (2 parameters), inner SGD at lr 0.1 on a squared error,
+    each rank its own samples (``sample``); rank 0 writes every replica's (w, b) after each
+    step."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from plait.plugins.diloco.outer import DiLoCoEngine
+    from plait.topology import Topology
+
+    cfg = OmegaConf.create(config)
+    topology = Topology.initialize(cfg)
+    model = torch.nn.Linear(1, 1)
+    with torch.no_grad():
+        model.weight.fill_(W0)
+        model.bias.fill_(B0)
+    engine = DiLoCoEngine(cfg, model, torch.optim.SGD(model.parameters(), lr=INNER_LR),
+                          torch.nn.functional.mse_loss, topology)
+    after = []
+    for step in range(1, 5):
+        x, y = sample(rank, step)
+        engine.train_step([(torch.tensor([[x]]), torch.tensor([[y]]))], lr=INNER_LR)
+        mine = torch.tensor([model.weight.item(), model.bias.item()], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(every, mine)
+        after.append([t.tolist() for t in every])
+    if rank == 0:
+        Path(out).write_text(json.dumps(after))
+
+
+W0, B0, INNER_LR = 0.5, -0.25, 0.1
+
+
+def sample(rank: int, step: int) -> tuple[float, float]:
+    return 0.5 + 0.5 * rank + 0.1 * step, 1.0 - 2.0 * rank
+
+
+@pytest.mark.slow
+def test_diloco_outer_step_is_nesterov_at_the_papers_defaults(tmp_path):
+    """Two outer steps (H=2) at the paper's defaults (outer lr 0.7, Nesterov momentum 0.9),
+    against the same steps computed here by hand: with the momentum of the first outer step
+    carried into the second. Local SGD (outer lr 1, no momentum) would give the replicas'
+    mean instead, which differs."""
+    from omegaconf import OmegaConf
+
+    from plait.testing import compose
+
+    cfg = compose(["strategy=diloco", "strategy.sync_every=2", "launcher.nproc_per_node=2",
+                   "optimizer=sgd", "train.grad_clip=0"])
+    assert (cfg.strategy.outer_lr, cfg.strategy.outer_momentum) == (0.7, 0.9)  # the defaults
+    spawn(_diloco_two_parameters, 2, OmegaConf.to_container(cfg, resolve=True),
+          str(tmp_path / "after.json"))
+
+    lr, momentum = 0.7, 0.9
+    theta, buf = [W0, B0], None  # the outer parameters and the outer momentum buffer
+    replicas, expected, means = [theta, theta], [], []
+    for step in range(1, 5):
+        for r in (0, 1):  # one inner SGD step: d/dw (wx+b-y)^2 = 2(wx+b-y)x, d/db = 2(wx+b-y)
+            (w, b), (x, y) = replicas[r], sample(r, step)
+            e = w * x + b - y
+            replicas[r] = [w - INNER_LR * 2 * e * x, b - INNER_LR * 2 * e]
+        if step % 2 == 0:  # the outer step on the pseudo-gradient
+            mean = [(a + c) / 2 for a, c in zip(*replicas)]
+            delta = [t - m for t, m in zip(theta, mean)]
+            buf = delta if buf is None else [momentum * u + d for u, d in zip(buf, delta)]
+            theta = [t - lr * (d + momentum * u) for t, d, u in zip(theta, delta, buf)]
+            replicas = [theta, theta]
+            means.append(mean)
+        expected.append([list(r) for r in replicas])
+    after = json.loads((tmp_path / "after.json").read_text())
+    for step, (got, want) in enumerate(zip(after, expected), start=1):
+        assert got == [pytest.approx(w, rel=1e-5, abs=1e-6) for w in want], step
+    for mean, outer in zip(means, (expected[1][0], expected[3][0])):  # not local SGD's mean
+        assert all(abs(m - o) > 1e-2 for m, o in zip(mean, outer)), (mean, outer)
 
 
 def _replicas_by_node(rank: int, world_size: int, configs: list[dict], out: str) -> None:

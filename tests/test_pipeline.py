@@ -10,12 +10,14 @@ evaluated at steps 4 and 8).
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from plait.plan import make_plan
 from plait.plugins.models.gpt import GPT
@@ -62,7 +64,7 @@ def test_layers_balance_and_explicit_counts():
     model = tiny_gpt(n_layer=7)
     assert split_stages(model, 3, "layers").counts == (3, 2, 2)
     assert split_stages(model, 2, [2, 5]).counts == (2, 5)
-    with pytest.raises(ValueError, match="pipeline.balance=\\[3, 3\\] must list 2 block counts"):
+    with pytest.raises(ValueError, match="pipeline.balance=\\[3, 3\\] must list 2 layer counts"):
         split_stages(model, 2, [3, 3])
     with pytest.raises(ValueError, match="lower parallel.pp"):
         split_stages(model, 8, "layers")
@@ -100,6 +102,20 @@ def test_a_stage_chunk_computes_its_part_of_the_forward():
     torch.testing.assert_close(last(first(x)), expected)
 
 
+def test_a_users_module_is_cut_by_naming_its_layer_list():
+    from plait.plugins.pipeline.split import plan_from_layers
+
+    torch.manual_seed(0)
+    model = inhouse.LayerListLM()
+    plan = plan_from_layers(model, "layers")
+    assert (plan.first, plan.layers, plan.last) == (("embed",), "layers", ("norm", "head"))
+    x = torch.randint(0, 256, (2, 8))
+    split = split_stages(model, 2, "params", plan=plan)
+    stages = [build_stage_modules(copy.deepcopy(model), split, [s], plan=plan) for s in (0, 1)]
+    torch.testing.assert_close(stages[1].chunks[0][1](stages[0].chunks[0][1](x)), model(x))
+    assert set(stages[0].state_dict()) | set(stages[1].state_dict()) == set(model.state_dict())
+
+
 # ---------------------------------------------------------------------------------------------
 # refused before launch, no processes
 # ---------------------------------------------------------------------------------------------
@@ -111,7 +127,7 @@ def problems(*overrides: str) -> str:
 
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.pp=2", "pipeline.microbatches=2", "model.n_layer=1"],
-     "parallel.pp=2 x 1 stage(s) per rank = 2 pipeline stages, but the model has 1 blocks"),
+     "parallel.pp=2 x 1 stage(s) per rank = 2 pipeline stages, but the model has 1 layers"),
     (["parallel.pp=2", "pipeline.microbatches=3"],
      "pipeline.microbatches=3 does not divide the batch of each data-parallel rank"),
     (["parallel.pp=2", "pipeline.schedule=pipedream"],
@@ -126,7 +142,7 @@ def problems(*overrides: str) -> str:
     (["parallel.pp=2", "pipeline.microbatches=4", "train.grad_accum_steps=2"],
      "train.grad_accum_steps=2 with parallel.pp=2"),
     (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.balance=[1,2]"],
-     "pipeline.balance=[1, 2] must list 2 block counts"),
+     "pipeline.balance=[1, 2] must list 2 layer counts"),
     (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.balance=speed"],
      "pipeline.balance=speed: choose one of layers, params, time"),
     (["parallel.pp=2", "pipeline.microbatches=2", "precision=fp16", "strategy=zero1"],
@@ -134,10 +150,18 @@ def problems(*overrides: str) -> str:
      "outside DeepSpeed"),
     (["parallel.pp=2", "pipeline.microbatches=2", "model.tie_embeddings=true"],
      "parallel.pp=2 with a parameter shared by the embedding and the head"),
-    (["parallel.pp=2", "pipeline.microbatches=2", "model=llama_tiny"],
-     "plugin 'pipeline' needs 'model:pipeline_stages' for parallel.pp=2, which no active plugin "
-     "provides (installed plugins that provide it: gpt (model._target_=plait.plugins.models.gpt"
-     ".GPT); or set parallel.pp=1)"),
+    (["parallel.pp=2", "pipeline.microbatches=2", "model=custom",
+      "model._target_=torch.nn.Linear", "+model.in_features=4", "+model.out_features=4"],
+     "parallel.pp=2: model._target_=torch.nn.Linear has no pipeline_plan: name its layer list (a "
+     "ModuleList or ModuleDict of its repeated layers) with pipeline.layers=<module name>, or set "
+     "parallel.pp=1"),
+    (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.layers=blocks.0"],
+     "the pipeline plan's layers 'blocks.0' is not a ModuleList or ModuleDict of GPT"),
+    (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.layers=layers"],
+     "pipeline.layers=layers: GPT (the model) has no child 'layers'"),
+    (["parallel.pp=2", "pipeline.microbatches=2", "model=llama_tiny", "pipeline.balance=time"],
+     "pipeline.balance=time times each layer alone, which model._target_=plait.plugins.models."
+     "llama.build_llama's layers cannot run"),
 ])
 def test_impossible_pipeline_plans_are_refused_before_launch(overrides, message):
     assert message in problems(*overrides)
@@ -171,8 +195,9 @@ def figures(run_dir) -> dict:
 def reference(tmp_path_factory):
     """One process, the same global batch in the same 4 micro-batches."""
     run = tmp_path_factory.mktemp("pp") / "reference"
-    run_training(run, [*COMMON, "launcher.nproc_per_node=1", "train.grad_accum_steps=4"])
-    return figures(run)
+    run_training(run, [*COMMON, "launcher.nproc_per_node=1", "train.grad_accum_steps=4"],
+                 plugins=[inhouse.RecordLayout()])
+    return {**figures(run), "shapes": inhouse.whole_model_shapes(run)}
 
 
 def assert_same(run_figures, reference):
@@ -282,7 +307,9 @@ def test_pp2_fp16_overflow_on_the_last_stage_skips_the_step_on_both(tmp_path):
 def test_pp2_dp2_matches_one_process(tmp_path, reference):
     run = tmp_path / "pp2dp2"
     run_training(run, [*COMMON, "launcher.nproc_per_node=4", "parallel.pp=2",
-                       "pipeline.microbatches=2", "pipeline.balance=params"])
+                       "pipeline.microbatches=2", "pipeline.balance=params"],
+                 plugins=[inhouse.RecordLayout()])
+    inhouse.assert_layout(run, reference["shapes"], dp=2, pp=2)
     assert_same(figures(run), reference)
 
 
@@ -314,5 +341,30 @@ def test_pp2_tp2_matches_one_process(tmp_path, reference):
     each tensor-parallel shard once."""
     run = tmp_path / "pp2tp2"
     run_training(run, [*COMMON, *PP2, "launcher.nproc_per_node=4", "parallel.tp=2",
-                       "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"])
+                       "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"],
+                 plugins=[inhouse.RecordLayout()])
+    inhouse.assert_layout(run, reference["shapes"], dp=1, tp=2, pp=2)
     assert_same(figures(run), reference)
+
+
+@pytest.mark.slow
+def test_a_users_module_trains_in_stages_by_naming_its_layer_list(tmp_path):
+    """``model=custom`` with no plan and no plugin, cut by ``pipeline.layers=layers``: each
+    stage holds its part, and the first loss is the module's own forward on what it was fed."""
+    from inhouse import LayerListLM, RecordFirstBatch, RecordHeld
+
+    run = tmp_path / "custom"
+    run_training(run, ["model=custom", "model._target_=inhouse.LayerListLM", *PP2,
+                       "pipeline.layers=layers", "train.steps=4", "train.batch_size=8", "seed=5"],
+                 plugins=[RecordFirstBatch(), RecordHeld()])
+    torch.manual_seed(5)  # the models plugin seeds, then instantiates
+    model = LayerListLM()
+    losses = [F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+              for x, y in torch.load(run / "first_batch.pt")]
+    assert read_metrics(run)[0]["loss"] == pytest.approx(torch.stack(losses).mean().item(),
+                                                         abs=1e-5)
+    held = [json.loads((run / f"held_rank{r}.json").read_text())["params"] for r in (0, 1)]
+    parts = [sorted({".".join(name.split(".")[:2]) for name in h}) for h in held]
+    assert parts == [["embed.weight", "layers.0", "layers.1"],
+                     ["head.bias", "head.weight", "layers.2", "layers.3", "norm.bias",
+                      "norm.weight"]]

@@ -133,3 +133,30 @@ def test_a_strategy_that_cannot_take_the_comm_hook_refuses_it(first_spec_site):
     problems = "\n".join(make_plan(["strategy=zero1", "tracker=none"]).problems)
     assert ("plugin 'first_spec_comm_hook' implements plait_comm_hook (a torch DDP comm hook), "
             "which only strategy=ddp takes, not strategy=zero1") in problems
+
+
+class LayoutFreeWithoutLoad:
+    """An engine that gives its layout-free state but cannot take it back."""
+
+    def layout_free_state(self) -> dict:
+        return {}
+
+
+def test_an_engine_lacking_a_surface_its_plugin_declares_is_named_when_built():
+    """Capabilities promise engine methods (``plait.types`` Protocols); the core checks a built
+    engine against every surface its plugins declared, naming the plugin and what is missing,
+    instead of an AttributeError at the first checkpoint."""
+    from types import SimpleNamespace
+
+    from plait.plugin_manager import check_engine
+    from plait.types import PluginInfo
+
+    declares = SimpleNamespace(plait_declare=lambda: [
+        PluginInfo("my_strategy", provides=frozenset({"engine:layout_free_state"}))])
+    with pytest.raises(TypeError, match="plugin 'my_strategy' declares 'engine:layout_free_state'"
+                                        ", but its engine LayoutFreeWithoutLoad lacks "
+                                        "load_layout_free_state"):
+        check_engine(LayoutFreeWithoutLoad(), declares)
+    silent = SimpleNamespace(plait_declare=lambda: [PluginInfo("my_strategy")])
+    engine = LayoutFreeWithoutLoad()
+    assert check_engine(engine, silent) is engine  # nothing declared, nothing required

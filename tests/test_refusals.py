@@ -7,10 +7,12 @@ files and combinations that used to fail inside the workers.
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import plait.conf
 from plait.cli import main
 
 # (overrides, what the refusal says about each). Settings checked alike (one range table each)
@@ -33,6 +35,22 @@ CASES = [
       "set launcher.nproc_per_node >= 1", "set launcher.nnodes >= 1",
       "set launcher.timeout_s >= 1", "seed=-1 is out of range: set seed in [0, 4294967295]"]),
     ("parallel.dp=0", ["parallel.dp=0 is out of range: set parallel.dp >= 1, or -1"]),
+    # context parallelism: the setting, the backend, and what the issue names
+    ("parallel.cp=0 context_parallel.backend=flash",
+     ["parallel.cp=0 is out of range: set parallel.cp >= 1"]),
+    ("context_parallel.backend=flash", ["context_parallel.backend=flash: choose one of ring, "
+                                        "ulysses"]),
+    ("parallel.cp=4 launcher.nproc_per_node=4 train.seq_len=36",
+     ["train.seq_len=36 is not divisible by 8 for context_parallel.backend=ring with "
+      "parallel.cp=4 (zigzag load balancing cuts each sequence into 2·cp chunks): choose "
+      "train.seq_len as a multiple of 8"]),
+    ("parallel.cp=4 launcher.nproc_per_node=4 context_parallel.backend=ulysses model.n_head=2",
+     ["context_parallel.backend=ulysses with parallel.cp=4: the heads (model.n_head=2) are not "
+      "divisible by cp, and Ulysses gives each rank heads / cp of them: choose parallel.cp "
+      "dividing 2, or context_parallel.backend=ring"]),
+    ("model=llama_tiny parallel.cp=2",
+     ["parallel.cp=2: plait cannot replace the attention of model._target_="
+      "plait.plugins.models.llama.build_llama: the model carries no context_parallel_plan"]),
     ("device=tpu", ["device=tpu: choose auto, cpu or cuda"]),
     # adamw
     ("optimizer.lr=-1 optimizer.min_lr=-1e-4 optimizer.warmup_steps=-1 optimizer.decay_steps=0 "
@@ -54,6 +72,18 @@ CASES = [
       "tracker.mode=loud: choose offline, online or disabled"]),
     ("fault.max_bad_steps=0 fault.spike_factor=-1",
      ["set fault.max_bad_steps >= 1", "set fault.spike_factor >= 0 (0: off)"]),
+    # the straggler detector and the collective watchdog
+    ("fault.straggler_factor=0.5 fault.straggler_window=0 fault.straggler_action=kill "
+     "fault.collective_timeout_s=0",
+     ["fault.straggler_factor=0.5 is out of range: set fault.straggler_factor > 1 (or 0: off)",
+      "set fault.straggler_window >= 1", "fault.straggler_action=kill: choose warn or exclude",
+      "fault.collective_timeout_s=0.0 is out of range: set fault.collective_timeout_s > 0 (or "
+      "null: off)"]),
+    ("fault.straggler_action=exclude fault.straggler_factor=0",
+     ["fault.straggler_action=exclude takes the straggler's node out of an elastic job, but "
+      "launcher.nnodes=1 is fixed: give a range (e.g. launcher.nnodes=1:2)",
+      "but fault.checkpoint_every=0 writes one only at the end: set fault.checkpoint_every=N",
+      "fault.straggler_action=exclude with fault.straggler_factor=0 (the detector off)"]),
     # replication: node-local checkpoints and their peers
     ("fault.replicas=-1", ["fault.replicas=-1 is out of range: set fault.replicas >= 0"]),
     ("fault.replicas=1", ["fault.replicas=1 keeps each node's checkpoint part on peer nodes' own "
@@ -133,6 +163,16 @@ CASES = [
     ("model.n_experts=4 parallel.tp=2 tensor_parallel.sequence_parallel=true",
      ["tensor_parallel.sequence_parallel=true: the tensor-parallel plan of model._target_="
       "plait.plugins.models.gpt.GPT has no 'sequence_scatter' entry"]),
+    # model=hf, checkpoint.hf_every, pipeline.layers (tests/test_hf.py: the checkpoint files)
+    ("model=hf", ["model=hf needs model.path=<a directory with config.json and *.safetensors, or a "
+                  "model name already in the local Hugging Face cache>"]),
+    ("checkpoint.hf_every=-1 parallel.pp=2 pipeline.microbatches=2 pipeline.layers=nosuch",
+     ["checkpoint.hf_every=-1 is out of range: set checkpoint.hf_every >= 0 (0: never)",
+      "pipeline.layers=nosuch: GPT (the model) has no child 'nosuch'; it has ['embed', 'blocks', "
+      "'norm', 'head']"]),
+    ("checkpoint.hf_every=5", ["checkpoint.hf_every=5 writes Hugging Face's format, which needs a "
+                               "transformers model (model=hf, llama_tiny), not model._target_="
+                               "plait.plugins.models.gpt.GPT: set checkpoint.hf_every=0"]),
     # DeepSpeed's own checks of the zero_optimization section
     ("strategy=zero2 strategy.deepspeed.zero_optimization.reduce_bucket_size=-1",
      ["strategy.deepspeed.zero_optimization.reduce_bucket_size=-1 is refused by DeepSpeed "
@@ -199,4 +239,27 @@ def test_refusal_reaches_the_terminal_without_a_traceback(data_files, tmp_path):
     assert "optimizer.lr=-1.0 is out of range: set optimizer.lr >= 0" in done.stderr
     assert f"use data=text data.path={data_files}/corpus.txt" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_unknown_value_is_refused_once_and_lists_only_what_a_user_can_choose(tmp_path, capsys):
+    """A precision or device the core does not know is one refusal (the core's), not one per
+    active plugin; an unknown option of a config group lists the group's options, without the
+    ``base_*`` schemas plugins store for them or Hydra's search path."""
+    code = main(["train", "precision=fp7", "device=tpu", f"run.root={tmp_path}", "run.name=r"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert [line for line in err.splitlines() if "fp7" in line] == [
+        "  - precision=fp7: choose one of fp32, bf16, fp16"]
+    assert [line for line in err.splitlines() if "tpu" in line] == [
+        "  - device=tpu: choose auto, cpu or cuda (each process takes the GPU of its local rank)"]
+    options = Path(plait.conf.__file__).parent / "strategy"
+    strategies = sorted(p.stem for p in options.glob("*.yaml"))
+    for command in (["train"], ["plan"], ["train", "-m"]):
+        code = main([*command, "strategy=zero9", f"run.root={tmp_path}", "run.name=r"])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert err.splitlines() == ["plait: plait refused this plan:",
+                                    "  - strategy=zero9: no such option; choose one of "
+                                    f"{', '.join(strategies)}"]
     assert not any(tmp_path.iterdir())

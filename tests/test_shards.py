@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from plait.cli import main
 from plait.plan import make_plan
 from plait.plugins.data import stdlib_sources
 from plait.plugins.data.blend import BlendedDataset
-from plait.plugins.data.cache import NodeCache
+from plait.plugins.data.cache import NodeCache, ShardPrefetcher
 from plait.plugins.data.index import read_index, shard_name
 from plait.plugins.data.prepare import PrepareDataConfig, prepare
 from plait.plugins.data.shard_dataset import LocalShards, ShardDataset
@@ -114,7 +115,6 @@ def test_bpe_round_trips_text_exactly(bpe_shards, corpus):
     assert len(ends) == len(files) and (stream[ends] == 0).all()
 
 
-@pytest.mark.slow
 def tasks_done(out: Path) -> int:
     """The tasks a running prepare has saved as done (its progress file, replaced atomically)."""
     try:
@@ -124,6 +124,7 @@ def tasks_done(out: Path) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_prepare_is_deterministic_and_resumes_after_a_kill(corpus, bpe_shards, tmp_path):
     """A prepare SIGKILLed after its first task and run again ends with the same files as the
     uninterrupted one (which used 2 workers; this one 1, then 2), keeping what it had written."""
@@ -136,6 +137,7 @@ def test_prepare_is_deterministic_and_resumes_after_a_kill(corpus, bpe_shards, t
     # finished task are on disk (a kill inside the first task would rightly start over)
     while not (out / shard_name(2)).exists() or tasks_done(out) < 1:
         assert first.poll() is None, "prepare finished before it could be killed"
+        time.sleep(0.01)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     assert not (out / "index.json").exists()
@@ -288,7 +290,7 @@ def test_cache_fetches_once_and_stays_under_its_limit_with_concurrent_readers(
     peak, done, errors = [0], threading.Event(), []
 
     def watch():
-        while not done.is_set():
+        while not done.wait(0.002):
             peak[0] = max(peak[0], cache.usage())
 
     def read(seed):
@@ -314,6 +316,69 @@ def test_cache_fetches_once_and_stays_under_its_limit_with_concurrent_readers(
     # 5 shards through room for 2.5: shards were evicted and fetched again (a polling watcher
     # cannot prove the cache filled up on a loaded machine; the fetch log can)
     assert len(slowfs.fetches(tmp_path / "fetches.log")) > len(index.shard_sizes)
+
+
+def test_cache_evicts_the_least_recently_used_shard(small_shards, tmp_path, monkeypatch):
+    """Room for 2 of 3 equal shards. A and B are fetched, A is read again, C is fetched: B, the
+    least recently used though fetched after A, is evicted. Then C is read, B fetched again:
+    now A goes. (Oldest-fetched-first would evict A first; by name, shard 0 every time.)"""
+    monkeypatch.setenv("PLAIT_SLOWFS_LOG", str(tmp_path / "fetches.log"))
+    monkeypatch.setenv("PLAIT_SLOWFS_BYTES_PER_S", "1e9")
+    index = read_index(f"slow://{small_shards}")
+    a, b, c = (shard_name(k) for k in range(3))
+    size = index.shard_bytes(0)
+    assert index.shard_bytes(1) == index.shard_bytes(2) == size
+    cache = NodeCache(index.root, tmp_path / "cache", limit_bytes=2 * size)
+
+    def use(*steps) -> list[str]:
+        """Each step ``("fetch" | "read", name)``, 50 ms apart (beyond the file system's
+        timestamp granularity); the shards held afterwards."""
+        for kind, name in steps:
+            time.sleep(0.05)
+            if kind == "fetch":
+                cache.ensure(name, size)
+            else:
+                cache.read(name, size, 0, 16)
+        return sorted(p.name for p in cache.dir.iterdir() if not p.name.startswith("."))
+
+    assert use(("fetch", a), ("fetch", b), ("read", a), ("fetch", c)) == [a, c]
+    assert use(("read", c), ("fetch", b)) == [b, c]
+    assert [name for _, _, name in slowfs.fetches(tmp_path / "fetches.log")] == [a, b, c, b]
+
+
+def test_prefetch_shards_fetches_that_many_shards_ahead_of_the_loader():
+    """The order of fetch events against the loader's progress (``advance``), each step reading
+    a shard of its own: with ``data.prefetch_shards=2`` the shards of steps 0 and 1 are fetched
+    before the loader moves on, and each step it moves on lets one more be fetched; with 3,
+    three; with 0, none ahead (the loader fetches what it reads itself)."""
+    import threading
+
+    def events_for(depth: int) -> list[str]:
+        events, fetched = [], threading.Semaphore(0)
+
+        def fetch(key):
+            events.append(f"fetch {key}")
+            fetched.release()
+
+        prefetcher = ShardPrefetcher(iter([[k] for k in range(8)]), lambda ids: ids, fetch,
+                                     depth)
+        try:
+            for step in range(1, 5):
+                for _ in range(depth if step == 1 else min(depth, 1)):
+                    assert fetched.acquire(timeout=60), events
+                time.sleep(0.2)  # time enough to fetch beyond the depth, had it done so
+                if step < 4:
+                    events.append(f"advance {step}")
+                    prefetcher.advance(step)
+        finally:
+            prefetcher.stop()
+        return events
+
+    assert events_for(2) == ["fetch 0", "fetch 1", "advance 1", "fetch 2", "advance 2",
+                             "fetch 3", "advance 3", "fetch 4"]
+    assert events_for(3) == ["fetch 0", "fetch 1", "fetch 2", "advance 1", "fetch 3",
+                             "advance 2", "fetch 4", "advance 3", "fetch 5"]
+    assert events_for(0) == ["advance 1", "advance 2", "advance 3"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,7 +442,7 @@ def test_a_slow_remote_is_fetched_once_per_node_then_read_from_the_cache(
     peak, done = [0], threading.Event()
 
     def watch():
-        while not done.is_set():
+        while not done.wait(0.002):
             peak[0] = max(peak[0], cache.usage() if cache.root.exists() else 0)
 
     watcher = threading.Thread(target=watch)

@@ -1,7 +1,8 @@
 """A real SLURM on this machine: Debian's slurm-wlm and munge, one controller and one node daemon
-on localhost, started by the fixture (installed with apt when absent; skipped, with the reason,
-where they cannot run). ``plait train launcher=slurm`` submits through Hydra's submitit
-launcher; ``plait train`` in the batch step of an sbatch script starts its own workers."""
+on localhost, started by the fixture (installed by scripts/setup.sh where root and apt-get are
+available, never by a test; skipped, with the reason, where they are absent or cannot run).
+``plait train launcher=slurm`` submits through Hydra's submitit launcher; ``plait train`` in the
+batch step of an sbatch script starts its own workers."""
 
 from __future__ import annotations
 
@@ -25,18 +26,13 @@ STEPS = ["train.steps=3", "optimizer.decay_steps=3"]
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
 
-def install_slurm() -> str | None:
-    """Install slurm-wlm and munge with apt where they are missing; the reason if impossible."""
-    if all(shutil.which(d) or Path(f"/usr/sbin/{d}").exists() for d in DAEMONS):
-        return None
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        return "slurm-wlm and munge are not installed and apt-get cannot run as root here"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"],
-                ["apt-get", "install", "-y", "-qq", "slurm-wlm", "munge"]):
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if done.returncode:
-            return f"{' '.join(cmd)} failed: {done.stderr[-500:]}"
+def slurm_missing() -> str | None:
+    """Why SLURM cannot run here, or None. The tests install nothing: ``scripts/setup.sh``
+    installs slurm-wlm and munge where root and apt-get are available."""
+    missing = [d for d in DAEMONS if not (shutil.which(d) or Path(f"/usr/sbin/{d}").exists())]
+    if missing:
+        return (f"{', '.join(missing)} not installed (scripts/setup.sh installs slurm-wlm and "
+                "munge where it runs as root with apt-get)")
     return None
 
 
@@ -74,7 +70,7 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     """A running single-host SLURM; yields the environment that points its commands at it."""
-    reason = install_slurm()
+    reason = slurm_missing()
     if reason:
         pytest.skip(f"no SLURM: {reason}")
     root = tmp_path_factory.mktemp("slurm")

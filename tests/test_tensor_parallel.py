@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from inhouse import CommCounter, CountCollectives
+from inhouse import (CommCounter, CountCollectives, RecordLayout, assert_layout,
+                     whole_model_shapes)
 
 from plait.plugins.models.gpt import GPT, Block
 from plait.plugins.tensor_parallel.layers import VocabParallelCrossEntropy, split_tensor
-from plait.plugins.models.llama import TENSOR_PARALLEL_PLAN as LLAMA_STYLES
 from plait.plugins.tensor_parallel.plan import (
     TensorParallelPlan,
     apply_plan,
@@ -32,7 +32,6 @@ from plait.plugins.tensor_parallel.plan import (
 from plait.testing import compose, read_metrics, run_losses, spawn
 
 GPT_PLAN = TensorParallelPlan(GPT.tensor_parallel_plan)
-LLAMA_PLAN = TensorParallelPlan(LLAMA_STYLES)
 from plait.types import PlanError
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed (strategy=zero1) on CPU
@@ -68,8 +67,8 @@ GRAD_CLIP = "train.grad_clip=0.05"
     (["parallel.tp=2", "model=custom", "model._target_=torch.nn.Identity"],
      "plugin 'tensor_parallel' needs 'model:tensor_parallel_plan' for parallel.tp=2, which no "
      "active plugin provides (installed plugins that provide it: gpt (model._target_="
-     "plait.plugins.models.gpt.GPT), llama (model._target_=plait.plugins.models.llama.build_llama)"
-     "; or set parallel.tp=1)"),
+     "plait.plugins.models.gpt.GPT), hf (model._target_=plait.plugins.hf.model.build_hf), llama "
+     "(model._target_=plait.plugins.models.llama.build_llama); or set parallel.tp=1)"),
 ])
 def test_refused_before_launch(overrides, expected):
     with pytest.raises(PlanError) as refused:
@@ -197,7 +196,8 @@ def check_llama(rank, tp, counter):
     full = build_llama()
     torch.manual_seed(0)
     split = build_llama()
-    apply_plan(split, LLAMA_PLAN, dist.group.WORLD, rank, tp, sequence_parallel=False)
+    llama_plan = TensorParallelPlan(split.tensor_parallel_plan)  # transformers' own, mapped
+    apply_plan(split, llama_plan, dist.group.WORLD, rank, tp, sequence_parallel=False)
     idx = torch.randint(0, 256, (2, 32))
     targets = torch.randint(0, 256, (2, 32))
 
@@ -209,7 +209,7 @@ def check_llama(rank, tp, counter):
     step = counter.take()
 
     torch.testing.assert_close(logits_split, logits_full.chunk(tp, dim=-1)[rank], **CLOSE)
-    assert_grads_match(split, full, LLAMA_PLAN, rank, tp)
+    assert_grads_match(split, full, llama_plan, rank, tp)
     return step
 
 
@@ -271,7 +271,8 @@ def grad_norms(run_dir):
 def reference(tmp_path_factory):
     """One process, the tiny GPT, 20 clipped steps, exported at the end."""
     run = tmp_path_factory.mktemp("tp") / "reference"
-    losses = run_losses(run, [f"train.steps={STEPS}", GRAD_CLIP, "launcher.nproc_per_node=1"])
+    losses = run_losses(run, [f"train.steps={STEPS}", GRAD_CLIP, "launcher.nproc_per_node=1"],
+                        plugins=[RecordLayout()])
     return run, losses
 
 
@@ -287,13 +288,14 @@ def tp2(tmp_path_factory):
     run = tmp_path_factory.mktemp("tp") / "tp2"
     losses = run_losses(run, [f"train.steps={STEPS}", GRAD_CLIP, "launcher.nproc_per_node=2",
                               "parallel.tp=2", "fault.checkpoint_every=10"],
-                        plugins=[CountCollectives()])
+                        plugins=[CountCollectives(), RecordLayout()])
     return run, losses
 
 
 @pytest.mark.slow
 def test_tp2_trains_like_one_process(reference, tp2):
     (ref_run, ref_losses), (run, losses) = reference, tp2
+    assert_layout(run, whole_model_shapes(ref_run), dp=1, tp=2)
     assert len(losses) == STEPS
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert min(grad_norms(run)) > 0.05  # every step was clipped
@@ -348,7 +350,8 @@ def test_tp2_x_dp2_trains_like_one_process(reference, tmp_path, strategy):
     ref_run, ref_losses = reference
     run = tmp_path / "tp2dp2"
     losses = run_losses(run, [f"train.steps={STEPS}", GRAD_CLIP, "launcher.nproc_per_node=4",
-                              "parallel.tp=2", f"strategy={strategy}"])
+                              "parallel.tp=2", f"strategy={strategy}"], plugins=[RecordLayout()])
+    assert_layout(run, whole_model_shapes(ref_run), dp=2, tp=2)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert grad_norms(run) == pytest.approx(grad_norms(ref_run), rel=1e-4)
     exported = torch.load(export(str(run)), weights_only=True)
@@ -371,9 +374,12 @@ def test_a_plan_given_in_the_config_trains_like_one_process(reference, tmp_path)
 def test_llama_from_transformers_trains_with_tp2_like_unsplit(tmp_path):
     pytest.importorskip("transformers")
     common = ["model=llama_tiny", "train.steps=10", GRAD_CLIP]
-    unsplit = run_losses(tmp_path / "llama1", [*common, "launcher.nproc_per_node=1"])
+    unsplit = run_losses(tmp_path / "llama1", [*common, "launcher.nproc_per_node=1"],
+                         plugins=[RecordLayout()])
     split = run_losses(tmp_path / "llama2", [*common, "launcher.nproc_per_node=2",
-                                             "parallel.tp=2"])
+                                             "parallel.tp=2"], plugins=[RecordLayout()])
+    # the Llama plan cut transformers' q/k/v/o and gate/up/down projections over the tp group
+    assert_layout(tmp_path / "llama2", whole_model_shapes(tmp_path / "llama1"), dp=1, tp=2)
     assert split == pytest.approx(unsplit, rel=1e-5)
     assert grad_norms(tmp_path / "llama2") == pytest.approx(grad_norms(tmp_path / "llama1"),
                                                             rel=1e-4)

@@ -17,10 +17,11 @@ from omegaconf import OmegaConf
 
 from plait import api
 from plait.cli import main
+from plait.plugins.tune.pbt import Member, PBTSweeper
+from plait.plugins.tune.search_space import parse
 from plait.testing import TEST_OVERRIDES, read_metrics, read_wandb_run
-from tests.inhouse import OptimizerSettingsAfterLoad
 
-pytestmark = pytest.mark.slow
+from inhouse import OptimizerSettingsAfterLoad
 
 SMALL = [o for o in TEST_OVERRIDES if not o.startswith("train.steps=")]
 SMALL += ["train.seq_len=16", "train.batch_size=4", "optimizer.warmup_steps=1",
@@ -47,6 +48,7 @@ def study_trials(tmp_path):
     return optuna.load_study(study_name="lr", storage=storage).get_trials()
 
 
+@pytest.mark.slow
 def test_optuna_sweep_killed_after_two_trials_continues_to_four(tmp_path):
     from optuna.trial import TrialState
 
@@ -96,8 +98,14 @@ def pbt(tmp_path_factory):
     return root / "pbt", lineage
 
 
+@pytest.mark.slow
 def test_pbt_replaces_the_bad_member_by_a_perturbed_copy_of_the_best(pbt):
     sweep, lineage = pbt
+    # each member's score in the lineage is its run's validation loss at the end of the round
+    for member in lineage:
+        [end] = [m for m in read_metrics(sweep / member["name"])
+                 if m["step"] == (member["round"] + 1) * ROUND]
+        assert member["score"] == end["eval/loss"], member
     first = {m["name"]: m for m in lineage if m["round"] == 0}
     second = {m["name"]: m for m in lineage if m["round"] == 1}
     assert first["m0"]["params"]["optimizer.lr"] == 1e-6
@@ -130,3 +138,57 @@ def test_pbt_replaces_the_bad_member_by_a_perturbed_copy_of_the_best(pbt):
     assert run["config"]["parent"]["tracker_run_id"] == parent_run["id"]
     ids = {d.name.rsplit("-", 1)[1] for d in (sweep / "m1" / "wandb").glob("offline-run-*")}
     assert len(list((sweep / "m1" / "wandb").glob("offline-run-*"))) == 2 and len(ids) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# PBT's exploit and explore step, no runs
+# ---------------------------------------------------------------------------------------------
+
+LR_SPACE = "optimizer.lr=tag(log,interval(1e-4,1e-2))"
+
+
+def exploit_and_explore(tmp_path, quantile: float, resample_probability: float):
+    """One exploit-and-explore step of a population of 8 whose member ``i`` scored ``i`` (m0
+    best) with lr ``1e-3 · (i+1)/8``, each with a checkpoint to copy; the members that follow."""
+    sweeper = PBTSweeper(population=8, rounds=2, steps_per_round=1, quantile=quantile,
+                         perturb_factors=[0.8, 1.2], resample_probability=resample_probability,
+                         direction="minimize", seed=0, params=None)
+    sweeper.space, _, _ = parse([LR_SPACE])
+    sweeper.unbounded, sweeper.sweep_dir = set(), tmp_path
+    members = []
+    for i in range(8):
+        checkpoint = tmp_path / f"m{i}" / "step_00000001"
+        checkpoint.mkdir(parents=True, exist_ok=True)
+        (checkpoint / "complete.json").write_text("{}")
+        members.append(Member(f"m{i}", {"optimizer.lr": 1e-3 * (i + 1) / 8}, score=float(i),
+                              checkpoint=str(checkpoint)))
+    following, _ = sweeper.exploit_and_explore(members, born=8)
+    return members, following
+
+
+def test_pbt_quantile_is_the_share_replaced_by_copies_of_the_best(tmp_path):
+    for quantile, replaced in ((0.25, 2), (0.5, 4)):
+        members, following = exploit_and_explore(tmp_path / str(quantile), quantile, 0.0)
+        names = [m.name for m in following]
+        worst = [m.name for m in members[-replaced:]]
+        assert [n for n in names if n.startswith("m") and int(n[1:]) < 8] == [
+            m.name for m in members[:-replaced]], quantile
+        children = [m for m in following if int(m.name[1:]) >= 8]
+        assert len(children) == replaced and not set(worst) & set(names), quantile
+        best = {m.name for m in members[:replaced]}
+        assert {c.parent for c in children} <= best, quantile
+
+
+def test_pbt_resample_probability_draws_afresh_instead_of_perturbing(tmp_path):
+    members, following = exploit_and_explore(tmp_path / "perturb", 0.5, 0.0)
+    by_name = {m.name: m for m in members}
+    for child in following[-4:]:
+        ratio = child.params["optimizer.lr"] / by_name[child.parent].params["optimizer.lr"]
+        assert ratio == pytest.approx(0.8) or ratio == pytest.approx(1.2), ratio
+    members, following = exploit_and_explore(tmp_path / "resample", 0.5, 1.0)
+    by_name = {m.name: m for m in members}
+    for child in following[-4:]:
+        value = child.params["optimizer.lr"]
+        ratio = value / by_name[child.parent].params["optimizer.lr"]
+        assert ratio != pytest.approx(0.8) and ratio != pytest.approx(1.2), ratio
+        assert 1e-4 <= value <= 1e-2  # drawn from the search space

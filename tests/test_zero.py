@@ -7,9 +7,11 @@ measured (``model_state_bytes/*`` in its metrics). The refusal tests start no pr
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,6 +36,7 @@ from plait.testing import TEST_OVERRIDES, compose, read_metrics, run_training
 from plait.topology import ParallelDims
 from plait.train import cross_entropy, evaluate
 from plait.types import PlanError, PluginInfo
+from plait.worker import show_each_warning_once
 
 import inhouse
 
@@ -288,8 +291,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         "zero2": ["strategy=zero2"],
         "zero3": ["strategy=zero3", "fault.checkpoint_every=10", f"train.eval_every={STEPS}"],
     }
-    return {name: run_training(root / name, [*COMMON, *overrides])
-            for name, overrides in extra.items()}
+    runs = {}
+    for name, overrides in extra.items():
+        with inhouse.stderr_into(root / f"{name}.stderr"):
+            runs[name] = run_training(root / name, [*COMMON, *overrides])
+    return runs
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -473,3 +479,44 @@ def test_export_gives_the_same_weights_from_every_stage(runs, tmp_path):
         for key, tensor in state.items():
             torch.testing.assert_close(tensor, reference[key], rtol=1e-4, atol=2e-5,
                                        msg=f"{name} {key}")
+
+
+# ---------------------------------------------------------------------------------------------
+# warnings a user reads: each distinct one once per worker, not once per step
+# ---------------------------------------------------------------------------------------------
+
+
+def deprecated_collective() -> None:
+    warnings.warn("`all_gather_into_tensor` is deprecated", FutureWarning)
+
+
+def test_a_warning_a_library_repeats_every_step_shows_once_and_others_still_show(monkeypatch):
+    """Python's "default" action forgets what it showed whenever code enters
+    ``warnings.catch_warnings`` (torch and DeepSpeed do on hot paths): without the worker's
+    filter this deprecation shows 5 times."""
+    shown = []
+    monkeypatch.setattr(warnings, "showwarning",
+                        lambda message, *args, **kwargs: shown.append(str(message)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        show_each_warning_once()
+        for _ in range(5):  # five steps
+            deprecated_collective()
+            with warnings.catch_warnings():
+                pass
+        warnings.warn("a genuine warning", UserWarning)
+        warnings.warn("`all_gather_into_tensor` is deprecated", FutureWarning)  # elsewhere
+    assert shown == ["`all_gather_into_tensor` is deprecated", "a genuine warning",
+                     "`all_gather_into_tensor` is deprecated"]
+
+
+@pytest.mark.slow
+def test_deepspeeds_deprecated_collectives_warn_once_per_rank_not_every_step(runs):
+    """DeepSpeed's ZeRO-3 calls ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, which
+    torch 2.13 deprecates: each such warning reaches the user's terminal once per rank, not on
+    every step (4 per step and rank before)."""
+    root = runs["zero3"].parent
+    lines = (root / "zero3.stderr").read_text().splitlines()
+    warned = collections.Counter(line for line in lines if "FutureWarning" in line)
+    assert any("is deprecated" in line for line in warned), "the warnings must stay visible"
+    assert max(warned.values()) <= 2, warned  # 2 ranks; the run has 20 steps

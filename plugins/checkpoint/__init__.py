@@ -53,8 +53,16 @@ class CheckpointConfig(FaultConfig):
     keep_last: int = 2  # complete checkpoints kept; 0 keeps all
     save_final: bool = True
     # The step guard (plait.plugins.fault) of this option:
-    max_bad_steps: int = 3  # consecutive skipped (non-finite) steps that end the attempt
-    spike_factor: float = 0.0  # flag a loss above this x the running median; 0: off
+    max_bad_steps: int = 3  # consecutive skipped (non-finite, spiked) steps ending the attempt
+    spike_factor: float = 0.0  # skip a step whose loss is above this x the running median; 0: off
+    # The straggler detector and the collective watchdog (plait.plugins.fault, docs/fault.md):
+    # name a rank whose compute time is this x the median of the others' over the window of
+    # logged steps (0: off, with the per-rank phase timing); warn, or exclude its node
+    straggler_factor: float = 1.5
+    straggler_window: int = 5
+    straggler_action: str = "warn"  # warn | exclude (an elastic job: launcher.nnodes=MIN:MAX)
+    # every process group's timeout, and a heartbeat that names the rank that did not arrive
+    collective_timeout_s: Optional[float] = None  # None: off
     # copy to CPU memory, write in the background (DCP async_save); publish when written
     async_save: bool = False
     # A directory on each node's own disk: node k keeps its part of every checkpoint in

@@ -44,14 +44,15 @@ def barrier(topology) -> None:
 
 
 def current_layout(cfg, dims) -> dict:
-    return {"strategy": cfg.strategy.name, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp,
-            "ep": dims.ep}
+    return {"strategy": cfg.strategy.name, "dp": dims.dp, "cp": dims.cp, "tp": dims.tp,
+            "pp": dims.pp, "ep": dims.ep}
 
 
 def describe(layout: dict) -> str:
-    return (f"strategy={layout['strategy']} parallel.dp={layout['dp']} parallel.tp="
-            f"{layout['tp']} parallel.pp={layout['pp']}"
-            + (f" parallel.ep={layout['ep']}" if layout.get("ep", 1) > 1 else ""))
+    cp = f" parallel.cp={layout['cp']}" if layout.get("cp", 1) > 1 else ""
+    ep = f" parallel.ep={layout['ep']}" if layout.get("ep", 1) > 1 else ""
+    return (f"strategy={layout['strategy']} parallel.dp={layout['dp']}{cp} parallel.tp="
+            f"{layout['tp']} parallel.pp={layout['pp']}{ep}")
 
 
 def saved_layout(path: Path) -> dict | None:
@@ -67,7 +68,7 @@ def needs_conversion(saved: dict | None, layout: dict) -> bool:
     """The engine's own files cannot be loaded: another layout wrote them, or there are none."""
     if saved is None:
         return False
-    # ep: 1 in checkpoints written before plait recorded it
+    # cp, ep: 1 in checkpoints written before plait had context or expert parallelism
     return not saved["engine_files"] or {k: saved.get(k, 1) for k in layout} != layout
 
 

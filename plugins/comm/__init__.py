@@ -85,10 +85,12 @@ def algorithm_of(name: str, topology) -> Callable[[dist.ProcessGroup], dist.Proc
         return None
     from plait.plugins.comm.hierarchical import HierarchicalGroup
 
-    nodes = topology.node_groups("dp")
-    dp_ranks = dist.get_process_group_ranks(topology.get_data_parallel_group())
+    # gradients are averaged over the data- and context-parallel ranks together
+    nodes = topology.node_groups("dp_cp")
+    dp_ranks = dist.get_process_group_ranks(
+        topology.get_data_parallel_group(with_context_parallel=True))
     if nodes.intra is None or nodes.inter is None:
-        if topology.dp_rank == 0 and topology.tp_rank == 0:
+        if topology.dp_cp_rank == 0 and topology.tp_rank == 0:
             where = ("lies on one node" if nodes.nnodes == 1 else "has one rank per node"
                      if nodes.local_size == 1 else "is spread unevenly over the nodes")
             print(f"plait: comm=hierarchical: data-parallel group {dp_ranks} {where}; "
@@ -98,7 +100,7 @@ def algorithm_of(name: str, topology) -> Callable[[dist.ProcessGroup], dist.Proc
     def on_nodes(group: dist.ProcessGroup) -> dist.ProcessGroup:
         if dist.get_process_group_ranks(group) != dp_ranks:
             raise ValueError("comm=hierarchical splits the data-parallel group by node: reduce "
-                             "over topology.get_data_parallel_group()")
+                             "over topology.get_data_parallel_group(with_context_parallel=True)")
         return HierarchicalGroup(group, nodes.intra, nodes.inter)
 
     return on_nodes
@@ -140,5 +142,6 @@ class CommPlugin:
 
 allreduce = CommPlugin("allreduce", ("allreduce",), {},
                        "the strategy's own all-reduce of gradients (+ compression, bucket size)")
-comm = CommPlugin("comm", ALGORITHMS, {"dp": frozenset({"engine:grad_comm"})},
+comm = CommPlugin("comm", ALGORITHMS,  # gradients are reduced over dp x cp
+                  {axis: frozenset({"engine:grad_comm"}) for axis in ("dp", "cp")},
                   "explicit flat / ring / hierarchical all-reduce (+ compression, bucket size)")

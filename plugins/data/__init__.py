@@ -256,6 +256,16 @@ def vocabulary_problems(cfg, hook, max_id: int, source: str) -> list[str]:
 
 
 @hookimpl
+def plait_tokenizer(cfg):
+    """Bytes for the standard library and text files; token files do not say."""
+    if cfg.data.name == "tokens":
+        return None
+    from plait.plugins.data.tokenizer import ByteTokenizer
+
+    return ByteTokenizer()
+
+
+@hookimpl
 def plait_build_dataset(cfg, topology, split: str) -> TokenWindows:
     path, needs_split = token_file(cfg, topology.local_trainer_rank, split, topology.trainer_group)
     tokens = read_tokens(path)

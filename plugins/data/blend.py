@@ -72,9 +72,13 @@ class BlendedDataset:
         return [(int(j), int(i - self.offsets[j])) for j, i in zip(sources, indices)]
 
     def batch(self, indices: list[int]):
-        rows = np.stack([self.datasets[j].window(i) for j, i in self.locate(indices)])
+        located = self.locate(indices)
+        rows = np.stack([self.datasets[j].window(i) for j, i in located])
         rows = torch.from_numpy(rows.astype(np.int64))
-        return rows[:, :-1], rows[:, 1:]
+        if not self.datasets[0].pack:
+            return rows[:, :-1], rows[:, 1:]
+        positions = np.stack([self.datasets[j].positions(i) for j, i in located])
+        return rows[:, :-1], rows[:, 1:], torch.from_numpy(positions)
 
     def shard_keys(self, indices: list[int]) -> list[tuple[int, int]]:
         return shard_keys_in_order((j, k) for j, i in self.locate(indices)

@@ -85,8 +85,8 @@ class StepLoader:
         indices = itertools.chain.from_iterable(self.sampler.steps(start))
         if self.num_workers == 0:
             for ids in indices:
-                x, y = self.dataset.batch(ids)
-                yield (x.pin_memory(), y.pin_memory()) if self.pin_memory else (x, y)
+                batch = self.dataset.batch(ids)
+                yield tuple(t.pin_memory() for t in batch) if self.pin_memory else batch
             return
         from torch.utils.data import DataLoader
 

@@ -4,6 +4,7 @@ fixed-size token shards plus an index (see :mod:`plait.plugins.data.index`).
     plait prepare data.path=corpus/ out=shards/                          # bytes, no setup
     plait prepare data.path='[a/*.txt,b.jsonl]' out=shards/ data.tokenizer=bpe data.vocab_size=8192
     plait prepare data.path=more/ out=shards2/ data.tokenizer=shards/tokenizer.json
+    plait prepare data.path=corpus/ out=shards/ data.tokenizer=~/models/Qwen2-0.5B  # the model's
 
 A ``.jsonl`` file holds one document per line (its ``"text"``); any other file is one document.
 The input is cut into ~1 MiB tasks that worker processes tokenize in parallel; the results are
@@ -29,8 +30,9 @@ import numpy as np
 from omegaconf import MISSING, OmegaConf
 
 from plait.plugins.data import index as fmt
-from plait.plugins.data.tokenizer import (BPE, BYTES, ByteTokenizer, from_spec,
-                                          load_tokenizer_file, train_bpe)
+from plait.plugins.data.tokenizer import (BPE, BYTES, TOKENIZER_JSON, ByteTokenizer,
+                                          from_spec, load_model_tokenizer, load_tokenizer_file,
+                                          train_bpe)
 
 CHUNK_BYTES = 1 << 20  # input bytes per tokenization task
 PROGRESS = "progress.npz"
@@ -40,7 +42,8 @@ DOC_LENGTHS = "documents.partial"  # int64 lengths, appended; cut back to the sa
 @dataclass
 class PrepareDataConfig:
     path: Any = MISSING  # a file, a directory, a glob, or a list of them
-    tokenizer: str = BYTES  # bytes | bpe (trained here) | the path of a tokenizer.json
+    # bytes | bpe (trained here) | the path of a tokenizer.json | a model directory (its own)
+    tokenizer: str = BYTES
     vocab_size: int = 8192  # data.tokenizer=bpe only
     shard_tokens: int = 2**25  # tokens per shard: 64 MiB of uint16 (Streaming's shard size)
     num_workers: int = 0  # tokenizing processes; 0: one per CPU core
@@ -149,13 +152,14 @@ def fingerprint(files: list[Path], tokenizer_spec: str, shard_tokens: int) -> st
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(name: str, tokenizer_json: Optional[str], dtype: str) -> None:
+def _init_worker(name: str, tokenizer_json: Optional[str], dtype: str,
+                 eot: Optional[int] = None) -> None:
     # A forked worker inherits the parent's signal dispositions (torch elastic installs Python
     # handlers in a process that has launched workers, as the test process has); with the
     # default, the pool's terminate() on an error ends a worker whatever it is doing.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
-    _worker.update(tokenizer=from_spec(name, tokenizer_json), dtype=dtype)
+    _worker.update(tokenizer=from_spec(name, tokenizer_json, eot), dtype=dtype)
 
 
 def tokenize_task(segments: list[Segment]) -> tuple[np.ndarray, np.ndarray, int]:
@@ -269,11 +273,25 @@ class ShardWriter:
 # ---------------------------------------------------------------------------------------------
 
 
+def model_directory(data) -> Optional[Path]:
+    """``data.tokenizer`` when it names a directory (a model's)."""
+    if data.tokenizer in (BYTES, BPE):
+        return None
+    path = Path(data.tokenizer).expanduser()
+    return path if path.is_dir() else None
+
+
 def check_settings(data) -> list[str]:
     problems = []
-    if data.tokenizer not in (BYTES, BPE) and not Path(data.tokenizer).expanduser().is_file():
-        problems.append(f"data.tokenizer={data.tokenizer}: choose bytes, bpe, or the path of an "
-                        "existing tokenizer.json")
+    directory = model_directory(data)
+    if directory is not None and not (directory / TOKENIZER_JSON).is_file():
+        problems.append(f"data.tokenizer={data.tokenizer} is a directory without "
+                        f"{TOKENIZER_JSON}: give a model directory that has one (a tokenizer "
+                        "saved by transformers' save_pretrained), or a tokenizer.json file")
+    elif directory is None and data.tokenizer not in (BYTES, BPE) \
+            and not Path(data.tokenizer).expanduser().is_file():
+        problems.append(f"data.tokenizer={data.tokenizer}: choose bytes, bpe, the path of an "
+                        "existing tokenizer.json, or a model directory holding one")
     if data.tokenizer == BPE and not 257 <= data.vocab_size <= 2**32:
         problems.append(f"data.vocab_size={data.vocab_size} cannot hold byte-level BPE: give at "
                         "least 257 (256 bytes and <|endoftext|>)")
@@ -289,7 +307,9 @@ def tokenizer_spec(data) -> str:
         return BYTES
     if data.tokenizer == BPE:
         return f"bpe:{data.vocab_size}"
-    return "file:" + hashlib.sha256(Path(data.tokenizer).expanduser().read_bytes()).hexdigest()
+    directory = model_directory(data)
+    file = directory / TOKENIZER_JSON if directory else Path(data.tokenizer).expanduser()
+    return ("model:" if directory else "file:") + hashlib.sha256(file.read_bytes()).hexdigest()
 
 
 def prepare(data, out: Path, log=print) -> Path:
@@ -334,7 +354,8 @@ def prepare(data, out: Path, log=print) -> Path:
     # fork: workers start at once with the modules loaded (spawn would import torch in each);
     # HF tokenizers disables its thread pool in forked children, and _init_worker says so too
     context = multiprocessing.get_context("fork")
-    with context.Pool(workers, _init_worker, (tokenizer.name, tokenizer.json, dtype)) as pool:
+    with context.Pool(workers, _init_worker,
+                      (tokenizer.name, tokenizer.json, dtype, tokenizer.eot)) as pool:
         for tokens, lengths, nbytes in pool.imap(tokenize_task, tasks[progress.tasks_done:]):
             writer.add(tokens, lengths, nbytes)
             bar.update(nbytes)
@@ -348,10 +369,16 @@ def prepare(data, out: Path, log=print) -> Path:
 
 
 def build_tokenizer(data, out: Path, tasks: list[list[Segment]]):
-    """Bytes; the tokenizer saved in ``out`` by an earlier attempt; a given file; or BPE trained
-    on the whole input (saved in ``out`` before tokenizing, so a resume reuses it)."""
+    """Bytes; the tokenizer saved in ``out`` by an earlier attempt; a given file; a model
+    directory's own; or BPE trained on the whole input (saved in ``out`` before tokenizing, so a
+    resume reuses it)."""
     if data.tokenizer == BYTES:
         return ByteTokenizer()
+    directory = model_directory(data)
+    if directory is not None:
+        tokenizer = load_model_tokenizer(directory)
+        fmt.atomic_write_bytes(out / fmt.TOKENIZER, tokenizer.json.encode())
+        return tokenizer
     saved = out / fmt.TOKENIZER
     name = BPE if data.tokenizer == BPE else "file"
     if saved.exists():

@@ -3,9 +3,11 @@ epoch, and where their tokens are read from.
 
 Samples (Megatron's GPT dataset, simplified): with ``data.pack=false`` each document is cut into
 non-overlapping windows and a remainder shorter than a window is dropped, so no sample crosses a
-document boundary; with ``data.pack=true`` the windows run over the whole token stream
-(nanoGPT's way; the tokenizer's end-of-text marks the boundaries). The validation split is the
-last ``data.val_fraction`` of the documents.
+document boundary; with ``data.pack=true`` the windows run over the whole token stream and each
+sample also carries every input token's position in its document (restarting at 0 where a
+document starts, at 0 for the window's first token: Megatron's ``reset_position_ids``, HF's packed
+``position_ids``), from which the model masks attention across documents. The validation split is
+the last ``data.val_fraction`` of the documents.
 
 The order of an epoch (MosaicML Streaming's ``py1b`` shuffle, in samples): the shards are
 permuted, their samples concatenated, and the samples of each block of ``data.shuffle_block``
@@ -88,9 +90,9 @@ class ShardDataset:
 
     def __init__(self, index: ShardIndex, reader, seq_len: int, split: str, pack: bool,
                  val_fraction: float, shuffle: bool, shuffle_block: int):
-        self.index, self.reader, self.seq_len = index, reader, seq_len
-        self.starts = window_starts(split_documents(index.documents, val_fraction, split),
-                                    seq_len, pack)
+        self.index, self.reader, self.seq_len, self.pack = index, reader, seq_len, pack
+        self.documents = split_documents(index.documents, val_fraction, split)
+        self.starts = window_starts(self.documents, seq_len, pack)
         self.shuffle, self.shuffle_block = shuffle, shuffle_block
         self.fetches_remotely = reader.remote
 
@@ -110,9 +112,20 @@ class ShardDataset:
     def window(self, i: int) -> np.ndarray:
         return self.tokens(int(self.starts[i]), self.seq_len + 1)
 
+    def positions(self, i: int) -> np.ndarray:
+        """Sample ``i``'s input tokens' positions within their documents (within the window:
+        a document that began before it starts at 0)."""
+        start = int(self.starts[i])
+        tokens = np.arange(start, start + self.seq_len, dtype=np.int64)
+        doc_starts = self.documents[np.searchsorted(self.documents, tokens, side="right") - 1]
+        return tokens - np.maximum(doc_starts, start)
+
     def batch(self, indices: list[int]):
         rows = torch.from_numpy(np.stack([self.window(i) for i in indices]).astype(np.int64))
-        return rows[:, :-1], rows[:, 1:]
+        if not self.pack:
+            return rows[:, :-1], rows[:, 1:]
+        positions = torch.from_numpy(np.stack([self.positions(i) for i in indices]))
+        return rows[:, :-1], rows[:, 1:], positions
 
     @lru_cache(maxsize=4)
     def epoch_order(self, seed: int, epoch: int) -> np.ndarray:

@@ -11,11 +11,13 @@ shard, an unreachable path, sources prepared with different tokenizers, a model 
 has fewer ids than the tokenizer (asked of the model plugin: the model is built on the meta
 device and run on one token), weights that do not sum to a positive number, a cache limit
 smaller than one shard, too few samples for one global batch (or, with ``train.eval_every``, for
-one per-rank validation batch), and numbers out of range (``RANGES``).
+one per-rank validation batch), ``data.pack=true`` with a model whose forward takes no
+``position_ids``, and numbers out of range (``RANGES``).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -86,6 +88,21 @@ def model_vocab_size(cfg, hook) -> Optional[int]:
         return int(model(torch.zeros(1, 1, dtype=torch.long, device="meta")).shape[-1])
     except Exception:
         return None
+
+
+def packing_problems(cfg, hook) -> list[str]:
+    """``data.pack=true`` gives the model each token's position in its document
+    (``position_ids``), from which it masks attention across documents: a model whose forward
+    takes none would fail in every worker."""
+    model = meta_model(hook, cfg)
+    if not cfg.data.pack or model is None:
+        return []
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        return []
+    return [f"data.pack=true passes each token's position in its document to the model "
+            f"(forward(ids, position_ids)), from which it masks attention across documents; "
+            f"model._target_={cfg.model._target_} takes no position_ids: use a model that does "
+            "(plait's GPT) or data.pack=false"]
 
 
 def index_problems(cfg, dims, hook, indexes: list[tuple[str, ShardIndex]]) -> list[str]:
@@ -162,7 +179,28 @@ def plait_validate(cfg, dims, hook) -> list[str]:
             indexes.append((setting, read_index(path, setting)))
         except ShardIndexError as e:
             problems.append(str(e))
-    return problems or index_problems(cfg, dims, hook, indexes)
+    return problems or index_problems(cfg, dims, hook, indexes) + packing_problems(cfg, hook)
+
+
+@hookimpl
+def plait_tokenizer(cfg):
+    """The tokenizer ``plait prepare`` made the (first) source with: bytes, or the
+    ``tokenizer.json`` it saved beside the shards, with its end-of-text id."""
+    from fsspec.core import url_to_fs
+
+    from plait.plugins.data.index import TOKENIZER, join
+    from plait.plugins.data.tokenizer import ByteTokenizer, HFTokenizer
+
+    _, path, _ = sources_of(cfg.data)[0]
+    try:
+        index = read_index(path)
+    except ShardIndexError:
+        return None  # refused by plait_validate
+    if index.tokenizer["name"] == ByteTokenizer.name:
+        return ByteTokenizer()
+    fs, root = url_to_fs(path)
+    return HFTokenizer.from_json(fs.cat_file(join(root, TOKENIZER)).decode(),
+                                 index.tokenizer["name"], index.tokenizer.get("eot"))
 
 
 @hookimpl

@@ -1,5 +1,7 @@
 """Tokenizers for ``plait prepare``: bytes (no setup), byte-level BPE trained here with HF
-``tokenizers``, or a ``tokenizer.json`` the user gives. Nothing is downloaded.
+``tokenizers``, a ``tokenizer.json`` the user gives, or a model directory's own (``data.
+tokenizer=<model dir>``: its ``tokenizer.json``, each document ended by the model's end-of-text
+token from its ``tokenizer_config.json`` / ``config.json``). Nothing is downloaded.
 
 A tokenizer's *identity* is ``bytes-v1`` or the SHA-256 of its JSON serialisation; two shard
 directories can be blended only when their identities match, and a prepare resumes only with the
@@ -31,6 +33,9 @@ class ByteTokenizer:
     def encode_batch(self, docs: list[bytes]) -> list[np.ndarray]:
         return [np.frombuffer(doc, dtype=np.uint8) for doc in docs]
 
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
@@ -38,19 +43,22 @@ class ByteTokenizer:
 class HFTokenizer:
     """A HF ``tokenizers`` tokenizer; documents are UTF-8 text (invalid bytes become U+FFFD)."""
 
-    def __init__(self, tokenizer, name: str):
+    def __init__(self, tokenizer, name: str, eot: Optional[int] = None):
         self.tokenizer = tokenizer
         self.name = name
         self.json = tokenizer.to_str()
         self.identity = "sha256:" + hashlib.sha256(self.json.encode()).hexdigest()
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.eot = tokenizer.token_to_id(EOT)
+        self.eot = tokenizer.token_to_id(EOT) if eot is None else eot
 
     @classmethod
-    def from_json(cls, json: str, name: str) -> HFTokenizer:
+    def from_json(cls, json: str, name: str, eot: Optional[int] = None) -> HFTokenizer:
         from tokenizers import Tokenizer
 
-        return cls(Tokenizer.from_str(json), name)
+        return cls(Tokenizer.from_str(json), name, eot)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text).ids)
 
     def encode_batch(self, docs: list[bytes]) -> list[np.ndarray]:
         texts = [doc.decode("utf-8", errors="replace") for doc in docs]
@@ -76,12 +84,47 @@ def train_bpe(docs: Iterable[bytes], vocab_size: int) -> HFTokenizer:
     return HFTokenizer(tokenizer, BPE)
 
 
-def load_tokenizer_file(path: str | Path, name: str = "file") -> HFTokenizer:
+def load_tokenizer_file(path: str | Path, name: str = "file",
+                        eot: Optional[int] = None) -> HFTokenizer:
     from tokenizers import Tokenizer
 
-    return HFTokenizer(Tokenizer.from_file(str(path)), name)
+    return HFTokenizer(Tokenizer.from_file(str(path)), name, eot)
 
 
-def from_spec(name: str, json: Optional[str]):
-    """Rebuild a tokenizer in a worker process from its name and JSON."""
-    return ByteTokenizer() if name == BYTES else HFTokenizer.from_json(json, name)
+MODEL = "model"
+TOKENIZER_JSON = "tokenizer.json"
+
+
+def model_eot(directory: Path, tokenizer) -> Optional[int]:
+    """A model directory's end-of-text id: ``tokenizer_config.json``'s ``eos_token``, else
+    ``config.json``'s ``eos_token_id`` (the first of a list), else ``<|endoftext|>``."""
+    import json
+
+    config = directory / "tokenizer_config.json"
+    if config.exists():
+        eos = json.loads(config.read_text()).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
+            return tokenizer.token_to_id(eos)
+    model_config = directory / "config.json"
+    if model_config.exists():
+        eos = json.loads(model_config.read_text()).get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if isinstance(eos, int):
+            return eos
+    return tokenizer.token_to_id(EOT)
+
+
+def load_model_tokenizer(directory: str | Path) -> HFTokenizer:
+    """The tokenizer of a model directory (``tokenizer.json``), ending documents with its
+    end-of-text token."""
+    from tokenizers import Tokenizer
+
+    directory = Path(directory).expanduser()
+    tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_JSON))
+    return HFTokenizer(tokenizer, MODEL, model_eot(directory, tokenizer))
+
+
+def from_spec(name: str, json: Optional[str], eot: Optional[int] = None):
+    """Rebuild a tokenizer in a worker process from its name, JSON and end-of-text id."""
+    return ByteTokenizer() if name == BYTES else HFTokenizer.from_json(json, name, eot)

@@ -1,4 +1,7 @@
-"""``strategy=ddp`` (the default): torch ``DistributedDataParallel`` over the data-parallel group.
+"""``strategy=ddp`` (the default): torch ``DistributedDataParallel`` over the data-parallel group
+(with ``parallel.cp > 1`` the data- and context-parallel ranks together, as Megatron-core's DDP
+reduces over ``data_parallel_group_with_context_parallel``: each rank's loss is the mean over its
+tokens, all hold equally many, so the average over ``dp x cp`` is the batch's gradient).
 
 Gradient accumulation skips the all-reduce on all but the last micro-batch (``no_sync``); the
 gradient communication is the comm plugin's reducer, adapted as a DDP comm hook on DDP's buckets
@@ -36,7 +39,15 @@ from plait.plugins.optim.mixed_precision import (
     load_grad_scaler_state,
 )
 from plait.plugins.optim.state_by_name import load_state_by_name, state_by_name
-from plait.types import Batch, CommSpec, GradReducer, PluginInfo, StepOutput, StrategyCost
+from plait.types import (
+    Batch,
+    CommSpec,
+    GradReducer,
+    PluginInfo,
+    StepOutput,
+    StrategyCost,
+    model_inputs,
+)
 
 
 @dataclass
@@ -111,8 +122,9 @@ class DDPEngine:
         self.grad_clip = cfg.train.grad_clip
         self.scaler = grad_scaler(cfg.precision, self.device)
         self.skipped_steps = 0  # steps the fp16 loss scaler skipped on an overflow
-        self.dp_group = topology.get_data_parallel_group()
-        self.dp_size = topology.dims.dp
+        # gradients and the loss are averaged over the data- and context-parallel ranks
+        self.dp_group = topology.get_data_parallel_group(with_context_parallel=True)
+        self.dp_size = topology.dims.dp_cp
         # Tensor-parallel shards: the gradient norm is summed over the tp group.
         self.tp_group = topology.get_tensor_model_parallel_group() if topology.dims.tp > 1 else None
         self.tp_rank = topology.tp_rank
@@ -122,7 +134,7 @@ class DDPEngine:
         self.ep_group = topology.get_expert_parallel_group() if self.ep > 1 else None
         self.edp_group = topology.get_expert_data_parallel_group() if self.ep > 1 else None
         self.checkpoint_name = f"model_pp{topology.pp_rank}_tp{topology.tp_rank}.pt"
-        self.saves_checkpoint = topology.dp_rank == 0
+        self.saves_checkpoint = topology.dp_cp_rank == 0
         if self.ep > 1:  # one file per position holding other experts, from its first replica
             self.checkpoint_name = self.checkpoint_name.replace(".pt", f"_ep{topology.ep_rank}.pt")
             self.saves_checkpoint = topology.edp_rank == 0
@@ -141,9 +153,9 @@ class DDPEngine:
             self.wrapped = torch.compile(self.wrapped)
 
     def _loss(self, batch: Batch) -> torch.Tensor:
-        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        x, kwargs, y = model_inputs(batch, self.device)
         with autocast(self.precision, self.device):
-            return self.loss_fn(self.wrapped(x), y)
+            return self.loss_fn(self.wrapped(x, **kwargs), y)
 
     def _mean_over_dp(self, value: torch.Tensor) -> Callable[[], float]:
         """Start averaging ``value`` over the dp ranks; call the result to wait for the float.
@@ -247,7 +259,8 @@ def plait_declare() -> PluginInfo:
         name="ddp", selected_by={"strategy.name": "ddp"},
         provides=frozenset({"engine:tensor_parallel", "engine:pipeline", "engine:grad_reducer",
                             "engine:grad_comm", "engine:layout_free_state",
-                            "engine:comm_hook", "engine:expert_parallel"}),
+                            "engine:comm_hook", "engine:expert_parallel",
+                            "engine:context_parallel"}),
         description="torch DistributedDataParallel")
 
 
@@ -270,13 +283,15 @@ def plait_validate(cfg, dims) -> list[str]:
 def plait_strategy_cost(strategy, model, dims) -> StrategyCost | None:
     """DDP with torch AdamW in any precision (autocast keeps parameters and gradients fp32):
     4 + 4 + 8 bytes per parameter, DDP's gradient buckets another 4 (copies of the gradients:
-    ``gradient_as_bucket_view`` is off), and an all-reduce of the fp32 gradients per step
-    (experts' over their expert-data-parallel group, counted here as over dp)."""
+    ``gradient_as_bucket_view`` is off), and an all-reduce of the fp32 gradients per step over
+    the ``dp x cp`` ranks (experts' over their expert-data-parallel group, counted here as over
+    dp)."""
     if strategy != "ddp":
         return None
     psi = sum(parameters_per_rank(model, dims))
+    n = dims.dp_cp
     return StrategyCost(params=4 * psi, grads=4 * psi, optimizer=8 * psi, buffers=4 * psi,
-                        dp_bytes_per_step=2 * (dims.dp - 1) / dims.dp * psi * 4)
+                        dp_bytes_per_step=2 * (n - 1) / n * psi * 4)
 
 
 @hookimpl

@@ -13,7 +13,8 @@ of ``dp/R`` consecutive ranks (a node, with ``launcher.nproc_per_node`` ranks pe
 across groups, the gradient reduce-scatter inside a group and an all-reduce across them.
 ``precision=bf16`` is FSDP's ``MixedPrecisionPolicy`` (bf16 compute and all-gather, fp32 gradient
 reduction and fp32 sharded parameters for the optimizer). Tensor parallelism composes: plait's
-Megatron-style shards are sharded again over the dp group.
+Megatron-style shards are sharded again over the dp group. So does context parallelism: the
+``dp x cp`` ranks form the shard mesh (torchtitan's ``dp_shard_cp``).
 
 What plait took from torch: ``fully_shard``, ``MixedPrecisionPolicy``, ``DeviceMesh``, DCP's
 ``get_state_dict``/``set_state_dict`` (full tensors by name for the layout-free checkpoint). What
@@ -49,9 +50,9 @@ OFFLOAD = ("none", "cpu")
 def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="fsdp", selected_by={"strategy.name": "fsdp"},
-        precisions=frozenset({"fp32", "bf16"}), parallel_axes=frozenset({"dp", "tp", "ep"}),
+        precisions=frozenset({"fp32", "bf16"}), parallel_axes=frozenset({"dp", "cp", "tp", "ep"}),
         provides=frozenset({"engine:tensor_parallel", "engine:layout_free_state",
-                            "engine:expert_parallel"}),
+                            "engine:expert_parallel", "engine:context_parallel"}),
         description="torch FSDP2 (fully_shard), HSDP with strategy.replicate")
 
 
@@ -80,6 +81,10 @@ def plait_validate(cfg, dims, hook) -> list[str]:
         problems.append(f"strategy.replicate={settings.replicate} with parallel.ep={dims.ep}: "
                         "plait shards experts over their expert-data-parallel group, not over "
                         "HSDP's replica groups; use strategy.replicate=1 or parallel.ep=1")
+    if settings.replicate > 1 and dims.cp > 1:
+        problems.append(f"strategy.replicate={settings.replicate} with parallel.cp={dims.cp}: "
+                        "HSDP's shard groups are cut from the dp ranks alone, not the dp x cp "
+                        "ranks that share gradients (not built): use strategy.replicate=1")
     if dims.elastic:
         problems.append(f"launcher.nnodes={cfg.launcher.nnodes} with strategy=fsdp: an elastic "
                         "job changes the shard count, which plait does not re-form for FSDP; use "
@@ -109,7 +114,7 @@ def plait_strategy_cost(cfg, strategy, model, dims) -> StrategyCost | None:
     from plait.meta import parameters_per_rank
 
     replicate = cfg.strategy.replicate if cfg.strategy.name == "fsdp" else 1
-    shard = max(1, dims.dp // replicate)
+    shard = max(1, dims.dp_cp // replicate)
     dense, experts = parameters_per_rank(model, dims)
     psi = dense + experts * getattr(dims, "ep", 1)  # shards of Ψ/shard per rank, experts too
     blocks = getattr(model, "blocks", None)

@@ -22,7 +22,7 @@ from plait.plugins.fsdp.materialize import experts_divided_by_engine, shard
 from plait.plugins.optim.clip_grads import is_expert, is_tensor_parallel
 from plait.plugins.optim.hyperparameters import keep_hyperparameters
 from plait.plugins.optim.mixed_precision import autocast
-from plait.types import Batch, StepOutput
+from plait.types import Batch, StepOutput, model_inputs
 
 
 def full_options(**kwargs):
@@ -45,8 +45,9 @@ class FSDPEngine:
         self.loss_fn = loss_fn
         self.precision = cfg.precision
         self.grad_clip = cfg.train.grad_clip
-        self.dp_group = topology.get_data_parallel_group()
-        self.dp_size = topology.dims.dp
+        # the loss is averaged over the data- and context-parallel ranks
+        self.dp_group = topology.get_data_parallel_group(with_context_parallel=True)
+        self.dp_size = topology.dims.dp_cp
         self.tp_group = topology.get_tensor_model_parallel_group() if topology.dims.tp > 1 else None
         self.tp_rank = topology.tp_rank
         mesh = next(p for p in model.parameters()).device_mesh
@@ -56,12 +57,12 @@ class FSDPEngine:
         self.ep_group = topology.get_expert_parallel_group() if topology.dims.ep > 1 else None
         self.edp_group = topology.get_expert_data_parallel_group()
         self.divide_experts = experts_divided_by_engine(topology)
-        self.checkpoint_name = f"fsdp_tp{topology.tp_rank}_dp{topology.dp_rank}.pt"
+        self.checkpoint_name = f"fsdp_tp{topology.tp_rank}_dp{topology.dp_cp_rank}.pt"
 
     def _loss(self, batch: Batch) -> torch.Tensor:
-        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        x, kwargs, y = model_inputs(batch, self.device)
         with autocast("fp32", self.device):  # FSDP's MixedPrecisionPolicy casts per module
-            return self.loss_fn(self.model(x), y)
+            return self.loss_fn(self.model(x, **kwargs), y)
 
     def grad_norm(self) -> torch.Tensor:
         """``||g||`` over every shard: squares summed over this rank's FSDP shards, then over

@@ -2,10 +2,12 @@
 
 On a model built on the meta device (:mod:`plait.meta`), FSDP2 shards the meta parameters (every
 parameter becomes a DTensor, ``Shard(0)`` over the dp mesh), ``to_empty`` allocates this rank's
-shards only, and each is filled from plait's initial value of the parameter: the full value (one
-parameter at a time), cut first by tensor parallelism where the parameter is a tensor-parallel
-shard, then by FSDP's placement, locally (``distribute_tensor`` with ``src_data_rank=None``: no
-communication). A model built whole is sharded as it is. Either way the parameters lose the
+shards only, and each is filled from plait's initial value of the parameter: the box of the
+(tensor-parallel) parameter FSDP's placement gives this rank (DTensor's
+``compute_local_shape_and_global_offset``), read alone by a model that reads its values (a
+pretrained checkpoint), otherwise cut from the full value made one parameter at a time. No
+communication. Buffers (a rotary embedding's ``inv_freq``) keep their values across
+``to_empty``. A model built whole is sharded as it is. Either way the parameters lose the
 attributes plait's tensor-parallel layers set on them; they are carried over by name.
 """
 
@@ -24,10 +26,12 @@ TENSOR_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_st
 
 def dp_mesh(cfg, topology):
     """The data-parallel mesh: 1-D, or under ``strategy.replicate=R`` 2-D ``(replicate, shard)``
-    with the shard groups of ``dp/R`` consecutive dp ranks (HSDP)."""
+    with the shard groups of ``dp/R`` consecutive dp ranks (HSDP). With context parallelism the
+    1-D mesh is the ``dp x cp`` ranks (torchtitan's ``dp_shard_cp``): they hold the same
+    parameters and average their gradients."""
     replicate = cfg.strategy.replicate
     if replicate == 1:
-        return topology.mesh["dp"]
+        return topology.dp_cp_mesh()
     dims = topology.dims
     return topology.mesh._unflatten("dp", (replicate, dims.dp // replicate),
                                     ("replicate", "shard"))["replicate", "shard"]
@@ -57,11 +61,16 @@ def mixed_precision(cfg):
 
 
 def units(model: nn.Module) -> list[nn.Module]:
-    """The FSDP units: each block of a model with a ``blocks`` ModuleDict (plait's layout), then
-    the root, which takes every parameter left (embeddings, final norm, head)."""
-    blocks = getattr(model, "blocks", None)
-    inner = list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else []
-    return [*inner, model]
+    """The FSDP units: each layer of the model's layer list (named by its ``pipeline_plan``:
+    plait's GPT's ``blocks``, a transformers model's decoder layers), then the root, which takes
+    every parameter left (embeddings, final norm, head)."""
+    plan = getattr(model, "pipeline_plan", None)
+    layers = model.get_submodule(plan["layers"]) if plan else None
+    if isinstance(layers, nn.ModuleDict):
+        return [*layers.values(), model]
+    if isinstance(layers, nn.ModuleList):
+        return [*layers, model]
+    return [model]
 
 
 def tensor_parallel_attrs(model: nn.Module) -> dict[str, dict]:
@@ -96,8 +105,8 @@ def shard(cfg, model: nn.Module, topology) -> nn.Module:
         fully_shard(unit, mesh=unit_mesh, reshard_after_forward=cfg.strategy.reshard_after_forward,
                     mp_policy=mixed_precision(cfg), offload_policy=offload)
         unit.set_force_sum_reduction_for_comms(True)  # gloo's AVG is wrong (pytorch#162338)
-        if unit_mesh.size() > 1 or topology.dims.dp == 1:
-            unit.set_gradient_divide_factor(float(topology.dims.dp))
+        if unit_mesh.size() > 1 or topology.dims.dp_cp == 1:
+            unit.set_gradient_divide_factor(float(topology.dims.dp_cp))
     return restore(model, attrs)
 
 
@@ -107,20 +116,29 @@ def experts_divided_by_engine(topology) -> bool:
     return topology.dims.ep > 1 and topology.dims.edp == 1
 
 
-def shard_and_materialize(cfg, model: nn.Module, init: ParameterInit, topology) -> nn.Module:
-    from torch.distributed.tensor import distribute_tensor
+def local_box(p) -> tuple[slice, ...]:
+    """Where this rank's shard of the DTensor ``p`` sits in the whole parameter."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def shard_and_materialize(cfg, model: nn.Module, init: ParameterInit, topology) -> nn.Module:
     cuts = {name: p for name, p in model.named_parameters()}  # meta: shapes, slice_of_full
     shard(cfg, model, topology)
     device = "cpu" if cfg.strategy.offload == "cpu" else topology.device
     attrs = tensor_parallel_attrs(model)  # to_empty replaces the parameters again
+    buffers = {name: b.clone() for name, b in model.named_buffers()}  # to_empty drops values
     restore(model.to_empty(device=device), attrs)
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers.pop(name))
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            full = init.local(name, cuts[name])  # the whole (tensor-parallel) parameter
-            local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-            p.to_local().copy_(local.to_local())
-            del full, local
+            local = p.to_local()
+            if local.numel():
+                local.copy_(init.part(name, cuts[name], local_box(p)).view_as(local))
             if torch.device(device).type == "cpu":
                 return_freed_memory()
     return model

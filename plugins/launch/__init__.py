@@ -23,6 +23,7 @@ elastic_grad_accum_steps``); ``elastic.py`` reports each re-formed group. See do
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -123,10 +124,15 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
         os.environ.update(torch_env_from_slurm(os.environ, launcher.master_port))
         return {int(os.environ["RANK"]): entrypoint(*args)}
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import elastic_launch
 
     # As torchrun does: without a limit each worker's intra-op pool takes every core, and
-    # workers sharing a machine slow each other down many times over.
+    # workers sharing a machine slow each other down many times over. Set for this launch only:
+    # left in this process, a later launch with more processes (a sweep, a test session) would
+    # inherit a 1-process job's count (seen: 2 threads per worker of 2 on 2 cores, whose compute
+    # then read 20x its CPU time spinning at OpenMP barriers).
+    threads_given = "OMP_NUM_THREADS" in os.environ
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // launcher.nproc_per_node)))
     if dims.elastic:
@@ -135,19 +141,34 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
         # later round waits for it forever (seen: scale-up restart, both agents timed out). Not
         # sharing it makes each round publish a fresh store address (and key space).
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # The agent (this process), for a worker that makes its node leave an elastic job
+    # (plait.plugins.fault.membership): a forkserver's worker is not the agent's child.
+    os.environ["PLAIT_AGENT_PID"] = str(os.getpid())
     if launcher.start_method == "forkserver":
-        from plait.plugins.launch.forkserver import use_forkserver, worker_entry
+        from plait.plugins.launch.forkserver import launcher_stdio, use_forkserver, worker_entry
 
         use_forkserver(on_cpu=runs_on_cpu(cfg))
-        entrypoint, args = worker_entry, (entrypoint, dict(os.environ), *args)
+        entrypoint, args = worker_entry, (entrypoint, dict(os.environ), launcher_stdio(),
+                                          *args)
     launch = elastic_launch(launch_config(cfg, dims), entrypoint=entrypoint)
     expendable = expendable_ranks(cfg, dims, hook)
-    if expendable is None:
-        return launch(*args)
-    from plait.plugins.launch.departures import agent_class
+    try:
+        if expendable is None:
+            return launch(*args)
+        from plait.plugins.launch.departures import agent_class
 
-    with agent_class(expendable):
-        return launch(*args)
+        with agent_class(expendable):
+            return launch(*args)
+    except SignalException as stopped:
+        # the agent was stopped (a scheduler, Ctrl-C, or a worker of this node that leaves an
+        # elastic job: plait.plugins.fault.membership); it stopped its workers and, unlike a
+        # finished job, left the rendezvous open for the other nodes
+        print(f"plait: this node's agent was stopped by {stopped.sigval.name}; its workers are "
+              "stopped", file=sys.stderr, flush=True)
+        raise SystemExit(128 + stopped.sigval) from None
+    finally:
+        if not threads_given:
+            os.environ.pop("OMP_NUM_THREADS", None)
 
 
 def runs_on_cpu(cfg) -> bool:

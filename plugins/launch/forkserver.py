@@ -15,7 +15,11 @@ What a fork of the server does not carry is mended by :func:`worker_entry`:
   worker takes the launcher's environment as it is at this launch, and keeps the variables torch
   elastic set for it (``RANK``, ``MASTER_PORT``, ...);
 - the intra-op thread count: OpenMP read ``OMP_NUM_THREADS`` when the server imported torch; the
-  launcher's value for this launch is set again.
+  launcher's value for this launch is set again;
+- standard output and error: the server's are the launcher's at the moment the server started
+  (a test session's first capture, a terminal since closed). Each launch hands the worker its
+  current ones as file descriptors (:class:`PassedFd`, sent as ``multiprocessing`` sends a
+  pipe), and the worker puts them in place of its own.
 
 DeepSpeed is preloaded only for CPU runs: importing it probes its accelerator, which on a GPU
 host initialises CUDA, and CUDA does not survive a fork.
@@ -25,6 +29,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
+from multiprocessing import reduction
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
@@ -46,9 +52,36 @@ def use_forkserver(on_cpu: bool) -> None:
     multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
 
 
+class PassedFd:
+    """A file descriptor of the launcher that a pickled worker argument carries to the worker:
+    ``multiprocessing``'s ``DupFd`` sends it to the forkserver with the worker's other
+    descriptors, and it unpickles as the worker's duplicate of it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def launcher_stdio() -> tuple[PassedFd, PassedFd]:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return PassedFd(1), PassedFd(2)
+
+
 def worker_entry(entrypoint: Callable[..., Any], launcher_env: dict[str, str],
-                 *args: Any) -> Any:
-    """Run ``entrypoint(*args)`` in a forked worker as if it had been spawned by the launcher."""
+                 stdio: tuple[int, int], *args: Any) -> Any:
+    """Run ``entrypoint(*args)`` in a forked worker as if it had been spawned by the launcher:
+    its environment, thread count and standard output and error (``stdio``, the launcher's
+    as :func:`launcher_stdio` passed them)."""
+    for fd, target in zip(stdio, (1, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
     if SERVER_PID == os.getpid():  # a server started without plait's preload: add, keep all
         os.environ.update({k: v for k, v in launcher_env.items() if k not in os.environ})
     else:

@@ -36,7 +36,7 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 from plait.plugins.optim.accumulate import accumulate_gradients
 from plait.plugins.optim.mixed_precision import autocast
 from plait.topology import split_by_node
-from plait.types import Batch, StepOutput
+from plait.types import Batch, StepOutput, model_inputs
 
 
 class LocalSGDEngine:
@@ -88,9 +88,9 @@ class LocalSGDEngine:
         return self.steps % self.sync_every == 0
 
     def _loss(self, batch: Batch) -> torch.Tensor:
-        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        x, kwargs, y = model_inputs(batch, self.device)
         with autocast(self.precision, self.device):
-            return self.loss_fn(self.model(x), y)
+            return self.loss_fn(self.model(x, **kwargs), y)
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         if self.dp_size > 1:

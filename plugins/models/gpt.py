@@ -1,12 +1,16 @@
 """A small GPT (pre-LayerNorm, causal self-attention through ``scaled_dot_product_attention``).
 
+Packed documents: ``GPT(...)(idx, position_ids)`` with ``position_ids`` restarting at 0 where a
+document starts (what ``data.pack=true`` gives) embeds each token at its position in its document
+and masks attention across documents, so every document is computed as if it were alone.
+
 Modules are named so that splitting plans read like Megatron's: ``blocks.<i>.attn.qkv`` (column
 parallel), ``blocks.<i>.attn.proj`` (row parallel), ``blocks.<i>.mlp.fc`` / ``mlp.proj``,
 ``embed.tok`` (vocab parallel), ``head``. With ``model.n_experts=E`` every ``model.moe_every``-th
 block's MLP is a mixture of experts (:mod:`.moe`): ``blocks.<i>.mlp.router``,
 ``blocks.<i>.mlp.experts.<e>.fc``/``proj``, ``blocks.<i>.mlp.shared.*``. Blocks live in a
-``ModuleDict`` keyed by layer index and every part may be set to None, so a pipeline stage keeps
-only its share and the same ``forward`` runs on each stage (torchtitan's pattern).
+``ModuleDict`` keyed by layer index; a pipeline stage replaces the parts it does not hold by
+identities (or None), so the same ``forward`` runs on each stage (torchtitan's pattern).
 """
 
 from __future__ import annotations
@@ -57,19 +61,37 @@ RANGES = {"vocab_size": AT_LEAST_1, "block_size": AT_LEAST_1, "n_layer": AT_LEAS
           "capacity_factor": POSITIVE, "expert_hidden": AT_LEAST_1}
 
 
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]``: which document of its sequence each token is in (1, 2, ...), counting
+    the starts (position 0) up to it."""
+    return (position_ids == 0).cumsum(dim=-1)
+
+
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """``[batch, 1, seq, seq]`` bool: query ``i`` sees key ``j`` when ``j <= i`` and both are in
+    the same document (a block-diagonal causal mask)."""
+    seq = documents.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    return (documents[:, :, None] == documents[:, None, :])[:, None] & causal
+
+
 class CoreAttention(nn.Module):
     """``softmax(QKᵀ/√d + causal mask)·V`` over heads ``[batch, head, seq, head_dim]``: the part
     of attention without weights (Megatron's ``core_attention``), a module of its own so that
-    selective activation checkpointing can recompute it alone."""
+    selective activation checkpointing can recompute it alone, and context parallelism replace
+    it. ``documents`` (``[batch, seq]``, packed documents): no query sees another document."""
 
     def __init__(self, dropout: float):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        if documents is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents),
+                                              dropout_p=dropout)
 
 
 class CausalSelfAttention(nn.Module):
@@ -80,14 +102,15 @@ class CausalSelfAttention(nn.Module):
         self.core_attention = CoreAttention(dropout)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         # The heads on this rank follow from qkv's output width (a tensor-parallel split keeps
         # whole heads, fewer of them), and the sequence length from its shape: under sequence
-        # parallelism x holds seq/tp positions and qkv gathers the whole sequence.
+        # parallelism x holds seq/tp positions and qkv gathers the whole sequence; under context
+        # parallelism x holds seq/cp positions and the attention core exchanges keys and values.
         qkv = self.qkv(x)
         B, T, _ = qkv.shape
         q, k, v = qkv.view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = self.core_attention(q, k, v)
+        y = self.core_attention(q, k, v, documents)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -113,13 +136,14 @@ class Block(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(n_embd, dropout, bias)
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.resid_dropout(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.resid_dropout(self.attn(self.ln_1(x), documents))
         return x + self.mlp(self.ln_2(x))
 
 
 class Embedding(nn.Module):
-    """Token plus learned position embeddings."""
+    """Token plus learned position embeddings; ``position_ids`` (``[batch, seq]``) where the
+    positions are not ``0 .. seq-1`` (packed documents, a context-parallel rank's tokens)."""
 
     def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float):
         super().__init__()
@@ -127,13 +151,15 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(block_size, n_embd)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.size(1), device=idx.device)
-        return self.dropout(self.tok(idx) + self.pos(positions))
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(idx.size(1), device=idx.device)
+        return self.dropout(self.tok(idx) + self.pos(position_ids))
 
 
 class GPT(nn.Module):
-    """``GPT(...)(idx) -> logits``, idx ``[batch, seq]`` token ids, logits ``[batch, seq, vocab]``."""
+    """``GPT(...)(idx) -> logits``, idx ``[batch, seq]`` token ids, logits ``[batch, seq, vocab]``;
+    ``GPT(...)(idx, position_ids)`` for packed documents."""
 
     # Megatron's split (see plait.plugins.tensor_parallel.plan): attention and MLP as
     # column- then row-parallel pairs, the fused QKV weight split per q/k/v so every rank holds
@@ -158,10 +184,17 @@ class GPT(nn.Module):
         "blocks.*.mlp.shared.fc": "colwise",
         "blocks.*.mlp.shared.proj": "rowwise",
     }
+    # Pipeline stages (plait.plugins.pipeline.split): the embedding on the first stage, runs of
+    # blocks, the final norm and head on the last.
+    pipeline_plan = {"first": ["embed"], "layers": "blocks", "last": ["norm", "head"]}
     # What each train.activation_checkpointing mode recomputes (module-name patterns): every
     # block, or only the attention core (Korthikanti et al. 2022, "selective").
     activation_checkpointing_plan = {"full": "blocks.*",
                                      "selective": "blocks.*.attn.core_attention"}
+    # Context parallelism (plait.plugins.context_parallel.apply): the embedding takes the token
+    # ids and is given the positions of this rank's tokens; the attention cores are replaced.
+    context_parallel_plan = {"embed": "sequence_split",
+                             "blocks.*.attn.core_attention": "attention"}
 
     def __init__(self, vocab_size: int = 256, block_size: int = 64, n_layer: int = 2,
                  n_head: int = 4, n_embd: int = 64, dropout: float = 0.0, bias: bool = True,
@@ -280,11 +313,13 @@ class GPT(nn.Module):
         shared = 2 * tokens * width * v if moe.shared is not None else 0
         return routed + shared + 2 * tokens * moe.n_experts * 4
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # A pipeline stage after the first gets hidden states as x and the batch's position_ids.
+        documents = None if position_ids is None else document_ids(position_ids)
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed(x, position_ids)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, documents)
         if self.norm is not None:
             x = self.norm(x)
         if self.head is not None:
@@ -296,8 +331,8 @@ class GPT(nn.Module):
 def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="gpt", selected_by={"model._target_": GPTConfig._target_},
-        provides=frozenset({"model:tensor_parallel_plan", "model:pipeline_stages",
-                            "model:activation_checkpointing_plan", "model:experts"}),
+        provides=frozenset({"model:tensor_parallel_plan", "model:activation_checkpointing_plan",
+                            "model:context_parallel", "model:experts"}),
         description="plait's GPT: schema, checks, and what it lets split")
 
 
@@ -316,6 +351,10 @@ def plait_validate(cfg, dims) -> list[str]:
     if m.n_embd % m.n_head:
         problems.append(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}: "
                         "choose n_embd as a multiple of n_head")
+    if dims.cp > 1 and m.dropout > 0:
+        problems.append(f"model.dropout={m.dropout} with parallel.cp={dims.cp}: the attention "
+                        "of context-parallel ranks has no dropout on its probabilities: set "
+                        "model.dropout=0 or parallel.cp=1")
     divides = {"n_head": "attention heads", "vocab_size": "vocabulary"}
     if m.n_experts and m.expert_hidden is not None:
         divides["expert_hidden"] = "an expert's MLP width"
@@ -331,6 +370,10 @@ def expert_problems(cfg, dims) -> list[str]:
                             f"ranks, but model.n_experts=0 (dense MLPs): set model.n_experts to a "
                             f"multiple of {dims.ep}, or parallel.ep=1")
         return problems
+    if dims.ep > 1 and dims.cp > 1:
+        problems.append(f"parallel.ep={dims.ep} with parallel.cp={dims.cp}: expert parallelism "
+                        "is carved out of the dp ranks alone, not the dp x cp ranks that share "
+                        "gradients (not built): set parallel.ep=1 or parallel.cp=1")
     if m.router not in ROUTERS:
         problems.append(f"model.router={m.router}: choose one of {', '.join(ROUTERS)}")
     if m.top_k > m.n_experts:

@@ -33,7 +33,7 @@ from plait.plugins.parameter_server.server import BYE
 from plait.plugins.parameter_server.sharding import flat, shards_of, unflatten_into
 from plait.plugins.parameter_server.store import (inbox, job_store, publish, read_figures,
                                                   saved_key)
-from plait.types import Batch, StepOutput
+from plait.types import Batch, StepOutput, model_inputs
 
 
 class WorkerEngine:
@@ -73,9 +73,9 @@ class WorkerEngine:
         return grad_norm
 
     def _loss(self, batch: Batch) -> torch.Tensor:
-        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        x, kwargs, y = model_inputs(batch, self.device)
         with autocast(self.precision, self.device):
-            return self.loss_fn(self.model(x), y)
+            return self.loss_fn(self.model(x, **kwargs), y)
 
     def _mean_over_step_group(self, value: torch.Tensor) -> float:
         if self.step_group is not None and dist.get_world_size(self.step_group) > 1:

@@ -1,10 +1,10 @@
 """``parallel.pp>1`` (``pipeline=torch``, the default): pipeline parallelism through
 ``torch.distributed.pipelining``.
 
-The model's blocks are cut into ``pp`` stages (``pp × virtual_stages`` for the interleaved and
+The model's layers are cut into ``pp`` stages (``pp × virtual_stages`` for the interleaved and
 zero-bubble schedules), one rank of the pipeline group per stage (see
-:mod:`plait.plugins.pipeline.split` for the balance), and every optimizer step runs the chosen
-schedule over ``pipeline.microbatches`` micro-batches::
+:mod:`plait.plugins.pipeline.split` for the plan and the balance), and every optimizer step runs
+the chosen schedule over ``pipeline.microbatches`` micro-batches::
 
     pipeline.schedule   torch schedule                  stages per rank  placement of stage s
     gpipe               ScheduleGPipe                   1                rank s
@@ -30,7 +30,7 @@ the comm plugin's reducer (see ``docs/architecture.md``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,12 +46,13 @@ from plait.plugins.pipeline.schedules import (
 )
 from plait.plugins.pipeline.split import (
     BALANCES,
+    PipelinePlan,
     PipelineStageModules,
     build_stage_modules,
     measure_part_times,
+    model_plan,
     part_modules,
     split_stages,
-    tail_modules,
 )
 from plait.plugin_manager import provided
 from plait.types import (
@@ -75,7 +76,10 @@ class TorchPipelineConfig(PipelineConfig):
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble | zbv
     microbatches: int = 1  # pipeline micro-batches per optimizer step
     virtual_stages: int = 1  # stages per rank (interleaved and zero-bubble schedules)
-    balance: Any = "layers"  # layers | params | time | [blocks per stage, ...]
+    balance: Any = "layers"  # layers | params | time | [layers per stage, ...]
+    # The model's layer list (a ModuleList or ModuleDict, e.g. transformer.h) for a model without
+    # a pipeline_plan of its own; None: the model's pipeline_plan.
+    layers: Optional[str] = None
 
 
 RANGES = {"microbatches": AT_LEAST_1, "virtual_stages": AT_LEAST_1}
@@ -90,7 +94,7 @@ RANGES = {"microbatches": AT_LEAST_1, "virtual_stages": AT_LEAST_1}
 def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="pipeline", selected_by={"pipeline.name": "torch"},
-        requires={"pp": frozenset({PIPELINE, "model:pipeline_stages"})},
+        requires={"pp": frozenset({PIPELINE})},
         description="pipeline stages + schedules via torch.distributed.pipelining")
 
 
@@ -111,21 +115,58 @@ def balance_problems(par, n_blocks: int | None, n_stages: int) -> list[str]:
     if isinstance(balance, str):
         if balance not in BALANCES:
             return [f"pipeline.balance={balance}: choose one of {', '.join(BALANCES)} or a list "
-                    "of block counts per stage, e.g. pipeline.balance=[3,5]"]
+                    "of layer counts per stage, e.g. pipeline.balance=[3,5]"]
         return []
     counts = list(balance)
     if len(counts) != n_stages or min(counts) < 1 or (n_blocks and sum(counts) != n_blocks):
-        return [f"pipeline.balance={counts} must list {n_stages} block counts (one per pipeline "
-                f"stage), each at least 1, adding up to the model's {n_blocks} blocks"]
+        return [f"pipeline.balance={counts} must list {n_stages} layer counts (one per pipeline "
+                f"stage), each at least 1, adding up to the model's {n_blocks} layers"]
     return []
 
 
-def shared_across_stages(model: torch.nn.Module) -> bool:
-    """True when a parameter of the first part is also one of the last (tied embeddings): the
+def shared_across_stages(model: torch.nn.Module, plan: PipelinePlan) -> bool:
+    """True when a parameter of the first parts is also one of the last (tied embeddings): the
     two would sit on different stages."""
-    (embed,), _ = part_modules(model)
-    first = {id(p) for p in embed.parameters()} if embed is not None else set()
-    return any(id(p) in first for m in tail_modules(model) for p in m.parameters())
+    first, _, last = part_modules(model, plan)
+    ids = {id(p) for m in first for p in m.parameters()}
+    return any(id(p) in ids for m in last for p in m.parameters())
+
+
+def outside_plan(model: torch.nn.Module, plan: PipelinePlan) -> list[str]:
+    """Parameters no stage part holds (every stage would keep its own copy)."""
+    roots = (*plan.first, plan.layers, *plan.last)
+    return [name for name, _ in model.named_parameters()
+            if not any(name.startswith(root + ".") for root in roots)]
+
+
+def plan_problems(cfg, model: torch.nn.Module, pp: int) -> tuple[PipelinePlan | None, list[str]]:
+    """The model's pipeline plan and what is wrong with it."""
+    what = f"model._target_={cfg.model._target_}"
+    reason = getattr(model, "no_pipeline_plan_reason", None)  # a model that cannot be cut
+    if reason is not None:
+        return None, [f"parallel.pp={pp}: {reason}: set parallel.pp=1"]
+    try:
+        plan = model_plan(model, cfg.pipeline.layers)
+    except ValueError as e:
+        return None, [str(e)]
+    if plan is None:
+        return None, [f"parallel.pp={pp}: {what} has no pipeline_plan: name its layer list (a "
+                      "ModuleList or ModuleDict of its repeated layers) with pipeline.layers=<"
+                      "module name>, or set parallel.pp=1"]
+    try:
+        part_modules(model, plan)
+    except (ValueError, AttributeError) as e:
+        return None, [f"parallel.pp={pp}: {e}"]
+    outside = outside_plan(model, plan)
+    if outside:
+        return None, [f"parallel.pp={pp}: parameters of {what} belong to no pipeline stage's "
+                      f"part ({outside[:4]}): name a layer list whose first and last parts hold "
+                      "every parameter, or set parallel.pp=1"]
+    if cfg.pipeline.balance == "time" and not plan.layers_run_alone:
+        return None, [f"pipeline.balance=time times each layer alone, which {what}'s layers "
+                      "cannot run (they take more than the previous layer's output from the "
+                      "model's forward): use pipeline.balance=layers or params"]
+    return plan, []
 
 
 @hookimpl
@@ -138,14 +179,20 @@ def plait_validate(cfg, dims, hook) -> list[str]:
     model = meta_model(hook, cfg)
     if problems or model is None:  # a model that cannot be built: the models plugin says why
         return problems
+    plan, problems = plan_problems(cfg, model, pp)
+    if plan is None:
+        return problems
     n_stages = pp * stages_per_rank(cfg)
-    blocks = getattr(model, "blocks", None)
-    n_blocks = len(blocks) if isinstance(blocks, torch.nn.ModuleDict) else None
-    if n_blocks is not None and n_stages > n_blocks:
+    n_blocks = len(part_modules(model, plan)[1])
+    if n_stages > n_blocks:
         problems.append(f"parallel.pp={pp} x {n_stages // pp} stage(s) per rank = {n_stages} "
-                        f"pipeline stages, but the model has {n_blocks} blocks: each stage needs "
+                        f"pipeline stages, but the model has {n_blocks} layers: each stage needs "
                         "one; lower parallel.pp / pipeline.virtual_stages or add layers")
     problems += balance_problems(settings, n_blocks, n_stages)
+    if settings.balance == "time" and dims.cp > 1:
+        problems.append(f"pipeline.balance=time with parallel.cp={dims.cp}: the profiling pass "
+                        "times each part alone, which context-parallel attention (an exchange "
+                        "among ranks) cannot do: use pipeline.balance=layers or params")
     per_dp = cfg.train.batch_size // dims.dp
     if per_dp % settings.microbatches:
         problems.append(f"pipeline.microbatches={settings.microbatches} does not divide the batch "
@@ -161,7 +208,7 @@ def plait_validate(cfg, dims, hook) -> list[str]:
                         "world keeps the global batch by accumulating more micro-batches, but "
                         "the schedule's pipeline.microbatches is fixed; use a fixed "
                         "launcher.nnodes, or parallel.pp=1")
-    if n_blocks is not None and shared_across_stages(model):
+    if shared_across_stages(model, plan):
         problems.append(f"parallel.pp={pp} with a parameter shared by the embedding and the head "
                         "(tied embeddings): they live on different stages; untie them (for "
                         "plait's GPT: model.tie_embeddings=false)")
@@ -190,18 +237,19 @@ def plait_split_pipeline(cfg, model, topology) -> PipelineStageModules | None:
     n_stages = pp * stages_per_rank(cfg)
     balance = cfg.pipeline.balance
     balance = balance if isinstance(balance, str) else list(balance)
+    plan = model_plan(model, cfg.pipeline.layers)
     part_times = None
     if balance == "time":
         sample = profile_sample(cfg, model, topology.dims.dp)
-        times = torch.tensor(measure_part_times(model, sample), dtype=torch.float64)
+        times = torch.tensor(measure_part_times(model, sample, plan=plan), dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # every rank must cut the same way
         part_times = times.tolist()
-    split = split_stages(model, n_stages, balance, part_times)
+    split = split_stages(model, n_stages, balance, part_times, plan=plan)
     placement = stage_to_rank(pp, n_stages, style)
     if topology.is_logging_rank:
-        print(split.describe(placement), flush=True)
+        print(split.describe(placement, plan), flush=True)
     mine = [s for s in range(n_stages) if placement[s] == topology.pp_rank]
-    return build_stage_modules(model, split, mine)
+    return build_stage_modules(model, split, mine, plan=plan)
 
 
 @hookimpl(wrapper=True)

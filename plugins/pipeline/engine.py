@@ -16,7 +16,7 @@ from plait.plugins.optim.clip_grads import clip_grad_norm_
 from plait.plugins.optim.mixed_precision import autocast
 from plait.plugins.pipeline.schedules import SCHEDULES, make_schedule, stage_to_rank
 from plait.plugins.pipeline.split import PipelineStageModules
-from plait.types import Batch, PipelineDrivenEngine, StepOutput
+from plait.types import Batch, PipelineDrivenEngine, StepOutput, model_inputs
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 MAX_DIMS = 6
@@ -81,9 +81,10 @@ class PipelineEngine:
         self.precision = cfg.precision
         self.grad_clip = cfg.train.grad_clip
         self.pp_group = topology.get_pipeline_model_parallel_group()
-        self.dp_group = topology.get_data_parallel_group()
-        self.dp_size = topology.dims.dp
-        self.grad_reducer = grad_reducer  # the comm plugin's: averages each bucket over dp
+        # gradients and the loss are averaged over the data- and context-parallel ranks
+        self.dp_group = topology.get_data_parallel_group(with_context_parallel=True)
+        self.dp_size = topology.dims.dp_cp
+        self.grad_reducer = grad_reducer  # the comm plugin's: averages each bucket over dp x cp
         self.tp_group = topology.get_tensor_model_parallel_group()
         self.tp_size, self.tp_rank = topology.dims.tp, topology.tp_rank
         self.ep = topology.dims.ep
@@ -115,7 +116,7 @@ class PipelineEngine:
         return scaled_loss
 
     def _reduce_loss(self, loss: torch.Tensor) -> float:
-        """The last stage's loss (zero on the others) to every rank, averaged over dp."""
+        """The last stage's loss (zero on the others) to every rank, averaged over dp x cp."""
         loss = loss.detach().to(self.device, torch.float32)
         dist.all_reduce(loss, group=self.pp_group)
         if self.dp_size > 1:
@@ -126,14 +127,17 @@ class PipelineEngine:
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        # each (pinned) micro-batch copied without blocking, joined on the device
-        x = torch.cat([b[0].to(self.device, non_blocking=True) for b in micro_batches])
-        y = torch.cat([b[1].to(self.device, non_blocking=True) for b in micro_batches])
+        # each (pinned) micro-batch copied without blocking, joined on the device; packed
+        # documents' position_ids go to every stage (each masks its attention by them)
+        x, y, *positions = (torch.cat([b[i].to(self.device, non_blocking=True)
+                                       for b in micro_batches])
+                            for i in range(len(micro_batches[0])))
+        kwargs = {"position_ids": positions[0]} if positions else {}
         losses: list[torch.Tensor] = []
         scale = self.scaler.get_scale() if self.scaler else 1.0
         with autocast(self.precision, self.device):
             self.schedule.step(*((x,) if self.has_first else ()), target=y, losses=losses,
-                               return_outputs=False)
+                               return_outputs=False, **kwargs)
         local_loss = torch.stack(losses).mean() / scale if self.has_last else torch.zeros(())
         loss = self._reduce_loss(local_loss.clone())  # reduced in place
         if self.inner_steps:  # the strategy reduces and steps (ZeRO)
@@ -175,7 +179,7 @@ class PipelineEngine:
         """Forward only, the whole batch at once, stage after stage over point-to-point sends
         (the same for every schedule; torch's ``schedule.eval`` fails for ZBV in torch 2.13)."""
         self.model.eval()
-        x, y = (t.to(self.device) for t in batch)
+        x, kwargs, y = model_inputs(batch, self.device)
         hidden, loss = x, torch.zeros((), device=self.device)
         with autocast(self.precision, self.device):
             for index in range(self.n_stages):
@@ -183,7 +187,7 @@ class PipelineEngine:
                     continue
                 if index > 0 and self.placement[index - 1] != self.pp_rank:
                     hidden = recv_tensor(self._peer(self.placement[index - 1]), self.device)
-                hidden = self.chunks[index](hidden)
+                hidden = self.chunks[index](hidden, **kwargs)
                 if index == self.n_stages - 1:
                     loss = self.loss_fn(hidden, y).detach().float()
                 elif self.placement[index + 1] != self.pp_rank:

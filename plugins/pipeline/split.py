@@ -1,22 +1,36 @@
-"""Cutting a model into pipeline stages: the balance (how many blocks each stage gets) and the
+"""Cutting a model into pipeline stages: the balance (how many layers each stage gets) and the
 stage modules themselves. Pure functions of the model; no process group needed except for the
 ``time`` balance, whose measurement every rank must agree on.
 
-The model is seen as the sequence ``[embed, blocks.0, ..., blocks.{L-1}, norm + head]`` (the
-layout of :mod:`plait.plugins.models.gpt`: blocks in a ``ModuleDict``, every part may be None). ``S``
-stages each take a contiguous run of ``n_s >= 1`` blocks, ``sum(n_s) = L``; the first stage also
-holds ``embed``, the last ``norm`` and ``head``. A balance gives each part a cost ``c`` and picks
-the counts that minimise the most expensive stage::
+Which parts go where is the model's *pipeline plan* (:class:`PipelinePlan`): ``first`` (parts
+the first stage holds: embeddings), ``layers`` (the name of a ``ModuleList`` or ``ModuleDict`` of
+repeated layers), ``last`` (the last stage's: final norm, head). plait's GPT declares
+``pipeline_plan = {"first": ["embed"], "layers": "blocks", "last": ["norm", "head"]}``; a
+Hugging Face model's comes from its config's ``base_model_pp_plan`` (``model=hf``); any other
+module gets one from ``pipeline.layers=<name>`` (:func:`plan_from_layers`). The model is seen as
+the sequence ``[first, layers.0, ..., layers.{L-1}, last]``. ``S`` stages each take a contiguous
+run of ``n_s >= 1`` layers, ``sum(n_s) = L``; the first stage also holds ``first``, the last
+``last``. A balance gives each part a cost ``c`` and picks the counts that minimise the most
+expensive stage::
 
-    min over (n_0 .. n_{S-1}) of max_s [s = 0]·c(embed) + sum_{b in s} c(b) + [s = S-1]·c(tail)
+    min over (n_0 .. n_{S-1}) of max_s [s = 0]·c(first) + sum_{b in s} c(b) + [s = S-1]·c(last)
 
-- ``layers``: equal block counts (``L mod S`` extra blocks go to the earliest stages); the
+- ``layers``: equal layer counts (``L mod S`` extra layers go to the earliest stages); the
   embedding and the head are ignored, as Megatron's uniform split does.
-- ``params``: ``c`` = parameter count, so a heavy head (large vocabulary) leaves fewer blocks on
+- ``params``: ``c`` = parameter count, so a heavy head (large vocabulary) leaves fewer layers on
   the last stage.
 - ``time``: ``c`` = measured forward + backward seconds of each part on one micro-batch (a short
   profiling pass; the maximum over ranks, so every rank computes the same split).
-- ``[n_0, ..., n_{S-1}]``: explicit block counts.
+- ``[n_0, ..., n_{S-1}]``: explicit layer counts.
+
+A stage is the whole model holding only its parts, so the model's own forward runs on every
+stage: its layer list keeps only the stage's layers under their original indices (a loop over it
+visits those), and the first and last parts of other stages are :class:`StageIdentity`, which
+passes its input on, so a later stage's input (hidden states) flows through in place of the
+embedding, as ``transformers``' pipeline does and torchtitan's models do with ``None`` parts. A
+model cut by ``pipeline.layers`` must therefore pass a later stage's input through its first parts
+unchanged (a forward that adds position embeddings to the token embeddings does not); a model
+that knows it cannot be cut says why in ``no_pipeline_plan_reason``.
 """
 
 from __future__ import annotations
@@ -30,14 +44,73 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-PARTS_FIRST = ("embed",)
-PARTS_LAST = ("norm", "head")
 BALANCES = ("layers", "params", "time")
 
 
 @dataclass(frozen=True)
+class PipelinePlan:
+    """Which modules of a model each pipeline stage holds (module names in the unsplit model).
+
+    ``layers_run_alone``: each part can be called on the previous part's output alone (the
+    ``time`` balance times them that way); False for layers that take more from the model's
+    forward (a Hugging Face decoder layer takes the rotary embedding and the mask).
+    """
+
+    first: tuple[str, ...]
+    layers: str
+    last: tuple[str, ...]
+    layers_run_alone: bool = True
+
+    @classmethod
+    def of(cls, plan) -> PipelinePlan:
+        """From a model's ``pipeline_plan`` dict (``first``, ``layers``, ``last``)."""
+        return cls(tuple(plan.get("first", ())), plan["layers"], tuple(plan.get("last", ())),
+                   plan.get("layers_run_alone", True))
+
+
+def plan_from_layers(model: nn.Module, layers: str) -> PipelinePlan:
+    """The plan of a model named only by its layer list (``pipeline.layers=<name>``): the
+    modules holding parameters that are registered before the layer list (walking down to it)
+    go to the first stage, those after it to the last; modules without parameters stay on
+    every stage."""
+    first, last = [], []
+    prefix, parent = "", model
+    for part in layers.split("."):
+        names = [name for name, _ in parent.named_children()]
+        if part not in names:
+            raise ValueError(f"pipeline.layers={layers}: {type(parent).__name__} "
+                             f"{prefix.rstrip('.') or '(the model)'} has no child {part!r}; "
+                             f"it has {names}")
+        before = True
+        for name, child in parent.named_children():
+            if name == part:
+                before = False
+            elif any(True for _ in child.parameters()):
+                (first if before else last).append(prefix + name)
+        prefix, parent = prefix + part + ".", parent.get_submodule(part)
+    return PipelinePlan(tuple(first), layers, tuple(last))
+
+
+def model_plan(model: nn.Module, layers: str | None = None) -> PipelinePlan | None:
+    """``pipeline.layers`` when given, else the model's own ``pipeline_plan``; None when there
+    is neither."""
+    if layers:
+        return plan_from_layers(model, layers)
+    plan = getattr(model, "pipeline_plan", None)
+    return PipelinePlan.of(plan) if plan is not None else None
+
+
+def required_plan(model: nn.Module) -> PipelinePlan:
+    plan = model_plan(model)
+    if plan is None:
+        raise ValueError(f"parallel.pp>1 needs a pipeline plan: {type(model).__name__} has no "
+                         "pipeline_plan; name its layer list with pipeline.layers=<module name>")
+    return plan
+
+
+@dataclass(frozen=True)
 class StageSplit:
-    """Block counts per stage and each stage's cost under the balance that chose them."""
+    """Layer counts per stage and each stage's cost under the balance that chose them."""
 
     balance: str
     counts: tuple[int, ...]
@@ -50,39 +123,53 @@ class StageSplit:
             start += n
         return ranges
 
-    def describe(self, stage_to_rank: Sequence[int]) -> str:
+    def describe(self, stage_to_rank: Sequence[int], plan: PipelinePlan | None = None) -> str:
         total = sum(self.costs) or 1.0
+        first = " + ".join(plan.first) if plan and plan.first else "embed"
+        last_parts = " + ".join(plan.last) if plan and plan.last else "norm + head"
         lines = [f"plait: pipeline split over {len(self.counts)} stages (balance={self.balance})"]
         last = len(self.counts) - 1
         for s, blocks in enumerate(self.block_ranges()):
-            span = (f"block {blocks.start}" if len(blocks) == 1
-                    else f"blocks {blocks.start}-{blocks.stop - 1}")
-            parts = (["embed"] if s == 0 else []) + [span]
-            parts += ["norm + head"] if s == last else []
+            span = (f"layer {blocks.start}" if len(blocks) == 1
+                    else f"layers {blocks.start}-{blocks.stop - 1}")
+            parts = ([first] if s == 0 else []) + [span]
+            parts += [last_parts] if s == last else []
             lines.append(f"  stage {s} (pp rank {stage_to_rank[s]}): {' + '.join(parts):28s} "
-                         f"{len(blocks)} block(s), {100 * self.costs[s] / total:5.1f}% of "
+                         f"{len(blocks)} layer(s), {100 * self.costs[s] / total:5.1f}% of "
                          f"{self.unit}")
         return "\n".join(lines)
 
     @property
     def unit(self) -> str:
-        return {"layers": "blocks", "params": "parameters", "time": "measured time"}.get(
-            self.balance, "blocks")
+        return {"layers": "layers", "params": "parameters", "time": "measured time"}.get(
+            self.balance, "layers")
 
 
-def part_modules(model: nn.Module) -> tuple[list[nn.Module | None], list[nn.Module]]:
-    """The model's ``[embed]`` and blocks, checking it has the splittable layout."""
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleDict):
-        raise ValueError(
-            f"parallel.pp>1 needs a model with its layers in a ModuleDict `blocks` and optional "
-            f"`embed`, `norm`, `head` parts (plait's GPT layout); {type(model).__name__} has none: "
-            "use model=gpt_tiny / gpt2_small or give your model that layout")
-    return [getattr(model, "embed", None)], list(blocks.values())
+def layer_container(model: nn.Module, plan: PipelinePlan) -> nn.ModuleList | nn.ModuleDict:
+    try:
+        container = model.get_submodule(plan.layers)
+    except AttributeError:
+        container = None
+    if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+        raise ValueError(f"the pipeline plan's layers {plan.layers!r} is not a ModuleList or "
+                         f"ModuleDict of {type(model).__name__}: name the model's layer list "
+                         "with pipeline.layers=<module name>")
+    return container
 
 
-def tail_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in (getattr(model, n, None) for n in PARTS_LAST) if m is not None]
+def layer_keys(container: nn.ModuleList | nn.ModuleDict) -> list[str]:
+    return list(container.keys()) if isinstance(container, nn.ModuleDict) else \
+        [str(i) for i in range(len(container))]
+
+
+def part_modules(model: nn.Module, plan: PipelinePlan
+                 ) -> tuple[list[nn.Module], list[nn.Module], list[nn.Module]]:
+    """The model's first parts, its layers and its last parts."""
+    container = layer_container(model, plan)
+    layers = [container[k] if isinstance(container, nn.ModuleDict) else container[int(k)]
+              for k in layer_keys(container)]
+    return ([model.get_submodule(n) for n in plan.first], layers,
+            [model.get_submodule(n) for n in plan.last])
 
 
 def n_params(modules: Sequence[nn.Module | None]) -> int:
@@ -138,20 +225,22 @@ def stage_costs(first: float, blocks: Sequence[float], last: float, counts: Sequ
 def check_counts(counts: Sequence[int], n_layers: int, n_stages: int) -> None:
     if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 1:
         raise ValueError(
-            f"pipeline.balance={list(counts)} must list {n_stages} block counts (one per pipeline "
-            f"stage), each at least 1, adding up to the model's {n_layers} blocks")
+            f"pipeline.balance={list(counts)} must list {n_stages} layer counts (one per pipeline "
+            f"stage), each at least 1, adding up to the model's {n_layers} layers")
 
 
-def split_stages(model: nn.Module, n_stages: int, balance, part_times=None) -> StageSplit:
-    """Choose the block counts of ``n_stages`` stages by ``balance`` (see the module docstring).
+def split_stages(model: nn.Module, n_stages: int, balance, part_times=None,
+                 plan: PipelinePlan | None = None) -> StageSplit:
+    """Choose the layer counts of ``n_stages`` stages by ``balance`` (see the module docstring).
 
-    :param part_times: for ``balance="time"``, the seconds of ``[embed, *blocks, tail]``
+    :param part_times: for ``balance="time"``, the seconds of ``[first, *layers, last]``
         (from :func:`measure_part_times`).
+    :param plan: the pipeline plan; the model's own when None.
     """
-    (embed,), blocks = part_modules(model)
+    first, blocks, last = part_modules(model, plan or required_plan(model))
     L = len(blocks)
     if n_stages > L:
-        raise ValueError(f"{n_stages} pipeline stages need at least {n_stages} blocks, the model "
+        raise ValueError(f"{n_stages} pipeline stages need at least {n_stages} layers, the model "
                          f"has {L}: lower parallel.pp (x pipeline.virtual_stages)")
     if not isinstance(balance, str):
         counts = tuple(int(n) for n in balance)
@@ -163,36 +252,37 @@ def split_stages(model: nn.Module, n_stages: int, balance, part_times=None) -> S
         counts = tuple(q + (s < r) for s in range(n_stages))
         return StageSplit("layers", counts, stage_costs(0, [1.0] * L, 0, counts))
     if balance == "params":
-        first, costs, last = float(n_params([embed])), [float(n_params([b])) for b in blocks], \
-            float(n_params(tail_modules(model)))
+        first_cost, costs, last_cost = (float(n_params(first)),
+                                        [float(n_params([b])) for b in blocks],
+                                        float(n_params(last)))
     elif balance == "time":
         if part_times is None or len(part_times) != L + 2:
             raise ValueError("balance=time needs the measured time of every part")
-        first, *costs, last = part_times
+        first_cost, *costs, last_cost = part_times
     else:
         raise ValueError(f"pipeline.balance={balance!r}: choose one of {', '.join(BALANCES)} or a "
-                         "list of block counts per stage")
-    counts = min_max_partition(first, costs, last, n_stages)
-    return StageSplit(balance, counts, stage_costs(first, costs, last, counts))
+                         "list of layer counts per stage")
+    counts = min_max_partition(first_cost, costs, last_cost, n_stages)
+    return StageSplit(balance, counts, stage_costs(first_cost, costs, last_cost, counts))
 
 
-def measure_part_times(model: nn.Module, sample: torch.Tensor, repeats: int = 3) -> list[float]:
-    """Forward + backward seconds of ``[embed, *blocks, norm + head]`` on ``sample`` (token ids).
+def measure_part_times(model: nn.Module, sample: torch.Tensor, repeats: int = 3,
+                       plan: PipelinePlan | None = None) -> list[float]:
+    """Forward + backward seconds of ``[first, *layers, last]`` on ``sample`` (token ids).
 
     Each part runs on a detached copy of its input so its backward is timed alone; the median of
     ``repeats`` runs after one warm-up is kept. Parts are timed one after the other, so a model on
     the meta device is given memory one part at a time (:func:`timing_copy`).
     """
-    (embed,), blocks = part_modules(model)
-    tail = nn.Sequential(*tail_modules(model))
+    first, blocks, last = part_modules(model, plan or required_plan(model))
     seconds, x = [], sample
-    for part in (embed, *blocks, tail):
+    for part in (nn.Sequential(*first), *blocks, nn.Sequential(*last)):
         part = timing_copy(part)
         runs = []
         for repeat in range(repeats + 1):
             x_in = x.detach().requires_grad_(x.is_floating_point())
             started = time.perf_counter()
-            y = part(x_in) if part is not None else x_in
+            y = part(x_in)
             if y.requires_grad:
                 y.backward(torch.ones_like(y))
             if repeat:
@@ -215,51 +305,93 @@ def timing_copy(part: nn.Module | None) -> nn.Module | None:
     return copy_
 
 
+class StageIdentity(nn.Module):
+    """Stands in for a part another stage holds: returns its first input unchanged (the hidden
+    states a later stage receives pass through the embedding's place)."""
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class StageLayerList(nn.ModuleList):
+    """A stage's share of a ``ModuleList`` of layers, under their indices in the whole list:
+    iterating (and slicing, ``layers[:n]`` as ``transformers`` does) visits only these, in
+    order; ``layers[i]`` is layer ``i`` when the stage holds it."""
+
+    def __init__(self, layers: dict[str, nn.Module], total: int):
+        super().__init__()
+        self.total = total
+        for key, layer in layers.items():
+            self.add_module(key, layer)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            wanted = range(*index.indices(self.total))
+            return [layer for key, layer in self._modules.items() if int(key) in wanted]
+        return self._modules[str(index % self.total)]
+
+
+def stage_layers(container: nn.ModuleList | nn.ModuleDict, layers: dict[str, nn.Module]
+                 ) -> nn.Module:
+    """The container of one stage's layers, of the whole list's kind."""
+    if isinstance(container, nn.ModuleDict):
+        return nn.ModuleDict(layers)
+    return StageLayerList(layers, len(container))
+
+
 class PipelineStageModules(nn.Module):
     """This rank's pipeline chunks under the unsplit model's parameter names.
 
-    The parts (``embed``, ``blocks.<i>``, ``norm``, ``head``) are registered here once, so
-    ``state_dict()`` keeps the original names (``plait export`` unites the stages' disjoint names)
-    and the optimizer sees every local parameter once. ``chunks`` lists ``(stage_index, module)``
-    for the pipeline schedule; each chunk is a shell of the model sharing these parts.
+    The model with every part this rank holds (and identities for the others) is registered
+    here child by child, so ``state_dict()`` keeps the original names (``plait export`` unites
+    the stages' disjoint names) and the optimizer sees every local parameter once. ``chunks``
+    lists ``(stage_index, module)`` for the pipeline schedule; each chunk is a copy of the
+    model's shell sharing these parts.
     """
 
-    def __init__(self, chunks: list[tuple[int, nn.Module]], n_stages: int):
+    def __init__(self, union: nn.Module, chunks: list[tuple[int, nn.Module]], n_stages: int):
         super().__init__()
         self.n_stages = n_stages
-        self.blocks = nn.ModuleDict()
-        for _, chunk in chunks:
-            for name, child in chunk.named_children():
-                if name == "blocks":
-                    self.blocks.update(child)
-                elif child is not None:
-                    self.add_module(name, child)
+        for name, child in union.named_children():
+            self.add_module(name, child)
         self.chunks = chunks  # a plain list: the parts are registered above, once
 
 
-def build_stage_modules(model: nn.Module, split: StageSplit, stage_indices: Sequence[int]
-                        ) -> PipelineStageModules:
-    """Cut ``model`` in place into the chunks for ``stage_indices``; blocks of other stages are
-    dropped (freed)."""
-    (embed,), _ = part_modules(model)
-    blocks = model.blocks
-    tail = {name: getattr(model, name, None) for name in PARTS_LAST}
-    for name in (*PARTS_FIRST, *PARTS_LAST):
-        if hasattr(model, name):
-            setattr(model, name, None)
-    model.blocks = nn.ModuleDict()
-    keys = list(blocks.keys())
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    holder = model.get_submodule(parent) if parent else model
+    if isinstance(holder, nn.ModuleList):
+        holder[int(child)] = module
+    else:
+        setattr(holder, child, module)
+
+
+def build_stage_modules(model: nn.Module, split: StageSplit, stage_indices: Sequence[int],
+                        plan: PipelinePlan | None = None) -> PipelineStageModules:
+    """Cut ``model`` in place into the chunks for ``stage_indices``; the parts of other stages
+    are dropped (freed). ``plan``: the model's own when None."""
+    plan = plan or required_plan(model)
+    first, layers, last = part_modules(model, plan)
+    container = layer_container(model, plan)
+    keys = layer_keys(container)
+    for name in (*plan.first, *plan.last):
+        _set(model, name, StageIdentity())
+    _set(model, plan.layers, stage_layers(container, {}))
     ranges = split.block_ranges()
-    last = len(split.counts) - 1
-    chunks = []
-    for s in stage_indices:
-        chunk = copy.deepcopy(model)  # the emptied shell: no parameters of its own
-        chunk.blocks = nn.ModuleDict({keys[i]: blocks[keys[i]] for i in ranges[s]})
-        if s == 0 and embed is not None:
-            chunk.embed = embed
-        if s == last:
-            for name, part in tail.items():
-                if part is not None:
-                    setattr(chunk, name, part)
-        chunks.append((s, chunk))
-    return PipelineStageModules(chunks, len(split.counts))
+    final = len(split.counts) - 1
+
+    def holding(stages: Sequence[int]) -> nn.Module:
+        shell = copy.deepcopy(model)  # the stripped model: no parameters of its own
+        held = sorted(i for s in stages for i in ranges[s])
+        _set(shell, plan.layers, stage_layers(container, {keys[i]: layers[i] for i in held}))
+        for s in stages:
+            if s == 0:
+                for name, part in zip(plan.first, first):
+                    _set(shell, name, part)
+            if s == final:
+                for name, part in zip(plan.last, last):
+                    _set(shell, name, part)
+        return shell
+
+    chunks = [(s, holding([s])) for s in stage_indices]
+    return PipelineStageModules(holding(stage_indices), chunks, len(split.counts))

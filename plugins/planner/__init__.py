@@ -110,14 +110,15 @@ def search_layouts(argv: list[str]):
     if model is None:
         raise ValueError(f"model._target_={cfg.model._target_} cannot be built with these "
                          "settings: `plait plan` with the same overrides says why")
-    def strategy_cost(strategy: str, dp: int, tp: int, pp: int, ep: int = 1):
-        dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, nnodes=nnodes,
-                            nodes=nodes, ep=ep)
+    def strategy_cost(strategy: str, dp: int, tp: int, pp: int, cp: int, ep: int = 1):
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, world_size=dp * cp * tp * pp,
+                            nnodes=nnodes, nodes=nodes, ep=ep)
         return pm.hook.plait_strategy_cost(cfg=cfg, strategy=strategy, model=model, dims=dims)
 
     work = Workload(model, cfg.train.batch_size, cfg.train.seq_len, cfg.precision,
                     peak_flops(cfg), args.bandwidth_gbs * 1e9, strategy_cost,
-                    OmegaConf.select(cfg, "pipeline.schedule", default="1f1b"))
+                    OmegaConf.select(cfg, "pipeline.schedule", default="1f1b"),
+                    OmegaConf.select(cfg, "context_parallel.backend", default="ring"))
     top = args.top and max(args.top, args.confirm)
     strategies = estimated_strategies(pm, cfg, model, ParallelDims(1, 1, 1, 1))
     result = search(pm, overrides, world_size, budget, work, fixed, top, strategies)

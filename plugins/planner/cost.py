@@ -11,19 +11,20 @@ Memory per rank::
     states       = what the strategy's plugin estimates for one rank (plait_strategy_cost):
                    model states and the engine's buffers on the device (ddp, zero0-3: the
                    ZeRO paper's formula on Ψ = N / (tp·pp) parameters, ddp keeping fp32
-                   parameters and gradients)
-    activations  = A(b, s, v, recompute) / tp / pp · in_flight
+                   parameters and gradients; sharded over dp·cp ranks)
+    activations  = A(b, s, v, recompute) / tp / pp / cp · in_flight
     in_flight    = 1 without pipeline, min(m, pp) under 1F1B (the first stage holds pp
                    micro-batches), m under GPipe
 
 ``A`` is the model's own ``activation_bytes(b, s, v, recompute=mode)`` for the whole model (what
 ``plait estimate`` prints); ``/tp`` as ``plait estimate`` divides it, ``/pp`` for the stage's
-share of the layers.
+share of the layers, ``/cp`` for the rank's share of the tokens (context parallelism keeps
+``s/cp`` tokens of every activation; the other ranks' keys and values pass through).
 
 Time per step (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
 Clusters", sec. 2-3)::
 
-    compute  = (f(s) + r) · B · s / (dp·tp·pp) / F
+    compute  = (f(s) + r) · B · s / (dp·cp·tp·pp) / F
     bubble   = compute · (pp − 1) / m          (bubble fraction of the step: (pp−1)/(m+pp−1))
     comm     = bytes / W
     step     = compute + bubble + comm         (no overlap of communication with compute)
@@ -38,10 +39,13 @@ parameters stay fp32; ``v`` under ZeRO)::
 
     dp, ddp / zero0-2:  2(dp−1)/dp · Ψ · g     (all-reduce; ZeRO-2: reduce-scatter + all-gather)
     dp, zero3:          3(dp−1)/dp · Ψ · g     (parameters gathered in forward and backward)
-    tp:  k · 2(tp−1)/tp · s·b·h·v · L/pp · m   (k = 4 all-reduces per layer, 2 forward and 2
+    tp:  k · 2(tp−1)/tp · s/cp·b·h·v · L/pp · m (k = 4 all-reduces per layer, 2 forward and 2
                                                backward; 6 when full recompute repeats the
                                                forward's)
-    pp:  2 · s·b·h·v · m                       (activations forward, gradients backward)
+    pp:  2 · s/cp·b·h·v · m                    (activations forward, gradients backward)
+    cp:  X(s, b, h/tp, cp) · L/pp · m          (the attention exchange per layer, forward and
+                                               backward: ``context_parallel.backend``'s formula,
+                                               plait.plugins.context_parallel.apply.exchange_bytes)
     ep:  4 · (ep−1)/ep · k·s·b·h·v · L_moe/pp · m   (a mixture of experts' all-to-all: tokens
                                                out and back in forward, their gradients in
                                                backward; k = top_k choices per token)
@@ -59,6 +63,7 @@ from typing import Callable
 import torch
 
 from plait.metrics import flops_per_token
+from plait.plugins.context_parallel.apply import exchange_bytes
 from plait.config import BYTES_PER_VALUE
 from plait.types import StrategyCost
 
@@ -74,17 +79,20 @@ class Layout:
     micro_batch_size: int
     microbatches: int  # per optimizer step: train.grad_accum_steps (and pipeline.microbatches)
     activation_checkpointing: str
+    cp: int = 1
     ep: int = 1  # expert parallelism, within dp (a model with experts)
 
     def describe(self) -> str:
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
         experts = f" ep{self.ep}" if self.ep > 1 else ""
-        return (f"{self.strategy} dp{self.dp} tp{self.tp} pp{self.pp}{experts} micro "
+        return (f"{self.strategy} dp{self.dp}{cp} tp{self.tp} pp{self.pp}{experts} micro "
                 f"{self.micro_batch_size}x{self.microbatches} recompute "
                 f"{self.activation_checkpointing}")
 
     def overrides(self) -> list[str]:
         settings = [f"strategy={self.strategy}", f"parallel.dp={self.dp}",
-                    f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.ep={self.ep}",
+                    f"parallel.cp={self.cp}", f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
+                    f"parallel.ep={self.ep}",
                     f"train.grad_accum_steps={self.microbatches}",
                     f"train.activation_checkpointing={self.activation_checkpointing}"]
         if self.pp > 1:
@@ -114,36 +122,39 @@ class Workload:
     precision: str
     peak_flops: float
     bandwidth: float  # bytes/s per rank
-    # (strategy, dp, tp, pp, ep) -> what the strategy's plugin estimates for one rank
+    # (strategy, dp, tp, pp, cp, ep) -> what the strategy's plugin estimates for one rank
     strategy_cost: Callable[[str, int, int, int, int], StrategyCost]
     schedule: str = "1f1b"
+    context_parallel_backend: str = "ring"
 
 
 def cost(layout: Layout, work: Workload) -> Cost:
     model, s, v = work.model, work.seq_len, BYTES_PER_VALUE[work.precision]
     dp, tp, pp, b, m = layout.dp, layout.tp, layout.pp, layout.micro_batch_size, layout.microbatches
-    states = work.strategy_cost(layout.strategy, dp, tp, pp, layout.ep)
+    cp = layout.cp
+    states = work.strategy_cost(layout.strategy, dp, tp, pp, cp, layout.ep)
     recompute = layout.activation_checkpointing
     count = getattr(model, "activation_bytes", None)
     activations = 0
     if callable(count):
         in_flight = 1 if pp == 1 else (m if work.schedule == "gpipe" else min(m, pp))
         kwargs = {} if recompute == "none" else {"recompute": recompute}
-        activations = count(b, s, v, **kwargs) // tp // pp * in_flight
+        activations = count(b, s, v, **kwargs) // tp // pp // cp * in_flight
 
     f = flops_per_token(model, s)
     attention = f - flops_per_token(model, 0)
     r = {"none": 0.0, "full": f / 3, "selective": attention / 3}[recompute]
-    compute = (f + r) * work.batch_size * s / (dp * tp * pp) / work.peak_flops
+    compute = (f + r) * work.batch_size * s / (dp * cp * tp * pp) / work.peak_flops
     bubble = compute * (pp - 1) / m
 
     sent = states.dp_bytes_per_step
     h, n_layer = getattr(model, "n_embd", 0), getattr(model, "n_layer", 0)
-    activation_msg = s * b * h * v
+    activation_msg = s // cp * b * h * v  # a rank's tokens
     all_reduces = 6 if recompute == "full" else 4
     sent += all_reduces * 2 * (tp - 1) / tp * activation_msg * n_layer / pp * m
     if pp > 1:
         sent += 2 * activation_msg * m
+    sent += exchange_bytes(work.context_parallel_backend, s, b, h // tp, cp, v) * n_layer / pp * m
     moe = [layer for layer in model.modules() if getattr(layer, "is_moe_layer", False)]
     if moe and layout.ep > 1:
         ep = layout.ep

@@ -50,8 +50,9 @@ def strategy_cost(plan, model: torch.nn.Module) -> StrategyCost:
 
 def activation_bytes(plan, model: torch.nn.Module, micro_batch_size: int) -> int | None:
     """The model's own count of one micro-batch's activations (None if it has none), divided
-    by tp: tensor parallelism splits all of them but the LayerNorm inputs (approximate).
-    Under activation checkpointing the model is asked with ``recompute=<mode>``."""
+    by tp: tensor parallelism splits all of them but the LayerNorm inputs (approximate), and by
+    cp: context parallelism keeps ``seq_len/cp`` tokens of each. Under activation
+    checkpointing the model is asked with ``recompute=<mode>``."""
     count = getattr(model, "activation_bytes", None)
     if not callable(count):
         return None
@@ -59,7 +60,7 @@ def activation_bytes(plan, model: torch.nn.Module, micro_batch_size: int) -> int
     mode = cfg.train.activation_checkpointing
     recompute = {} if mode == "none" else {"recompute": mode}
     return count(micro_batch_size, cfg.train.seq_len, BYTES_PER_VALUE[cfg.precision],
-                 **recompute) // plan.dims.tp
+                 **recompute) // plan.dims.tp // plan.dims.cp
 
 
 def estimate_lines(plan) -> list[str]:
@@ -77,7 +78,8 @@ def estimate_lines(plan) -> list[str]:
     lines = [
         f"model: {n_params:,} parameters ({per_rank_params:,} per rank after "
         f"tp={dims.tp} x pp={dims.pp}" + (f" x ep={dims.ep}" if dims.ep > 1 else "")
-        + f"); strategy={cfg.strategy.name} dp={dims.dp} precision={cfg.precision}",
+        + f"); strategy={cfg.strategy.name} dp={dims.dp} "
+        + (f"cp={dims.cp} " if dims.cp > 1 else "") + f"precision={cfg.precision}",
         "model states per rank (the strategy's estimate; DDP and ZeRO: the ZeRO paper's formula):",
         f"  parameters      {gib(est.params)}{host('params')}",
         f"  gradients       {gib(est.grads)}",

@@ -1,12 +1,14 @@
 """Enumerate the layouts of a world size, estimate each, check the best through the real plan.
 
-Searched: ``dp × tp × pp = world_size`` (every factorisation), for a model with experts
-``parallel.ep`` (every divisor of dp that divides ``model.n_experts``), every ``strategy.name`` an
-installed plugin is selected by and estimates (``plait_strategy_cost``: ddp, zero0-3, fsdp and
-any in-house strategy that answers), the micro-batch (every divisor of the
-data-parallel rank's batch ``train.batch_size / dp``, the rest of the batch accumulated) and
-``train.activation_checkpointing=none|selective|full``. A setting the user gives on the command
-line (``strategy=zero1``, ``parallel.tp=2``, ``train.grad_accum_steps=4``,
+Searched: ``dp × cp × tp × pp = world_size`` (every factorisation; context parallelism only
+pays where the activations of whole sequences do not fit, its term in the memory estimate), for
+a model with experts ``parallel.ep`` (every divisor of dp that divides ``model.n_experts``; not
+with cp), every ``strategy.name`` an installed plugin is selected by and estimates
+(``plait_strategy_cost``: ddp, zero0-3, fsdp and any in-house strategy that answers), the
+micro-batch (every divisor of the data-parallel rank's batch ``train.batch_size / dp``, the
+rest of the batch accumulated) and ``train.activation_checkpointing=none|selective|full``. A
+setting the user gives on the command line (``strategy=zero1``, ``parallel.tp=2``,
+``parallel.cp=1``, ``parallel.ep=2``, ``train.grad_accum_steps=4``,
 ``train.activation_checkpointing=full``, ``parallel.pp=1``) is kept and not searched.
 
 Each candidate is estimated (:mod:`.cost`), those within the memory budget are sorted by step
@@ -33,7 +35,7 @@ from plait.plugins.planner.cost import Cost, Layout, Workload, cost
 
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 # settings a layout sets; given on the command line, they are fixed instead of searched
-SEARCHED = ("strategy", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep",
+SEARCHED = ("strategy", "parallel.dp", "parallel.cp", "parallel.tp", "parallel.pp", "parallel.ep",
             "train.grad_accum_steps",
             "pipeline.microbatches", "train.activation_checkpointing")
 # A refusal naming none of these holds for every micro-batch and recompute of its mesh: the
@@ -67,18 +69,21 @@ def enumerate_layouts(world_size: int, batch_size: int, fixed: dict[str, str],
     for tp in choices("parallel.tp", divisors(world_size)):
         for pp in choices("parallel.pp", divisors(world_size // tp) if world_size % tp == 0
                           else [1]):
-            dp = world_size // (tp * pp)
-            per_dp = batch_size // dp
-            # a dp that does not divide the batch stays in: the core's check refuses it
-            accums = divisors(per_dp) if per_dp and batch_size % dp == 0 else [1]
-            eps = [e for e in divisors(dp) if n_experts % e == 0] if n_experts else [1]
-            for accum, ep in ((a, e) for a in choices("train.grad_accum_steps", accums)
-                              for e in choices("parallel.ep", eps)):
-                for strategy in choices("strategy", strategies):
-                    for mode in choices("train.activation_checkpointing",
-                                        ACTIVATION_CHECKPOINTING):
-                        layouts.append(Layout(strategy, dp, tp, pp, max(1, per_dp // accum),
-                                              accum, mode, ep))
+            rest = world_size // (tp * pp) if world_size % (tp * pp) == 0 else 1
+            for cp in choices("parallel.cp", divisors(rest)):
+                dp = max(1, rest // cp)
+                per_dp = batch_size // dp
+                # a dp that does not divide the batch stays in: the core's check refuses it
+                accums = divisors(per_dp) if per_dp and batch_size % dp == 0 else [1]
+                eps = ([e for e in divisors(dp) if n_experts % e == 0]
+                       if n_experts and cp == 1 else [1])
+                for accum, ep in ((a, e) for a in choices("train.grad_accum_steps", accums)
+                                  for e in choices("parallel.ep", eps)):
+                    for strategy in choices("strategy", strategies):
+                        for mode in choices("train.activation_checkpointing",
+                                            ACTIVATION_CHECKPOINTING):
+                            layouts.append(Layout(strategy, dp, tp, pp, max(1, per_dp // accum),
+                                                  accum, mode, cp=cp, ep=ep))
     return layouts
 
 
@@ -122,11 +127,11 @@ def search(pm: PlaitPluginManager, overrides: list[str], world_size: int, memory
     fitting = sorted((lc for lc in costs if lc[1].memory_bytes <= memory_bytes), key=rank_key)
     result = SearchResult(len(layouts), len(layouts) - len(fitting), 0, estimates=costs)
     bases: dict[str, DictConfig] = {}
-    settled = set()  # (strategy, dp, tp, pp, ep) accepted, or refused whatever its variant
+    settled = set()  # (strategy, dp, cp, tp, pp, ep) accepted, or refused whatever its variant
     for layout, estimate in fitting:
         if top and len(result.accepted) == top:
             break
-        mesh = (layout.strategy, layout.dp, layout.tp, layout.pp, layout.ep)
+        mesh = (layout.strategy, layout.dp, layout.cp, layout.tp, layout.pp, layout.ep)
         if mesh in settled:
             continue
         if layout.strategy not in bases:

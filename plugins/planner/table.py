@@ -5,8 +5,9 @@ from __future__ import annotations
 from plait.plugins.planner.cost import Workload
 from plait.plugins.planner.search import SearchResult
 
-HEADER = (f"{'#':>3} {'strategy':8} {'dp':>3} {'tp':>3} {'pp':>3} {'ep':>3} {'micro':>5} "
-          f"{'accum':>5} {'recompute':9} {'mem/rank GiB':>12} {'compute ms':>10} {'bubble ms':>9} "
+HEADER = (f"{'#':>3} {'strategy':8} {'dp':>3} {'cp':>3} {'tp':>3} {'pp':>3} {'ep':>3} "
+          f"{'micro':>5} {'accum':>5} "
+          f"{'recompute':9} {'mem/rank GiB':>12} {'compute ms':>10} {'bubble ms':>9} "
           f"{'comm ms':>9} {'step ms':>9}")
 
 
@@ -18,8 +19,9 @@ def format_search(result: SearchResult, world_size: int, budget: float, work: Wo
              HEADER]
     for i, (layout, cost) in enumerate(result.accepted, 1):
         lines.append(
-            f"{i:>3} {layout.strategy:8} {layout.dp:>3} {layout.tp:>3} {layout.pp:>3} "
-            f"{layout.ep:>3} {layout.micro_batch_size:>5} {layout.microbatches:>5} "
+            f"{i:>3} {layout.strategy:8} {layout.dp:>3} {layout.cp:>3} {layout.tp:>3} "
+            f"{layout.pp:>3} {layout.ep:>3} "
+            f"{layout.micro_batch_size:>5} {layout.microbatches:>5} "
             f"{layout.activation_checkpointing:9} {cost.memory_bytes / 2**30:>12.3f} "
             f"{cost.compute_s * 1e3:>10.2f} {cost.bubble_s * 1e3:>9.2f} "
             f"{cost.comm_s * 1e3:>9.2f} {cost.step_s * 1e3:>9.2f}")

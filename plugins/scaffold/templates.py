@@ -316,7 +316,7 @@ import torch.distributed as dist
 
 from plait import hookimpl
 from plait.config import StrategyConfig
-from plait.types import PluginInfo, StepOutput
+from plait.types import PluginInfo, StepOutput, model_inputs
 
 
 @dataclass
@@ -346,8 +346,9 @@ class AllReduceEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = 0.0
-        for x, y in micro_batches:
-            loss = self.loss_fn(self.model(x.to(self.device)), y.to(self.device))
+        for batch in micro_batches:  # (inputs, targets[, position_ids of packed documents])
+            x, kwargs, y = model_inputs(batch, self.device)
+            loss = self.loss_fn(self.model(x, **kwargs), y)
             (loss / len(micro_batches)).backward()
             total += loss.item()
         for p in self.model.parameters():
@@ -361,8 +362,8 @@ class AllReduceEngine:
 
     @torch.no_grad()
     def eval_loss(self, batch):
-        x, y = batch
-        return self._mean(self.loss_fn(self.model(x.to(self.device)), y.to(self.device)).item())
+        x, kwargs, y = model_inputs(batch, self.device)
+        return self._mean(self.loss_fn(self.model(x, **kwargs), y).item())
 
     def save_state(self, directory):
         if self.saves:

@@ -66,10 +66,13 @@ def plait_validate(cfg, dims, hook) -> list[str]:
                         f"model._target_={cfg.model._target_} has no 'sequence_scatter' entry "
                         "(the module whose output enters the sequence-parallel region): add one "
                         "in tensor_parallel.plan or set tensor_parallel.sequence_parallel=false")
-    if cfg.train.seq_len % dims.tp:
+    if cfg.train.seq_len % (dims.tp * dims.cp):
+        held = (f"the {cfg.train.seq_len // dims.cp} tokens each context-parallel rank holds "
+                f"(train.seq_len={cfg.train.seq_len} / parallel.cp={dims.cp})" if dims.cp > 1
+                else f"train.seq_len={cfg.train.seq_len}")
         problems.append(f"tensor_parallel.sequence_parallel=true: parallel.tp={dims.tp} does not "
-                        f"divide train.seq_len={cfg.train.seq_len}: choose seq_len as a multiple "
-                        "of tp")
+                        f"divide {held}: choose seq_len as a multiple of "
+                        f"{dims.tp * dims.cp}")
     return problems
 
 

@@ -28,8 +28,10 @@ from plait.meta import FullSlice
 from plait.plugins.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
 )
 
 
@@ -37,6 +39,14 @@ def split_tensor(full: torch.Tensor, dim: int, parts: int, rank: int, size: int)
     """Rank ``rank``'s shard: each of the ``parts`` blocks along ``dim`` cut into ``size``."""
     blocks = full.unflatten(dim, (parts, -1))
     return blocks.chunk(size, dim=dim + 1)[rank].flatten(dim, dim + 1).clone()
+
+
+def shard_box(shape: torch.Size, dim: int, rank: int, size: int) -> tuple[slice, ...]:
+    """Where a plain split's shard (``parts=1``) sits in the full tensor: rows (or columns)
+    ``[rank·n/size, (rank+1)·n/size)`` of ``dim``, all of every other dimension."""
+    n = shape[dim] // size
+    return tuple(slice(rank * n, (rank + 1) * n) if d == dim else slice(0, length)
+                 for d, length in enumerate(shape))
 
 
 def merge_tensors(shards: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
@@ -55,7 +65,8 @@ def shard_parameter(full: nn.Parameter, dim: int, parts: int, rank: int, size: i
                      requires_grad=full.requires_grad)
     if full.is_meta:  # the values come later, cut the same way from the full initial value
         p.slice_of_full = FullSlice(full.shape, functools.partial(
-            split_tensor, dim=dim, parts=parts, rank=rank, size=size))
+            split_tensor, dim=dim, parts=parts, rank=rank, size=size),
+            box=shard_box(full.shape, dim, rank, size) if parts == 1 else None)
     p.tensor_model_parallel = True
     p.partition_dim = dim
     p.partition_stride = parts
@@ -104,7 +115,10 @@ class RegionEntry:
 
 class ColumnParallelLinear(nn.Module):
     """``Y = XA + b`` with ``A`` split along its second (output) dimension as
-    ``[A_1, ..., A_p]``: rank ``i`` computes ``Y_i = X A_i + b_i`` and keeps its slice of ``Y``.
+    ``[A_1, ..., A_p]``: rank ``i`` computes ``Y_i = X A_i + b_i`` and keeps its slice of ``Y``,
+    or with ``gather_output`` all-gathers ``Y = [Y_1, ..., Y_p]`` (Megatron's ``gather_output``;
+    transformers' ``colwise_gather_output``: for a fused weight its module slices by the full
+    widths, e.g. Phi-3's ``qkv_proj``).
 
     Forward first enters the region (:class:`RegionEntry`: identity forward / all-reduce
     backward, or under sequence parallelism all-gather / reduce-scatter).
@@ -112,8 +126,10 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group, rank: int, size: int, parts: int = 1,
                  sequence_parallel: bool = False, memo: dict | None = None,
-                 region: RegionEntry | None = None):
+                 region: RegionEntry | None = None, gather_output: bool = False):
         super().__init__()
+        self.group = group
+        self.gather_output = gather_output
         memo = {} if memo is None else memo
         _check_divisible("output features per fused part", linear.out_features // parts, size)
         self.region = region if region is not None else RegionEntry(group, sequence_parallel)
@@ -124,7 +140,8 @@ class ColumnParallelLinear(nn.Module):
         self.is_vocab_parallel_output = False  # True for the output layer: logits stay split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.region(x), self.weight, self.bias)
+        y = F.linear(self.region(x), self.weight, self.bias)
+        return gather_from_tensor_model_parallel_region(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -132,19 +149,25 @@ class RowParallelLinear(nn.Module):
     and ``X`` already split as ``[X_1, ..., X_p]`` (the output of a column-parallel layer):
     ``Y = sum_i X_i A_i + b``. The sum is one all-reduce in forward, or a reduce-scatter along
     the sequence under sequence parallelism. ``b`` is replicated and added after the sum.
+    With ``input_is_parallel=False`` (Megatron's flag; transformers' ``rowwise_split_input``)
+    ``X`` arrives whole and each rank first keeps its slice ``X_i`` (backward: all-gather).
     """
 
     def __init__(self, linear: nn.Linear, group, rank: int, size: int,
-                 sequence_parallel: bool = False, memo: dict | None = None):
+                 sequence_parallel: bool = False, memo: dict | None = None,
+                 input_is_parallel: bool = True):
         super().__init__()
         memo = {} if memo is None else memo
         _check_divisible("input features", linear.in_features, size)
         self.group = group
         self.sequence_parallel = sequence_parallel
+        self.input_is_parallel = input_is_parallel
         self.weight = shard_parameter(linear.weight, 1, 1, rank, size, memo)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.group)
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
@@ -158,25 +181,28 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """An embedding table split along the vocabulary: rank ``i`` holds rows
     ``[i V/p, (i+1) V/p)``, looks up the ids it owns, writes zeros for the others, and one
-    all-reduce sums the partial results into the full embedding."""
+    all-reduce sums the partial results into the full embedding. A ``padding_idx`` row (whose
+    gradient stays zero) is the owning rank's local row; the others have none."""
 
     def __init__(self, embedding: nn.Embedding, group, rank: int, size: int,
                  memo: dict | None = None):
         super().__init__()
         memo = {} if memo is None else memo
-        if embedding.padding_idx is not None:
-            raise ValueError("a vocab-parallel embedding with padding_idx is not supported: "
-                             "build the model without padding_idx")
         _check_divisible("vocab size", embedding.num_embeddings, size)
         self.group = group
         self.vocab_start = rank * embedding.num_embeddings // size
         self.vocab_end = (rank + 1) * embedding.num_embeddings // size
+        pad = embedding.padding_idx
+        self.padding_idx = (pad - self.vocab_start
+                            if pad is not None and self.vocab_start <= pad < self.vocab_end
+                            else None)
         self.weight = shard_parameter(embedding.weight, 0, 1, rank, size, memo)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = F.embedding(local, self.weight, self.padding_idx)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # and no gradient from those rows
         return reduce_from_tensor_model_parallel_region(out, self.group)
 
 

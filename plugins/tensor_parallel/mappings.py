@@ -10,6 +10,8 @@ function                                    forward                backward
 ==========================================  =====================  =====================
 ``copy_to_tensor_model_parallel_region``    identity               all-reduce
 ``reduce_from_tensor_model_parallel_region`` all-reduce            identity
+``scatter_to_tensor_model_parallel_region`` keep own last-dim part all-gather (last dim)
+``gather_from_tensor_model_parallel_region`` all-gather (last dim) keep own last-dim part
 ``scatter_to_sequence_parallel_region``     keep own seq chunk     all-gather (seq)
 ``gather_from_sequence_parallel_region``    all-gather (seq)       reduce-scatter (seq)
 ``reduce_scatter_to_sequence_parallel_region`` reduce-scatter (seq) all-gather (seq)
@@ -73,6 +75,28 @@ class _ReduceFromModelParallelRegion(torch.autograd.Function):
         return grad, None
 
 
+class _ScatterToModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, group, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, -1), None
+
+
+class _GatherFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, group, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.group, -1), None
+
+
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -116,6 +140,18 @@ def copy_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Leave a row-parallel region: ``g`` in the Megatron paper (all-reduce / identity)."""
     return _ReduceFromModelParallelRegion.apply(x, group)
+
+
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """A whole activation → this rank's slice of its last dimension, before a row-parallel
+    linear whose input is not split yet."""
+    return _ScatterToModelParallelRegion.apply(x, group)
+
+
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Each rank's slice of the last dimension → the whole activation on every rank, after a
+    column-parallel linear whose output is used whole."""
+    return _GatherFromModelParallelRegion.apply(x, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:

@@ -6,7 +6,12 @@ matching pattern wins, unmatched modules are replicated. Styles:
 ===================  ==========================================================================
 ``colwise``          ``nn.Linear`` → :class:`ColumnParallelLinear` (output features split)
 ``colwise_qkv``      the same for a fused ``[q; k; v]`` weight: each third split, whole heads
+``colwise_gather_output``  column-parallel, the output all-gathered (Megatron's
+                     ``gather_output``; transformers' name): for a module that slices its fused
+                     output by the full widths (Phi-3's ``qkv_proj``, ``gate_up_proj``)
 ``rowwise``          ``nn.Linear`` → :class:`RowParallelLinear` (input features split)
+``rowwise_split_input``  row-parallel on a whole input, each rank keeping its slice first
+                     (Megatron's ``input_is_parallel=False``; transformers' name)
 ``vocab``            ``nn.Embedding`` → :class:`VocabParallelEmbedding`; on the output
                      ``nn.Linear``: column-parallel over the vocabulary, logits stay split and
                      the loss is the vocab-parallel cross-entropy
@@ -33,7 +38,10 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-STYLES = ("colwise", "colwise_qkv", "rowwise", "vocab", "norm", "sequence_scatter", "replicate")
+STYLES = ("colwise", "colwise_qkv", "colwise_gather_output", "rowwise", "rowwise_split_input",
+          "vocab", "norm", "sequence_scatter", "replicate")
+COLUMN_STYLES = ("colwise", "colwise_qkv", "colwise_gather_output", "vocab")
+ROW_STYLES = ("rowwise", "rowwise_split_input")
 
 
 @dataclass(frozen=True)
@@ -104,18 +112,20 @@ def apply_plan(model: nn.Module, plan: TensorParallelPlan, group, rank: int, siz
             continue
         if style == "vocab" and isinstance(module, nn.Embedding):
             new = L.VocabParallelEmbedding(module, group, rank, size, memo)
-        elif style in ("colwise", "colwise_qkv", "vocab"):
+        elif style in COLUMN_STYLES:
             _expect(name, style, module, nn.Linear)
             parent = name.rpartition(".")[0]
             region = regions.setdefault(parent, L.RegionEntry(group, sequence_parallel))
             new = L.ColumnParallelLinear(module, group, rank, size,
                                          parts=3 if style == "colwise_qkv" else 1,
                                          sequence_parallel=sequence_parallel, memo=memo,
-                                         region=region)
+                                         region=region,
+                                         gather_output=style == "colwise_gather_output")
             new.is_vocab_parallel_output = style == "vocab"
         else:
             _expect(name, style, module, nn.Linear)
-            new = L.RowParallelLinear(module, group, rank, size, sequence_parallel, memo)
+            new = L.RowParallelLinear(module, group, rank, size, sequence_parallel, memo,
+                                      input_is_parallel=style == "rowwise")
         _replace(model, name, new)
 
 
@@ -134,11 +144,11 @@ def shard_spec(plan: TensorParallelPlan, key: str) -> tuple[int, int] | None:
     """``(dim, parts)`` along which the state-dict entry ``key`` is split, or None (replicated)."""
     module_name, _, param = key.rpartition(".")
     style = plan.style_of(module_name)
-    if style in ("colwise", "vocab"):
+    if style in ("colwise", "colwise_gather_output", "vocab"):
         return (0, 1)
     if style == "colwise_qkv":
         return (0, 3)
-    if style == "rowwise" and param == "weight":
+    if style in ROW_STYLES and param == "weight":
         return (1, 1)
     return None
 

@@ -292,6 +292,11 @@ def pipeline_problems(cfg: DictConfig, dims) -> list[str]:
     and partitions gradients inside each micro-batch's backward, which the pipeline schedule runs
     outside DeepSpeed, and ZeRO-3 also gathers parameters around every module's forward."""
     stage = stage_of(cfg)
+    if dims.pp > 1 and dims.cp > 1:
+        return [f"strategy={cfg.strategy.name} with parallel.pp={dims.pp} and parallel.cp="
+                f"{dims.cp}: DeepSpeed sums gradients over the context-parallel ranks, which the "
+                "pipeline schedule's loss is not scaled for (not built): use strategy=ddp with "
+                "pipeline and context parallelism, or one of them with ZeRO"]
     if dims.pp > 1 and stage == 1 and cfg.precision == "fp16":
         return [f"strategy=zero1 precision=fp16 with parallel.pp={dims.pp}: the pipeline "
                 "schedule runs the backward outside DeepSpeed, so DeepSpeed's loss scaler never "

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from plait.plugins.optim.hyperparameters import keep_hyperparameters
 from plait.plugins.optim.state_by_name import load_state_by_name, state_by_name
-from plait.types import Batch, StepOutput
+from plait.types import Batch, StepOutput, model_inputs
 
 TAG = "deepspeed"  # DeepSpeed's checkpoint tag: files go to <checkpoint dir>/deepspeed/
 
@@ -55,6 +55,10 @@ class TopologyMPU:
         self.dp_size, self.tp_size, self.pp_size = dims.dp, dims.tp, dims.pp
         self.dp_ranks = dist.get_process_group_ranks(self.dp_group)
         self.tp_src_rank = dist.get_process_group_ranks(self.tp_group)[0]
+        self.cp_group, self.cp_rank, self.cp_size = (topology.get_context_parallel_group(),
+                                                     topology.cp_rank, dims.cp)
+        self.dp_cp_group = topology.get_data_parallel_group(with_context_parallel=True)
+        self.dp_cp_rank, self.dp_cp_size = topology.dp_cp_rank, dims.dp_cp
 
     def get_data_parallel_group(self):
         return self.dp_group
@@ -98,6 +102,24 @@ class TopologyMPU:
     def get_pipeline_model_parallel_world_size(self) -> int:
         return self.pp_size
 
+    def get_sequence_parallel_group(self):
+        return self.cp_group
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.cp_rank
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.cp_size
+
+    def get_sequence_data_parallel_group(self):
+        return self.dp_cp_group
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.dp_cp_rank
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.dp_cp_size
+
 
 def optimizer_param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The parameter grouping of plait's optimizer plugin (which tensors get weight decay), for
@@ -117,8 +139,10 @@ class ZeroEngine:
 
         self.loss_fn = loss_fn
         self.topology = topology
-        self.dp_group = topology.get_data_parallel_group()
-        self.dp_size = topology.dims.dp
+        # the loss is averaged over the data- and context-parallel ranks
+        self.dp_group = topology.get_data_parallel_group(with_context_parallel=True)
+        self.dp_size = topology.dims.dp_cp
+        self.backward_scale = 1 / topology.dims.cp  # DeepSpeed sums over sequence parallelism
         client = "optimizer" not in ds_config  # an in-house optimizer plugin's torch optimizer
         param_groups = None if client else optimizer_param_groups(optimizer)
         # Expert parallelism: DeepSpeed-MoE's expert param groups (experts.py)
@@ -157,8 +181,8 @@ class ZeroEngine:
         self.model_state_bytes: dict[str, int] | None = None
 
     def _loss(self, batch: Batch) -> torch.Tensor:
-        x, y = (t.to(self.device, non_blocking=True) for t in batch)
-        return self.loss_fn(self.ds(x), y)
+        x, kwargs, y = model_inputs(batch, self.device)
+        return self.loss_fn(self.ds(x, **kwargs), y)
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         if self.dp_size > 1:
@@ -172,7 +196,7 @@ class ZeroEngine:
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
             loss = self._loss(batch)
-            self.ds.backward(loss)
+            self.ds.backward(loss * self.backward_scale if self.backward_scale != 1 else loss)
             if i == 0:
                 # Parameters, (accumulating) gradients and optimizer states all live here, once
                 # the optimizer has stepped; the last backward of a step frees what ZeRO-1

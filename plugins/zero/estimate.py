@@ -67,12 +67,15 @@ def strategy_cost(cfg, strategy: str, model: torch.nn.Module, dims) -> StrategyC
     """``plait_strategy_cost`` for ``strategy=zero0..zero3``: the paper's model states on this
     rank's ``Ψ = N/(tp·pp)`` (experts: over ``ep`` too, and partitioned over ``dp/ep``),
     DeepSpeed's buffers as plait sizes them (``sizing.py``: a reduce and an all-gather bucket of
-    ``B`` elements; ZeRO-3 a reduce bucket and up to ``2B`` gathered elements), and per step a reduce-scatter/all-reduce of the gradients, plus under ZeRO-3 the
-    parameters gathered in forward and in backward: ``(2 or 3)·(dp−1)/dp·Ψ·b``."""
+    ``B`` elements; ZeRO-3 a reduce bucket and up to ``2B`` gathered elements), and per step a
+    reduce-scatter/all-reduce of the gradients, plus under ZeRO-3 the parameters gathered in
+    forward and in backward: ``(2 or 3)·(dp−1)/dp·Ψ·b``. With context parallelism ZeRO
+    partitions over the ``dp x cp`` ranks: ``dp`` here is their number."""
     stage, b = STAGES[strategy], BYTES_PER_VALUE[cfg.precision]
     dense, experts = parameters_per_rank(model, dims)
     psi = dense + experts
-    states = zero_formula(dense, stage, dims.dp, cfg.precision)
+    dp = dims.dp_cp
+    states = zero_formula(dense, stage, dp, cfg.precision)
     if experts:  # partitioned over the ranks that hold the same experts (experts.py)
         more = zero_formula(experts, stage, dims.dp // dims.ep, cfg.precision)
         states = ModelStates(states.params + more.params, states.grads + more.grads,
@@ -85,13 +88,13 @@ def strategy_cost(cfg, strategy: str, model: torch.nn.Module, dims) -> StrategyC
     references = {}
     reference = own and deepspeed_estimate(
         psi, max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
-        stage, dims.dp, "optimizer" in offloaded, "params" in offloaded)
+        stage, dp, "optimizer" in offloaded, "params" in offloaded)
     if reference:
         references["DeepSpeed's estimator (device, assumes 16-bit training)"] = reference
     return StrategyCost(params=states.params, grads=states.grads, optimizer=states.optimizer,
                         buffers=bucket * b * (3 if stage == 3 else 2),
-                        dp_bytes_per_step=(3 if stage == 3 else 2) * (dims.dp - 1) / dims.dp
-                        * psi * b, offloaded=offloaded, references=references)
+                        dp_bytes_per_step=(3 if stage == 3 else 2) * (dp - 1) / dp * psi * b,
+                        offloaded=offloaded, references=references)
 
 
 def deepspeed_estimate(n_params: int, largest_layer_params: int, stage: int, dp: int,

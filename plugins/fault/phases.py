@@ -1,0 +1,254 @@
+"""Each rank's step split into forward, backward compute, optimizer and the wait in collectives,
+measured apart so that a rank waiting for a slow peer is not taken for the slow one.
+
+Why apart: DDP's all-reduce makes every rank's backward last as long as the slowest rank's
+(traceml#252), so a detector that times ``backward()`` sees every rank equally slow, and one that
+times the step sees the victim of a slow peer as slow as the peer. The phases, on the wall clock:
+
+    forward_s    the model's forward pre-hook to its forward hook, per micro-batch
+    backward_s   the end of that forward to the last gradient accumulated into a parameter
+                 (a post-accumulate-grad hook on every parameter): the backward's compute.
+                 DDP waits for its bucket all-reduces after the last gradient (its reducer's
+                 finalize, the autograd engine's final callback), so that wait is not in here
+    optimizer_s  ``optimizer.step`` (the optimizer's step pre- and post-hooks)
+    comm_wait_s  the rest of the engine's step: waiting in collectives (the gradient
+                 all-reduce that backward did not hide, the loss, guard and norm reductions)
+                 and the engine's bookkeeping
+
+and ``compute_s``, the same three compute intervals on the device's own clock, which the
+straggler detector judges: on a GPU the time between CUDA events recorded at those points (the
+GPU's time, as Megatron's ``StragglerDetector`` takes it; the wall clock there sees only the
+host queueing kernels), on a CPU the CPU time of the rank's thread (``time.thread_time``). Not
+the wall clock on a CPU: where processes share cores, the scheduler favours a process that
+slept, so the rank that waited in a collective gets the core and the rank that computes is
+descheduled; its compute phases then take longer on the wall clock than its work (seen on a
+loaded 2-core host: a rank of a plain run read 4x for 40 steps). The CPU time counts the work.
+
+The core's ``StepMeter`` adds ``data_wait_s`` and gathers the figures per rank on logged steps
+(``StepOutput.timings``). Where an engine reduces inside backward on the main thread (DeepSpeed
+ZeRO-2/3's gradient hooks, FSDP's reduce-scatter) or gathers parameters inside forward (ZeRO-3,
+FSDP), those waits fall in ``backward_s`` / ``forward_s`` (on the wall clock; a blocking wait
+costs no CPU time); under a pipeline (``parallel.pp>1``) the schedule calls the stages' parts,
+not the model, so only ``optimizer_s`` and ``comm_wait_s`` are split (docs/report.md).
+
+The same hooks mark each rank's progress (step, micro-batch, phase, gradients so far) for the
+collective watchdog (``watchdog.py``), which names the rank that did not arrive.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from plait import hookimpl
+from plait.types import PluginInfo
+
+PHASES = ("before forward", "forward", "backward", "optimizer", "after the step")
+
+
+@dataclass
+class Progress:
+    """Where this rank's main thread is; the watchdog publishes it as the rank's heartbeat.
+
+    ``position`` orders ranks of one job: a rank whose position is lower than another's has not
+    reached the point the other waits at."""
+
+    step: int = 0  # the step being taken (the resumed step + 1 at the first one)
+    micro_batch: int = 0  # forwards started in this step
+    phase: int = len(PHASES) - 1
+    grads: int = 0  # gradients accumulated since the last forward
+    total_grads: int = 1
+    changed_at: float = 0.0  # time.monotonic() of the last change
+
+    def mark(self, phase: int) -> None:
+        self.phase, self.changed_at = phase, time.monotonic()
+
+    @property
+    def position(self) -> tuple[int, int, int, float]:
+        return (self.step, self.micro_batch, self.phase, self.grads / self.total_grads)
+
+    def describe(self) -> str:
+        if self.micro_batch == 0 and self.phase == len(PHASES) - 1:
+            return f"start-up or between steps, before step {self.step + 1}"
+        where = PHASES[self.phase]
+        if self.phase == 2:
+            where += f" ({self.grads} of {self.total_grads} gradients)"
+        return f"step {self.step}, micro-batch {self.micro_batch}: {where}"
+
+
+progress = Progress(changed_at=time.monotonic())
+
+
+def torch_optimizer(optimizer) -> torch.optim.Optimizer | None:
+    """The torch optimizer that steps: the engine's, or the one a wrapper holds (DeepSpeed's
+    ZeRO optimizer as ``.optimizer``; torch's ``PostLocalSGDOptimizer``, an ``Optimizer``
+    that skips ``Optimizer.__init__`` and so has no step hooks, as ``.optim``)."""
+    for _ in range(4):
+        if (isinstance(optimizer, torch.optim.Optimizer)
+                and hasattr(optimizer, "_optimizer_step_pre_hooks")):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "optim", None)
+    return None
+
+
+class CpuWork:
+    """The rank's thread's CPU time: its work, however the host shares its cores."""
+
+    def stamp(self) -> float:
+        return time.thread_time()
+
+    def stamp_again(self, stamp) -> float:
+        return time.thread_time()
+
+    def seconds(self, start, end) -> float:
+        return end - start
+
+
+class CudaWork:
+    """CUDA events on the current stream: the GPU's time between two points of the host's
+    program (one event object per point; the last-gradient point is re-recorded)."""
+
+    def stamp(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stamp_again(self, stamp):
+        stamp.record()
+        return stamp
+
+    def seconds(self, start, end) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+class PhaseClock:
+    """Hooks on one engine's model and optimizer that time the phases of its ``train_step``."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, device: torch.device) -> None:
+        self.work = CudaWork() if device.type == "cuda" else CpuWork()
+        self.inside = False  # only train_step's passes count (not evaluation)
+        self.forwards = 0
+        self.sums = dict.fromkeys(("forward_s", "backward_s", "optimizer_s"), 0.0)
+        self.intervals: list = []  # (start, end) stamps of the work clock
+        self._forward_started = self._forward_ended = self._optimizer_started = 0.0
+        self._work_started = self._work_forward_ended = None
+        self._last_grad: float | None = None
+        self._work_last_grad = None
+        params = [p for p in model.parameters() if p.requires_grad]
+        progress.total_grads = max(len(params), 1)
+        model.register_forward_pre_hook(self._forward_start)
+        model.register_forward_hook(self._forward_end)
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._grad_ready)
+        stepping = torch_optimizer(optimizer)
+        if stepping is not None:
+            stepping.register_step_pre_hook(self._optimizer_start)
+            stepping.register_step_post_hook(self._optimizer_end)
+
+    def train_step(self, inner, micro_batches, lr):
+        """``inner(micro_batches, lr=lr)`` with its phases in ``StepOutput.timings``."""
+        self.sums = dict.fromkeys(self.sums, 0.0)
+        self.intervals = []
+        self.forwards = 0
+        self._last_grad = None
+        progress.step += 1
+        progress.micro_batch = 0
+        progress.mark(0)
+        self.inside = True
+        started = time.perf_counter()
+        try:
+            out = inner(micro_batches, lr=lr)
+        finally:
+            self.inside = False
+        total = time.perf_counter() - started
+        self._close_backward()
+        progress.mark(len(PHASES) - 1)
+        if out.skipped:  # the loop does not count a skipped step
+            progress.step -= 1
+        compute = sum(self.sums.values())
+        out.timings.update(self.sums, comm_wait_s=max(total - compute, 0.0))
+        if self.forwards:  # a pipeline's schedule calls the stages' parts: no compute to judge
+            out.timings["compute_s"] = sum(self.work.seconds(a, b) for a, b in self.intervals)
+        return out
+
+    def _close_backward(self) -> None:
+        if self._last_grad is not None:
+            self.sums["backward_s"] += self._last_grad - self._forward_ended
+            self.intervals.append((self._work_forward_ended, self._work_last_grad))
+            self._last_grad = self._work_last_grad = None
+
+    def _forward_start(self, module, args) -> None:
+        if self.inside and torch.is_grad_enabled():
+            self._close_backward()
+            progress.micro_batch += 1
+            self.forwards += 1
+            progress.grads = 0
+            progress.mark(1)
+            self._work_started = self.work.stamp()
+            self._forward_started = time.perf_counter()
+
+    def _forward_end(self, module, args, output) -> None:
+        if self.inside and torch.is_grad_enabled():
+            self._forward_ended = time.perf_counter()
+            self._work_forward_ended = self.work.stamp()
+            self.sums["forward_s"] += self._forward_ended - self._forward_started
+            self.intervals.append((self._work_started, self._work_forward_ended))
+            progress.mark(2)
+
+    def _grad_ready(self, param) -> None:
+        if self.inside:
+            self._last_grad = time.perf_counter()
+            self._work_last_grad = (self.work.stamp() if self._work_last_grad is None
+                                    else self.work.stamp_again(self._work_last_grad))
+            progress.grads += 1
+            progress.changed_at = time.monotonic()
+
+    def _optimizer_start(self, optimizer, args, kwargs) -> None:
+        if self.inside:
+            self._close_backward()
+            progress.mark(3)
+            self._work_started = self.work.stamp()
+            self._optimizer_started = time.perf_counter()
+
+    def _optimizer_end(self, optimizer, args, kwargs) -> None:
+        if self.inside:
+            self.sums["optimizer_s"] += time.perf_counter() - self._optimizer_started
+            self.intervals.append((self._work_started, self.work.stamp()))
+            progress.mark(4)
+
+
+def timing_wanted(cfg) -> bool:
+    """The straggler detector reads the phases, the watchdog the progress marks."""
+    return cfg.fault.straggler_factor > 0 or cfg.fault.collective_timeout_s is not None
+
+
+class StepTiming:
+    @hookimpl
+    def plait_declare(self) -> PluginInfo:
+        return PluginInfo(name="step_timing", selected_by={"fault.name": "checkpoint"},
+                          description="per-rank forward, backward compute, optimizer and "
+                                      "collective-wait times of every step")
+
+    # outermost: the phases of the whole step, whatever other wrappers add
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+        if timing_wanted(cfg):
+            clock = PhaseClock(engine.model, getattr(engine, "optimizer", None),
+                               topology.device)
+            engine.train_step = functools.partial(clock.train_step, engine.train_step)
+        return engine
+
+    @hookimpl(wrapper=True)
+    def plait_load_checkpoint(self):
+        state = yield
+        progress.step = state.step if state is not None else 0
+        return state
+
+
+plugin = StepTiming()
+

@@ -1,0 +1,110 @@
+"""``model=hf model.path=<dir>``: pretrained Hugging Face checkpoints in and out under every
+layout.
+
+    plait train model=hf model.path=~/models/Qwen2-0.5B data=shards data.path=shards/ \\
+        parallel.tp=2 parallel.pp=2 launcher.nproc_per_node=4
+    plait train model=hf model.path=my-config-dir model.pretrained=false   # random weights
+    plait export runs/exp1 format=hf out=exp1-hf      # from_pretrained loads it
+    plait train model=hf ... checkpoint.hf_every=500  # the same format during training
+
+The model is ``transformers``' own class, built on the meta device; each rank reads only the
+boxes of the checkpoint it keeps (:mod:`.model`, :mod:`.checkpoint_files`); tensor and pipeline
+parallelism come from the config's ``base_model_tp_plan`` / ``base_model_pp_plan``
+(:mod:`.plans`); activation checkpointing recomputes whole decoder layers. Before launch it
+refuses, naming the fix: a path that is neither a directory nor a cached model, a directory
+without ``config.json``, a missing or truncated shard (sizes against the headers and the
+index), a checkpoint lacking the model's parameters, a dtype the run cannot hold (quantized or
+fp64 weights; bf16 weights under ``precision=fp16``), a context longer than the model's,
+``parallel.tp`` with no tp plan, a style plait cannot honour (``packed_colwise``, ...), or sizes
+tp does not divide (heads, KV heads, every split layer), and data tokenized with another
+tokenizer than the model's own ``tokenizer.json``. See ``docs/hf.md``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import MISSING, OmegaConf
+
+from plait import hookimpl
+from plait.config import ModelConfig
+from plait.meta import meta_model
+from plait.types import PluginInfo
+
+TARGET = "plait.plugins.hf.model.build_hf"
+BUILD_CHECKS = "model:build_checks"
+
+
+@dataclass
+class HFModelConfig(ModelConfig):
+    _target_: str = TARGET
+    path: str = MISSING  # a directory (config.json + *.safetensors) or a model in the HF cache
+    pretrained: bool = True  # false: transformers' init of the config's architecture, by name
+
+
+@hookimpl
+def plait_declare() -> PluginInfo:
+    return PluginInfo(
+        name="hf", selected_by={"model._target_": TARGET},
+        provides=frozenset({"model:tensor_parallel_plan", "model:activation_checkpointing_plan",
+                            BUILD_CHECKS}),
+        description="transformers causal LMs from a local directory, read slice by slice")
+
+
+@hookimpl
+def plait_register_configs(config_store) -> None:
+    config_store.store(group="model", name="base_hf", node=HFModelConfig)
+
+
+@hookimpl
+def plait_validate(cfg, dims, hook) -> list[str]:
+    if importlib.util.find_spec("transformers") is None:
+        return ["model=hf needs transformers: pip install -e \".[hf]\""]
+    from plait.plugins.hf import checks
+    from plait.plugins.hf.model import CONFIG, load_config, resolve_directory
+
+    m = cfg.model
+    if OmegaConf.is_missing(m, "path"):
+        return ["model=hf needs model.path=<a directory with config.json and *.safetensors, or a "
+                "model name already in the local Hugging Face cache>"]
+    try:
+        directory = resolve_directory(m.path)
+    except ValueError as e:
+        return [str(e)]
+    if not (directory / CONFIG).is_file():
+        return [f"model.path={m.path} holds no {CONFIG}: give a directory written by "
+                "save_pretrained (config.json and *.safetensors weights)"]
+    try:
+        config = load_config(directory)
+    except Exception as e:
+        return [f"model.path={m.path}: transformers cannot read its {CONFIG} ({type(e).__name__}: "
+                f"{e}): give a causal LM's directory"]
+    problems = checks.dtype_problems(cfg, config)
+    if m.pretrained:
+        problems += checks.file_problems(cfg, directory)
+    if problems:
+        return problems
+    model = meta_model(hook, cfg)
+    if model is None:
+        return [checks.build_problem(cfg, directory, config)]
+    if m.pretrained:
+        problems += checks.checkpoint_problems(cfg, model)
+    problems += checks.context_problems(cfg, config)
+    if dims.tp > 1:
+        problems += checks.tensor_parallel_problems(cfg, model, config, dims.tp)
+    return problems + checks.tokenizer_problems(cfg, hook, directory, config)
+
+
+@hookimpl
+def plait_export_model(cfg, state_dict, model, format, out):
+    """``plait export <run> format=hf out=<dir>``."""
+    if format != "hf":
+        return None
+    from plait.plugins.hf.writer import is_transformers_model, write_model
+
+    if not is_transformers_model(model):
+        raise ValueError(f"format=hf writes a transformers model; model._target_="
+                         f"{cfg.model._target_} is not one: export without format= (a state_dict)")
+    return write_model(model, state_dict, Path(out))

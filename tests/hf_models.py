@@ -1,0 +1,71 @@
+"""Tiny Hugging Face checkpoints for the tests of ``model=hf``, written with ``save_pretrained``
+(no network): Llama, Qwen2, Mistral, GPT-NeoX and Phi-3, each 4 layers of width 64, sharing one
+byte-level BPE tokenizer (512 ids, trained here on a few standard-library files) so that one set
+of prepared shards fits every family."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=4, max_position_embeddings=64, eos_token_id=0,
+             bos_token_id=None, tie_word_embeddings=False)
+
+
+def family_config(family: str, **overrides):
+    import transformers as T
+
+    small = {**SMALL, "num_key_value_heads": 2, **overrides}
+    if family == "llama":
+        return T.LlamaConfig(**small)
+    if family == "qwen2":  # biases on q, k, v
+        return T.Qwen2Config(**small)
+    if family == "mistral":
+        return T.MistralConfig(**small)
+    if family == "gpt_neox":  # fused per-head qkv, LayerNorm with bias, partial rotary
+        small.pop("num_key_value_heads")
+        return T.GPTNeoXConfig(**small)
+    if family == "phi3":  # fused qkv / gate_up (gathered outputs), a padding row
+        return T.Phi3Config(pad_token_id=1, **small)
+    raise ValueError(family)
+
+
+FAMILIES = ("llama", "qwen2", "mistral", "gpt_neox", "phi3")
+
+
+def corpus_files(start: int, count: int) -> list[Path]:
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[start:start + count]
+
+
+def write_tokenizer(directory: Path) -> None:
+    """A byte-level BPE of 512 ids (``<|endoftext|>`` is 0) and its tokenizer_config.json."""
+    from plait.plugins.data.tokenizer import train_bpe
+
+    tokenizer = train_bpe((p.read_bytes() for p in corpus_files(0, 20)), VOCAB)
+    (directory / "tokenizer.json").write_text(tokenizer.json)
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
+def write_checkpoint(directory: Path, family: str, seed: int = 0, dtype=torch.float32,
+                     max_shard_size: str | None = None, tokenizer_from: Path | None = None,
+                     **overrides) -> Path:
+    """A randomly initialised ``family`` model saved with ``save_pretrained`` (sharded when
+    ``max_shard_size`` is given), with the tokenizer of ``tokenizer_from`` (or a new one)."""
+    from transformers import AutoModelForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(family, **overrides), dtype=dtype)
+    options = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **options)
+    if tokenizer_from is None:
+        write_tokenizer(directory)
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (directory / name).write_bytes((tokenizer_from / name).read_bytes())
+    return directory

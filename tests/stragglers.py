@@ -1,0 +1,133 @@
+"""In-test plugins that make a rank slow, a victim, or stuck (tests/test_report.py,
+tests/test_lost_nodes.py); loaded as users load theirs (objects, dotted paths)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from plait import hookimpl
+from plait.types import CommSpec
+
+
+class DoubleCompute:
+    """Global ranks ``ranks`` compute every forward twice and average the two (the same values
+    bit for bit: ``(y + y) / 2 == y``), so their forward and backward take twice the work and
+    the math is unchanged. Registered on every rank; only those ranks change."""
+
+    def __init__(self, ranks):
+        self.ranks = set(ranks)
+
+    @hookimpl
+    def plait_apply_tensor_parallel(self, model, topology):
+        if topology.rank in self.ranks:
+            model.register_forward_hook(self._again)
+
+    @staticmethod
+    def _again(module, args, output):
+        return (output + module.forward(*args)) / 2
+
+
+double_rank1 = DoubleCompute([1])  # +plugins=[stragglers:double_rank1]
+
+
+class DelayedReducer:
+    """The comm plugin's reducer, with each bucket's result handed over ``seconds`` later (the
+    all-reduce itself is not delayed: the wait is)."""
+
+    def __init__(self, reducer, seconds: float):
+        self.reducer, self.seconds = reducer, seconds
+        self.spec = CommSpec(algorithm="delayed_wait")  # not native: DDP calls reduce()
+
+    def reduce(self, bucket, group):
+        inner = self.reducer.reduce(bucket, group)
+        if not self.seconds:
+            return inner
+        result = torch.futures.Future()
+
+        def later(done):
+            threading.Timer(self.seconds, result.set_result, [done.value()]).start()
+
+        inner.add_done_callback(later)
+        return result
+
+
+class SlowWait:
+    """Global rank ``rank`` receives its gradient all-reduce ``seconds`` late: a victim that waits
+    longer in the collective, not a rank that computes slower. Every rank runs the same reducer
+    path (so the math is the same on every rank); only ``rank`` waits."""
+
+    def __init__(self, rank: int, seconds: float):
+        self.rank, self.seconds = rank, seconds
+
+    @hookimpl(wrapper=True)
+    def plait_grad_reducer(self, topology):
+        reducer = yield
+        return DelayedReducer(reducer, self.seconds if topology.rank == self.rank else 0.0)
+
+
+class StopEntering:
+    """Global rank ``rank`` stops entering collectives at its ``step``-th training forward: it
+    writes the time into ``run.dir/stopped_at`` and sleeps (alive, never arriving)."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step, self.forwards = rank, step, 0
+
+    @hookimpl
+    def plait_apply_tensor_parallel(self, cfg, model, topology):
+        if topology.rank == self.rank:
+            path = Path(cfg.run.dir) / "stopped_at"
+            model.register_forward_pre_hook(lambda module, args: self._maybe_stop(path))
+
+    def _maybe_stop(self, path: Path) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self.forwards += 1
+        if self.forwards == self.step:
+            path.write_text(f"{time.time()}\n")
+            time.sleep(3600)
+
+
+stop_rank1_at_step3 = StopEntering(1, 3)  # +plugins=[stragglers:stop_rank1_at_step3]
+
+
+class SlowNode:
+    """Every rank of node ``node`` (``GROUP_RANK``) computes twice: a straggling node."""
+
+    def __init__(self, node: int):
+        self.node = node
+
+    @hookimpl
+    def plait_apply_tensor_parallel(self, model, topology):
+        if topology.node_rank == self.node:
+            model.register_forward_hook(DoubleCompute._again)
+
+
+slow_node1 = SlowNode(1)  # +plugins=[stragglers:slow_node1]
+
+
+class PauseAfter:
+    """In the first attempt, every rank stops after step ``step``'s checkpoint; each node's first
+    rank writes ``run.dir/paused_node<k>``, and all wait for ``run.dir/go`` (the test's cue that it
+    has done what it does to the job: cut a link) before they go on."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    @hookimpl(wrapper=True)
+    def plait_save_checkpoint(self, cfg, state, topology):
+        written = yield
+        if state.step == self.step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            run = Path(cfg.run.dir)
+            if topology.local_rank == 0:
+                (run / f"paused_node{topology.node_rank}").write_text(f"{time.time()}\n")
+            while not (run / "go").exists():
+                time.sleep(0.05)
+        return written
+
+
+pause_after_step_4 = PauseAfter(4)  # +plugins=[stragglers:pause_after_step_4]
