@@ -182,19 +182,24 @@ class MemoryProbe:
     """
 
     rss_before_model = 0
+    materialized = False
 
     @hookimpl(wrapper=True)
     def plait_build_model(self):
-        # The last build in a worker is the one that counts (plan checks build on the meta
-        # device before; a model built whole is built again).
-        self.rss_before_model = resident_bytes()
-        reset_peak_resident_bytes()
+        # The last build before the materialization is the one that counts (plan checks build
+        # on the meta device before; a model built whole is built again). Later meta builds
+        # (a strategy sizing its buffers from the model) would move the baseline above the
+        # model's own memory and forget the peak so far.
+        if not self.materialized:
+            self.rss_before_model = resident_bytes()
+            reset_peak_resident_bytes()
         return (yield)
 
     # The first hook after the materialization; a wrapper decides nothing, and the outermost
     # one (tryfirst) reads the peak before other plugins' wrappers allocate.
     @hookimpl(wrapper=True, tryfirst=True)
     def plait_build_loss(self, cfg, topology):
+        self.materialized = True
         build_peak = peak_resident_bytes() - self.rss_before_model
         path = Path(cfg.run.dir) / "memory" / f"rank{topology.rank}.json"
         path.parent.mkdir(exist_ok=True)
@@ -208,6 +213,25 @@ class MemoryProbe:
 
 
 memory_probe = MemoryProbe()  # for `+plugins=[plait.testing:memory_probe]` on a command line
+
+
+class ImportFirst:
+    """A plugin for tests and benchmarks: imports ``modules`` in every worker before the model is
+    built (outermost wrapper), so that :class:`MemoryProbe`'s pre-model baseline holds the
+    libraries a strategy imports while it builds and steps (DeepSpeed, DTensor/FSDP, torch's
+    ``_dynamo`` that torch's optimizers import: 20-70 MiB each) and its figures are the model's
+    and the engine's alone. Name only modules the run imports anyway, or its memory grows."""
+
+    def __init__(self, *modules: str):
+        self.modules = modules
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_model(self):
+        import importlib
+
+        for name in self.modules:
+            importlib.import_module(name)
+        return (yield)
 
 
 class LoadClock:

@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 
 from plait.plugins.models.gpt import GPT
-from plait.testing import TEST_OVERRIDES, MemoryProbe, read_metrics, run_training
+from plait.testing import TEST_OVERRIDES, ImportFirst, MemoryProbe, read_metrics, run_training
 
 MIB = 2**20
 
@@ -103,6 +103,24 @@ def layouts(n: int) -> dict[str, list[str]]:
     }
 
 
+# Libraries a run imports while it builds and steps, imported before the pre-model baseline
+# (``ImportFirst``) so that "above start" is the model's and the engine's memory, what ``plait
+# estimate`` predicts: every layout's torch optimizer imports torch._dynamo, its DTensor code
+# torch.distributed.fsdp; DeepSpeed's ZeRO optimizer checks for Muon, whose module compiles
+# with torch.compile (inductor's imports); pipeline stages import torch's pipelining.
+LIBRARIES = ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor")
+ZERO_LIBRARIES = ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer")
+PIPELINE_LIBRARIES = ("torch.distributed.pipelining",)
+
+
+def libraries(overrides: list[str]) -> tuple[str, ...]:
+    """What a run with ``overrides`` imports anyway (see ``LIBRARIES``)."""
+    zero = any(o.startswith("strategy=zero") for o in overrides)
+    pipeline = any(o.startswith("parallel.pp=") and o != "parallel.pp=1" for o in overrides)
+    return (*LIBRARIES, *(ZERO_LIBRARIES if zero else ()),
+            *(PIPELINE_LIBRARIES if pipeline else ()))
+
+
 def model_overrides(model: dict, n_layer: int | None = None) -> list[str]:
     return ["model=gpt_tiny", f"model.n_layer={n_layer or model['n_layer']}",
             f"model.n_embd={model['n_embd']}", f"model.n_head={model['n_head']}",
@@ -124,7 +142,7 @@ def measure(root: Path, name: str, overrides: list[str], steps: int, warmup: int
     overrides = [*overrides, f"train.steps={steps}"]
     job_peak = None
     if job_mib is None:
-        run_training(run, overrides, plugins=[MemoryProbe()])
+        run_training(run, overrides, plugins=[ImportFirst(*libraries(overrides)), MemoryProbe()])
     else:
         job_peak = run_in_cgroup(run, overrides, job_mib)
         if job_peak is None:
@@ -157,11 +175,19 @@ def run_in_cgroup(run: Path, overrides: list[str], job_mib: float) -> float | No
             swap = group / "memory.memsw.limit_in_bytes"
             if swap.exists():
                 swap.write_text(limit)
+        # ImportFirst's modules reach the command line as a plugin module of their own
+        probe = run.parent / "bench_memory_imports.py"
+        probe.write_text("from plait.testing import ImportFirst\n"
+                         f"import_first = ImportFirst(*{libraries(overrides)!r})\n")
         command = [sys.executable, "-m", "plait", "train", *TEST_OVERRIDES,
                    f"run.root={run.parent}", f"run.name={run.name}",
-                   "+plugins=[plait.testing:memory_probe]", *overrides]
+                   "+plugins=[plait.testing:memory_probe,bench_memory_imports:import_first]",
+                   *overrides]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(run.parent), os.environ.get("PYTHONPATH")]))}
         join = f"echo $$ > {group / 'cgroup.procs'} && exec \"$@\""
-        done = subprocess.run(["sh", "-c", join, "sh", *command], capture_output=True, text=True)
+        done = subprocess.run(["sh", "-c", join, "sh", *command], capture_output=True, text=True,
+                              env=env)
         peak = (group / ("memory.peak" if v2 else "memory.max_usage_in_bytes")).read_text()
         return float(peak) if done.returncode == 0 else None
     finally:
@@ -218,12 +244,13 @@ def estimated_bytes(overrides: list[str]) -> float | None:
 
 
 def largest_fitting(root: Path, layout: str, args) -> tuple[int, dict | None]:
-    """Bisection on n_layer: the largest that fits (0 if none) and its figures. Fits: the
-    peak above start is within ``--budget-mib``, or the job finished in ``--job-mib``."""
+    """Bisection on n_layer in ``--min-layers .. --max-layers``: the largest that fits (0 if
+    none) and its figures. Fits: the peak above start is within ``--budget-mib``, or the job
+    finished in ``--job-mib``."""
     name, _, recompute = layout.partition("+")
     overrides = [*layouts(args.dp)[name], f"precision={args.precision}",
                  *([f"train.activation_checkpointing={recompute}"] if recompute else [])]
-    low, high, fitted = 0, args.max_layers + 1, None
+    low, high, fitted = args.min_layers - 1, args.max_layers + 1, None
     while high - low > 1:
         n_layer = (low + high) // 2
         got = measure(root, f"fit-{layout}-{n_layer}",
@@ -238,7 +265,7 @@ def largest_fitting(root: Path, layout: str, args) -> tuple[int, dict | None]:
             high = n_layer
         print(f"  {layout} n_layer={n_layer}: {'fits' if fits else 'does not fit'}",
               file=sys.stderr, flush=True)
-    return low, fitted
+    return (low, fitted) if fitted is not None else (0, None)
 
 
 def fit(root: Path, args) -> None:
@@ -279,6 +306,8 @@ def main() -> None:
                              "optionally +full")
     parser.add_argument("--dp", type=int, default=2, help="processes of each --layouts case")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--min-layers", type=int, default=1,
+                        help="the bisection's lower end (a smaller model is not tried)")
     parser.add_argument("--max-layers", type=int, default=32)
     args = parser.parse_args()
     if args.tiny:

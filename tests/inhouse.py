@@ -583,6 +583,37 @@ def _describe_zero_optimizer(zero_optimizer) -> dict:
             "state_devices": sorted({t.device.type for t in states})}
 
 
+class DescribeZeroGroups:
+    """How DeepSpeed's ZeRO optimizer steps its partition, from rank 0 right after the engine is
+    built (``run.dir/zero_groups.json``): the elements of each flat partition it steps at once
+    (ZeRO-1/2: one per parameter group; ZeRO-3: one per sub-group), the ``sub_group_size`` it
+    was configured with, and for each partition whether the fp32 master the optimizer steps is
+    the parameter partition itself (shares its storage) rather than a copy."""
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="describe_zero_groups")
+
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+        if topology.rank == 0:
+            zero = engine.ds.optimizer
+            if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3
+                pairs = zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat)
+            else:  # ZeRO-1/2: the master partition and this rank's part of the flat parameters
+                rank = topology.dp_rank
+                pairs = zip(zero.single_partition_of_fp32_groups,
+                            [parts[rank] for parts in zero.parallel_partitioned_bit16_groups])
+            pairs = list(pairs)
+            (Path(cfg.run.dir) / "zero_groups.json").write_text(json.dumps({
+                "partitions": [master.numel() for master, _ in pairs],
+                "sub_group_size": engine.ds.zero_sub_group_size(),
+                "master_is_the_parameter": [master.data_ptr() == low.data_ptr()
+                                            for master, low in pairs]}))
+        return engine
+
+
 class DeepSpeedFp16OnThisCpu:
     """Lets DeepSpeed run fp16 on a CPU without oneDNN fp16 kernels. DeepSpeed's CPU accelerator
     refuses fp16 there (``is_fp16_supported()`` asks oneDNN); torch's generic CPU kernels compute
@@ -792,23 +823,6 @@ class RecordShards:
                 "placements": [str(x) for x in p.placements] if is_dtensor else None,
                 "local": (p.to_local() if is_dtensor else p).numel(), "global": p.numel()}
         (Path(cfg.run.dir) / f"shards_rank{topology.rank}.json").write_text(json.dumps(held))
-        return (yield)
-
-
-class ImportFirst:
-    """Imports ``modules`` in every worker before the model is built (outermost wrapper), so
-    that a memory probe's pre-model baseline holds the libraries a strategy imports while it
-    builds (DeepSpeed, DTensor/FSDP: 30-70 MiB each) and its figure is the model's alone."""
-
-    def __init__(self, *modules: str):
-        self.modules = modules
-
-    @hookimpl(wrapper=True, tryfirst=True)
-    def plait_build_model(self):
-        import importlib
-
-        for name in self.modules:
-            importlib.import_module(name)
         return (yield)
 
 

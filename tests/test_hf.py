@@ -44,11 +44,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hf_models import FAMILIES, corpus_files, family_config, write_checkpoint
-from inhouse import ImportFirst, RecordFirstBatch, RecordHeld, RecordReads
+from inhouse import RecordFirstBatch, RecordHeld, RecordReads
 
 from plait.cli import main
 from plait.meta import ParameterInit, materialize, meta_device
-from plait.testing import MemoryProbe, read_metrics, run_training, spawn
+from plait.testing import ImportFirst, MemoryProbe, read_metrics, run_training, spawn
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

@@ -4,7 +4,7 @@ model``), under ZeRO-3 and FSDP at dp=4 and under tp=2 x pp=2.
 
 The model is big enough that a rank holding it whole is unmistakable: 42.6M parameters, 170 MB
 in fp32. The libraries a strategy imports while it builds (DeepSpeed, DTensor/FSDP,
-pipelining: 30-70 MiB) are imported before the baseline (``inhouse.ImportFirst``), so the figure
+pipelining: 30-70 MiB) are imported before the baseline (``plait.testing.ImportFirst``), so the figure
 is the model's. Switch-off: with the meta build turned off (``ParameterInit.of`` returning None,
 every rank building the whole model) every rank's build peak was 1.00x (zero3) and 1.57x (tp2 x
 pp2) the full model, red.
@@ -16,12 +16,12 @@ import json
 
 import pytest
 import torch
-from inhouse import ImportFirst, RecordInitialWeights
+from inhouse import RecordInitialWeights
 
 from plait.plugins.models.gpt import GPT
 from plait.plugins.tensor_parallel.layers import merge_tensors
 from plait.plugins.tensor_parallel.plan import TensorParallelPlan, shard_spec
-from plait.testing import MemoryProbe, run_training
+from plait.testing import ImportFirst, MemoryProbe, run_training
 
 SEED = 7
 BIG = dict(vocab_size=256, block_size=64, n_layer=6, n_head=8, n_embd=768)

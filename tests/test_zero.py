@@ -87,15 +87,17 @@ def test_deepspeed_buffers_are_sized_from_the_model_and_the_user_overrides_them(
     that is below the largest parameter, which sets the bucket."""
     model = ["model.n_embd=256", "model.n_layer=12", f"strategy=zero{stage}"]
     zero = backend_config(*model)["zero_optimization"]
-    keys = (["reduce_bucket_size", "allgather_bucket_size"] if stage < 3 else
-            ["reduce_bucket_size", "stage3_prefetch_bucket_size"])
-    assert [zero[k] for k in keys] == [300_784, 300_784]
+    keys = (["reduce_bucket_size", "allgather_bucket_size", "sub_group_size"] if stage < 3 else
+            ["reduce_bucket_size", "stage3_prefetch_bucket_size", "sub_group_size"])
+    assert [zero[k] for k in keys] == [300_784, 300_784, 300_784]
     if stage == 3:
         assert zero["stage3_max_live_parameters"] == zero["stage3_max_reuse_distance"] == 601_568
     split = backend_config(*model, "parallel.tp=2", "launcher.nproc_per_node=4")
     assert split["zero_optimization"]["reduce_bucket_size"] == 262_144  # the largest parameter
-    mine = backend_config(*model, "+strategy.deepspeed.zero_optimization.reduce_bucket_size=5")
+    mine = backend_config(*model, "+strategy.deepspeed.zero_optimization.reduce_bucket_size=5",
+                          "+strategy.deepspeed.zero_optimization.sub_group_size=1000000000")
     assert mine["zero_optimization"]["reduce_bucket_size"] == 5
+    assert mine["zero_optimization"]["sub_group_size"] == 10**9
 
 
 def built_optimizer(*overrides: str):
@@ -143,7 +145,8 @@ def test_passthrough_and_config_file_are_merged(tmp_path):
                         "strategy.deepspeed.communication_data_type=fp32")
     assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 2000,
                                        "overlap_comm": False,
-                                       "allgather_bucket_size": 16384}  # sized by plait
+                                       "allgather_bucket_size": 16384,  # sized by plait
+                                       "sub_group_size": 16384}
     assert ds["wall_clock_breakdown"] is True
     assert ds["communication_data_type"] == "fp32"
     assert ds["train_batch_size"] == 8
@@ -294,7 +297,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     runs = {}
     for name, overrides in extra.items():
         with inhouse.stderr_into(root / f"{name}.stderr"):
-            runs[name] = run_training(root / name, [*COMMON, *overrides])
+            runs[name] = run_training(root / name, [*COMMON, *overrides],
+                                      [inhouse.DescribeZeroGroups()] if name in STAGES else [])
     return runs
 
 
@@ -316,6 +320,24 @@ def test_zero_losses_equal_ddp_and_one_process(runs, stage):
     assert losses(runs[stage]) == pytest.approx(losses(runs["ddp"]), rel=LOSS_RTOL)
     # the pre-clipping global norm DeepSpeed reports (clipping is active: norms are > 1)
     assert grad_norms(runs[stage]) == pytest.approx(grad_norms(runs["ddp"]), rel=GRAD_NORM_RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_optimizer_steps_sub_groups_and_zero3_steps_its_parameters(runs, stage):
+    """The losses above ran with DeepSpeed stepping this rank's partition in sub-groups of at
+    most ``sub_group_size`` elements (``sizing.py``; the tiny GPT's 16,384: 68,480 per rank in
+    5 or more pieces, not 2: ZeRO-1/2 as parameter groups of dp x 16,384, ZeRO-3 as its own
+    sub-groups, which close once past the size: by less than one parameter's share), and, in
+    fp32, ZeRO-3's optimizer stepping the parameter partition itself while ZeRO-1/2 step a
+    master copy (``fp32_master.py``)."""
+    groups = json.loads((runs[stage] / "zero_groups.json").read_text())
+    size = groups["sub_group_size"]
+    assert size == 256 * 64  # the largest parameter sets B for the tiny GPT
+    assert len(groups["partitions"]) >= 5
+    assert sum(groups["partitions"]) >= 136_960 // 2  # the rank's whole partition is stepped
+    assert max(groups["partitions"]) < size + 256 * 64 // 2  # not one partition of 68,480
+    assert all(groups["master_is_the_parameter"]) == (stage == "zero3")
 
 
 @pytest.mark.slow

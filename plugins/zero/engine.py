@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from plait.plugins.optim.hyperparameters import keep_hyperparameters
 from plait.plugins.optim.state_by_name import load_state_by_name, state_by_name
+from plait.plugins.zero.fp32_master import share_fp32_partitions
+from plait.plugins.zero.sizing import param_groups_within
 from plait.types import Batch, StepOutput, model_inputs
 
 TAG = "deepspeed"  # DeepSpeed's checkpoint tag: files go to <checkpoint dir>/deepspeed/
@@ -144,7 +146,13 @@ class ZeroEngine:
         self.dp_size = topology.dims.dp_cp
         self.backward_scale = 1 / topology.dims.cp  # DeepSpeed sums over sequence parallelism
         client = "optimizer" not in ds_config  # an in-house optimizer plugin's torch optimizer
+        zero = ds_config.get("zero_optimization", {})
+        self.stage = zero.get("stage", 0)
         param_groups = None if client else optimizer_param_groups(optimizer)
+        if param_groups and self.stage in (1, 2) and "sub_group_size" in zero:
+            # sizing.py: ZeRO-1/2 step their partition in sub-groups
+            param_groups = param_groups_within(param_groups,
+                                               self.dp_size * int(zero["sub_group_size"]))
         # Expert parallelism: DeepSpeed-MoE's expert param groups (experts.py)
         self.saves_engine_files = topology.dims.ep == 1
         if topology.dims.ep > 1:
@@ -165,7 +173,7 @@ class ZeroEngine:
         if topology.dims.ep > 1:  # DeepSpeed has read it; the model is plait's again
             del model._modules["deepspeed_moe_marker"]
         self.model = self.ds.module
-        self.stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+        share_fp32_partitions(self.ds.optimizer)  # ZeRO-3 in fp32: no second copy (fp32_master.py)
         self.optimizer = self.ds.optimizer  # its param_groups are the stepping optimizer's
         # ZeRO's optimizers (and DeepSpeed's bf16/fp16 ones) keep the global norm they clipped
         # with; stage 0 in fp32 clips in ``engine.clip_fp32_gradients`` and drops the norm, so

@@ -2,12 +2,14 @@
 
 DeepSpeed sizes its buffers for billion-parameter models on GPUs: reduce and all-gather buckets of
 5·10⁸ elements (2 GB in fp32), ZeRO-3 prefetch of 5·10⁷ and up to 10⁹ live gathered elements kept
-while they may be reused within 10⁹ elements. For any model below that size these mean "the
-whole model": ZeRO-3 keeps every gathered parameter between forward and backward and the gradient
-bucket holds every gradient, so ZeRO fitted a *smaller* model than DDP (bench_memory). plait sets
-each from the number of elements ``Ψ`` this rank's part of the model has and its largest
-parameter ``P`` (both counted on the unsplit model built on the meta device, divided by tp·pp, so
-``plait plan`` shows the config the engine gets)::
+while they may be reused within 10⁹ elements, and an optimizer step over sub-groups of 10⁹
+elements. For any model below that size these mean "the whole model": ZeRO-3 keeps every
+gathered parameter between forward and backward, the gradient bucket holds every gradient, and
+the step copies the rank's whole gradient partition flat and has torch's AdamW make temporaries
+of its size. So ZeRO fitted a *smaller* model than DDP (bench_memory). plait sets each from the
+number of elements ``Ψ`` this rank's part of the model has and its largest parameter ``P`` (both
+counted on the unsplit model built on the meta device, divided by tp·pp, so ``plait plan`` shows
+the config the engine gets)::
 
     bucket B = min(max(Ψ / 32, P), 5·10⁸)       # a few percent of the model, at least one
                                                  # parameter, at most DeepSpeed's default
@@ -15,10 +17,20 @@ parameter ``P`` (both counted on the unsplit model built on the meta device, div
     stage 3:    reduce_bucket_size = stage3_prefetch_bucket_size = B,
                 stage3_max_live_parameters = stage3_max_reuse_distance = 2·B
                 (gathered parameters are released unless reused within two buckets)
+    stage 1-3:  sub_group_size = B               # the optimizer steps B elements at a time
+
+``sub_group_size`` is DeepSpeed's ZeRO-3 setting: the rank's partition is stepped in sub-groups of
+that many elements, each with its own flat gradient copy and AdamW temporaries (``3B`` elements
+at most, where the whole partition made ``3Ψ/N``). DeepSpeed's ZeRO-1/2 have no sub-groups; they
+step one flat partition per parameter group, so plait gives them parameter groups of at most
+``N·sub_group_size`` elements (:func:`param_groups_within`: the same weight decay, consecutive
+parameters, each group partitioned over the N dp ranks as before), which bounds the same copy and
+temporaries, and the start-up flattening, to one group at a time. AdamW is elementwise, so the
+steps are the same numbers; only the grad norm's sum runs over more groups (in fp64).
 
 Measured (25.5M-parameter GPT, dp=4, fp32, CPU): ZeRO-3's peak above the pre-model memory falls
-from 632 to ~400 MiB. Any of these keys in ``strategy.deepspeed.zero_optimization`` or
-``strategy.config_file`` replaces plait's value; ``comm.bucket_mb`` sets ``reduce_bucket_size``.
+from 632 to ~400 MiB with the buckets. Any of these keys in ``strategy.deepspeed.zero_optimization``
+or ``strategy.config_file`` replaces plait's value; ``comm.bucket_mb`` sets ``reduce_bucket_size``.
 """
 
 from __future__ import annotations
@@ -31,16 +43,44 @@ DEEPSPEED_DEFAULT_BUCKET = 500_000_000
 BUCKETS_PER_MODEL = 32
 
 
+def bucket_elements(model: torch.nn.Module, model_parallel: int) -> int:
+    """``B`` above for ``model`` (unsplit, any device) cut into ``model_parallel`` = tp·pp parts."""
+    sizes = [p.numel() for p in model.parameters()]
+    if not sizes:
+        return 0
+    local = sum(sizes) // model_parallel
+    return int(min(max(local // BUCKETS_PER_MODEL, max(sizes)), DEEPSPEED_DEFAULT_BUCKET))
+
+
 def working_memory_settings(model: torch.nn.Module, stage: int, model_parallel: int
                             ) -> dict[str, Any]:
     """The ``zero_optimization`` keys above for ``model`` (unsplit, any device) cut into
     ``model_parallel`` = tp·pp parts."""
-    sizes = [p.numel() for p in model.parameters()]
-    if stage == 0 or not sizes:
+    bucket = bucket_elements(model, model_parallel)
+    if stage == 0 or not bucket:
         return {}
-    local = sum(sizes) // model_parallel
-    bucket = int(min(max(local // BUCKETS_PER_MODEL, max(sizes)), DEEPSPEED_DEFAULT_BUCKET))
     if stage < 3:
-        return {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+        return {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                "sub_group_size": bucket}
     return {"reduce_bucket_size": bucket, "stage3_prefetch_bucket_size": bucket,
-            "stage3_max_live_parameters": 2 * bucket, "stage3_max_reuse_distance": 2 * bucket}
+            "stage3_max_live_parameters": 2 * bucket, "stage3_max_reuse_distance": 2 * bucket,
+            "sub_group_size": bucket}
+
+
+def param_groups_within(groups: list[dict[str, Any]], max_elements: int) -> list[dict[str, Any]]:
+    """``groups`` (torch param groups) cut into groups of consecutive parameters holding at most
+    ``max_elements`` elements each (a larger parameter alone), every other key kept: ZeRO-1/2's
+    sub-groups. Empty groups are dropped, as DeepSpeed drops them."""
+    split = []
+    for group in groups:
+        run: list[torch.nn.Parameter] = []
+        size = 0
+        for p in group["params"]:
+            if run and size + p.numel() > max_elements:
+                split.append({**group, "params": run})
+                run, size = [], 0
+            run.append(p)
+            size += p.numel()
+        if run:
+            split.append({**group, "params": run})
+    return split
