@@ -111,9 +111,9 @@ def stage_params(n_stages: int) -> list[int]:
 @pytest.mark.slow
 def test_zero1_partitions_each_stages_optimizer_states_over_its_dp_group(runs):
     """Optimizer bytes per rank (the largest rank's, measured in the run): the ZeRO paper's
-    K·Ψ/N for the largest stage's Ψ and N = dp = 2 (K = 12: Adam's two states and the fp32
-    master partition), up to DeepSpeed's alignment padding; without partitioning it would be
-    twice that."""
+    K·Ψ/N for the largest stage's Ψ and N = dp = 2 (K = 8 in fp32: Adam's two states; the
+    optimizer steps the parameter partition itself, ``fp32_master.py``), up to DeepSpeed's
+    alignment padding; without partitioning it would be twice that."""
     measured = read_metrics(runs["zero1_pp2_dp2"])[-1]["model_state_bytes/optimizer"]
     largest_stage = max(stage_params(2))
     expected = zero_formula(largest_stage, stage=1, dp=2, precision="fp32").optimizer

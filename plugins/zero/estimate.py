@@ -9,11 +9,10 @@ K bytes of optimizer state per parameter (Rajbhandari et al. 2020, "ZeRO", secti
     zero3:        (b_p + b_g + K) Ψ / N
 
 b_p = b_g = 2 for bf16/fp16 and 4 for fp32. For Adam K = 8 (momentum and variance in fp32) plus
-4 for an fp32 master copy of the parameters where DeepSpeed keeps one: always in bf16/fp16
-(K = 12, the paper's case), and in fp32 training only in ZeRO-1/2, whose optimizer steps a cloned
-flat fp32 partition (``single_partition_of_fp32_groups``). In fp32, stage 0 (torch AdamW on the
-parameters, as DDP) and ZeRO-3 (the optimizer steps the fp32 parameter partition itself) have
-K = 8. Offloaded states count as host memory, not device memory.
+4 for an fp32 master copy of the parameters where one is kept: in bf16/fp16 (K = 12, the paper's
+case); in fp32 the optimizer steps the parameters themselves (K = 8: stage 0 and DDP with torch
+AdamW on the parameters, ZeRO-1/2/3 through ``fp32_master.py``). Offloaded states count as host
+memory, not device memory.
 
 Activations are the model's own count (``model.activation_bytes(batch_size, seq_len,
 bytes_per_value)``, e.g. :meth:`plait.plugins.models.gpt.GPT.activation_bytes`), checked against
@@ -56,7 +55,7 @@ class ModelStates:
 def zero_formula(n_params: int, stage: int, dp: int, precision: str) -> ModelStates:
     """The paper's per-rank bytes for ZeRO ``stage`` (0 = DDP) with DeepSpeed's optimizer K."""
     b = BYTES_PER_VALUE[precision]
-    k = 8 if precision == "fp32" and stage in (0, 3) else 12
+    k = 8 if precision == "fp32" else 12
     params = n_params * b / (dp if stage >= 3 else 1)
     grads = n_params * b / (dp if stage >= 2 else 1)
     optimizer = n_params * k / (dp if stage >= 1 else 1)
