@@ -4,8 +4,8 @@ exchanges keys and values through ``transformers``' attention interface, and the
 plait cannot serve are refused before launch.
 
 - No processes: each family's plan (the base model takes the ids, one attention core per layer),
-  and the refusals (an attention outside the interface, soft-capped logits, a sliding window
-  shorter than the sequence, attention dropout, Ulysses' heads).
+  and the refusals (an attention outside the interface, attention sinks, soft-capped logits, a
+  sliding window shorter than the sequence, attention dropout, Ulysses' heads).
 - One spawned group of 2 ranks: every family, 20 AdamW steps under cp=2 with ring attention and
   with Ulysses against the same loop in one process (fp32: loss within 1e-5, grad norm within
   1e-4), with the K/V exchanges counted against the theory (a model whose attention did not
@@ -108,7 +108,7 @@ def cp_problems(path: Path, *overrides: str) -> str:
 
 
 def test_architectures_plait_cannot_serve_are_refused_before_launch(tmp_path):
-    from transformers import BloomConfig, Gemma2Config
+    from transformers import BloomConfig, Gemma2Config, GPT2Config, GptOssConfig
 
     target = "model._target_=plait.plugins.hf.model.build_hf"
     bloom = write_config(tmp_path / "bloom", BloomConfig(vocab_size=512, hidden_size=64,
@@ -129,8 +129,17 @@ def test_architectures_plait_cannot_serve_are_refused_before_launch(tmp_path):
             in cp_problems(window))
     assert cp_problems(window, "train.seq_len=16") == ""  # a window the sequence fits in: served
     dropout = write_config(tmp_path / "dropout", config_of("llama", attention_dropout=0.1))
-    assert (f"parallel.cp=2: model.path={dropout} has attention_dropout=0.1; the attention of "
-            "context-parallel ranks has no dropout" in cp_problems(dropout))
+    assert (f"parallel.cp=2: model.path={dropout} drops out attention probabilities "
+            "(model.layers.0.self_attn: 0.1); the attention of context-parallel ranks has no "
+            "dropout on its probabilities" in cp_problems(dropout))
+    gpt2 = write_config(tmp_path / "gpt2", GPT2Config(vocab_size=512, n_embd=32, n_layer=2,
+                                                      n_head=4, n_positions=64))
+    assert "(transformer.h.0.attn: 0.1)" in cp_problems(gpt2)  # attn_pdrop's default
+    oss = write_config(tmp_path / "gpt_oss", GptOssConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4))
+    assert ("GptOssForCausalLM's attention module holds parameters of its own "
+            "(model.layers.0.self_attn.sinks) that enter its softmax" in cp_problems(oss))
     llama = write_config(tmp_path / "llama", config_of("llama"))
     assert cp_problems(llama) == cp_problems(llama, "context_parallel.backend=ulysses") == ""
     assert ("context_parallel.backend=ulysses with parallel.cp=8: the heads (model.n_head=4) are "

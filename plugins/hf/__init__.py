@@ -100,7 +100,7 @@ def plait_validate(cfg, dims, hook) -> list[str]:
     if dims.cp > 1 and model.context_parallel_plan is not None:
         from plait.plugins.hf import context_parallel
 
-        problems += context_parallel.problems(cfg, config, dims.cp)
+        problems += context_parallel.problems(cfg, model, config, dims.cp)
     return problems + checks.tokenizer_problems(cfg, hook, directory, config)
 
 

@@ -28,9 +28,10 @@ A model is served when its exact attention is that causal softmax over every ear
 (:func:`no_plan_reason`, read off the class and the config, refused before launch): its class
 calls the attention interface (``transformers``' own test, ``_can_set_attn_implementation``) and
 allows context parallelism (``_supports_context_parallel``, false for attention sinks), it has
-causal attention modules with a ``scaling``, no logit soft-capping, and its layers are full or
-sliding-window attention; a window shorter than ``train.seq_len`` and attention dropout are
-refused with the run's settings (:func:`problems`). Written here: the core, the function and
+causal attention modules with a ``scaling`` and no parameters of their own inside the softmax
+(sinks), no logit soft-capping, and its layers are full or sliding-window attention; a window
+shorter than ``train.seq_len`` and attention dropout are refused with the run's settings
+(:func:`problems`). Written here: the core, the function and
 these checks; taken from ``transformers``: the attention interface, the rotary embeddings of
 given ``position_ids``, and the mask creation that stands aside for a custom implementation.
 """
@@ -123,6 +124,11 @@ def no_plan_reason(model: nn.Module, config) -> str | None:
                                                                         float)]
     if unscaled:
         return f"{arch}'s attention module {unscaled[0]} has no scaling"
+    own = [f"{name}.{p}" for name, m in modules.items() for p, _ in m.named_parameters(
+        recurse=False)]
+    if own:  # attention sinks (gpt-oss' s_aux) and the like enter the softmax itself
+        return (f"{arch}'s attention module holds parameters of its own ({own[0]}) that enter "
+                "its softmax")
     text = config.get_text_config()
     if getattr(text, "attn_logit_softcapping", None) is not None:
         return f"{arch} soft-caps its attention logits (attn_logit_softcapping)"
@@ -167,7 +173,23 @@ def use_core_attention(model: nn.Module) -> None:
     model.config._attn_implementation = NAME
 
 
-def problems(cfg, config, cp: int) -> list[str]:
+def attention_dropout(model: nn.Module) -> tuple[str, float] | None:
+    """The first attention module that drops out attention probabilities, and the rate: its
+    ``attention_dropout`` (Llama-likes) or its ``attn_dropout`` / ``attention_dropout`` module
+    (GPT-2, GPT-NeoX)."""
+    for name, m in attention_modules(model).items():
+        rate = getattr(m, "attention_dropout", None)
+        if isinstance(rate, nn.Dropout):
+            rate = rate.p
+        dropout = getattr(m, "attn_dropout", None)
+        if isinstance(dropout, nn.Dropout):
+            rate = max(rate or 0.0, dropout.p)
+        if rate:
+            return name, float(rate)
+    return None
+
+
+def problems(cfg, model: nn.Module, config, cp: int) -> list[str]:
     """What the run's settings ask of the attention that the exchange does not compute."""
     found, path, seq_len = [], cfg.model.path, cfg.train.seq_len
     window = sliding_window(config)
@@ -176,9 +198,11 @@ def problems(cfg, config, cp: int) -> list[str]:
                      f"{window} tokens (sliding_window), shorter than train.seq_len={seq_len}; "
                      "plait's context-parallel attention sees every earlier token: set "
                      f"train.seq_len <= {window}, or parallel.cp=1")
-    dropout = getattr(config.get_text_config(), "attention_dropout", 0.0) or 0.0
-    if dropout > 0:
-        found.append(f"parallel.cp={cp}: model.path={path} has attention_dropout={dropout}; the "
-                     "attention of context-parallel ranks has no dropout on its probabilities: "
-                     "set attention_dropout to 0 in its config.json, or parallel.cp=1")
+    dropout = attention_dropout(model)
+    if dropout is not None:
+        name, rate = dropout
+        found.append(f"parallel.cp={cp}: model.path={path} drops out attention probabilities "
+                     f"({name}: {rate}); the attention of context-parallel ranks has no dropout "
+                     "on its probabilities: set the attention dropout of its config.json "
+                     "(attention_dropout, attn_pdrop, ...) to 0, or parallel.cp=1")
     return found
