@@ -56,13 +56,18 @@ def config_of(family: str, **overrides):
     return family_config(family, **overrides)
 
 
+SEED = 1  # at seed 0 the tiny Qwen2 is chaotic under this loop: a 1e-7 relative change of its
+# initial weights, or transformers' own eager attention in place of sdpa, moves its 20-step losses
+# by 3-4e-5 in one process (measured); at seed 1 by 5e-7, as every other family at either seed
+
+
 def built(family: str) -> torch.nn.Module:
     """What ``model=hf model.pretrained=false`` builds: the meta model, initialised by name."""
     from plait.plugins.hf.model import hf_model
 
     with meta_device():
         model = hf_model(config_of(family))
-    return materialize(model, ParameterInit.of(model, 0))
+    return materialize(model, ParameterInit.of(model, SEED))
 
 
 def kv_width(family: str) -> int:
