@@ -147,8 +147,8 @@ def test_architectures_plait_cannot_serve_are_refused_before_launch(tmp_path):
             "(model.layers.0.self_attn.sinks) that enter its softmax" in cp_problems(oss))
     llama = write_config(tmp_path / "llama", config_of("llama"))
     assert cp_problems(llama) == cp_problems(llama, "context_parallel.backend=ulysses") == ""
-    assert ("context_parallel.backend=ulysses with parallel.cp=8: the heads (model.n_head=4) are "
-            "not divisible by cp" in cp_problems(llama, "context_parallel.backend=ulysses",
+    assert ("context_parallel.backend=ulysses with parallel.cp=8: the heads (the model's "
+            "n_head=4) are not divisible by cp" in cp_problems(llama, "context_parallel.backend=ulysses",
                                                  "parallel.cp=8", "launcher.nproc_per_node=8"))
 
 

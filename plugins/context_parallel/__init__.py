@@ -98,8 +98,10 @@ def plait_validate(cfg, dims, hook) -> list[str]:
                             "the model's plan")
     heads = getattr(model, "n_head", None)
     if backend == "ulysses" and heads is not None and (heads // dims.tp) % cp:
-        per_rank = f"model.n_head / parallel.tp = {heads // dims.tp}" if dims.tp > 1 else (
-            f"model.n_head={heads}")
+        # a setting of plait's GPT; model=hf reads it from config.json (num_attention_heads)
+        name = "model.n_head" if "n_head" in cfg.model else "the model's n_head"
+        per_rank = (f"{name} / parallel.tp = {heads // dims.tp}" if dims.tp > 1
+                    else f"{name}={heads}")
         problems.append(f"context_parallel.backend=ulysses with parallel.cp={cp}: the heads "
                         f"({per_rank}) are not divisible by cp, and Ulysses gives each rank "
                         f"heads / cp of them: choose parallel.cp dividing {heads // dims.tp}, "
