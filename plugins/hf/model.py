@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from plait.meta import SkipMetaInit, whole
-from plait.plugins.hf import plans
+from plait.plugins.hf import experts, plans
 from plait.plugins.hf.checkpoint_files import CheckpointFiles
 
 CONFIG = "config.json"
@@ -106,6 +106,9 @@ class PlaitCausalLM:
             torch.manual_seed(generator.initial_seed())
             self._init_weights(twin)
 
+    def expert_parameter_count(self) -> int:
+        return experts.expert_parameter_count(self)
+
     def flops_per_token(self, seq_len: int) -> int:
         """``6·N`` for the weight matmuls plus ``12·L·E·T`` for attention (PaLM, appendix B),
         ``N`` without the input embedding's lookup table (kept when tied: it is the head)."""
@@ -113,6 +116,9 @@ class PlaitCausalLM:
         n = sum(p.numel() for p in self.parameters())
         if not c.tie_word_embeddings:
             n -= self.get_input_embeddings().weight.numel()
+        for block in (m for m in self.modules() if getattr(m, "is_moe_layer", False)):
+            one = sum(p.numel() for p in next(iter(block.experts.values())).parameters())
+            n += one * (block.top_k - len(block.experts))  # a token runs top_k of the experts
         return 6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq_len
 
 
@@ -154,7 +160,8 @@ def checkpoint_names(model: nn.Module, checkpoint: CheckpointFiles) -> dict[str,
     with as_transformers_class(model):
         transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    converters = experts.kept_converters(
+        model, [t for t in transforms if isinstance(t, WeightConverter)])
     meta = model.state_dict()
     names = {}
     for key in sorted(checkpoint.weight_map):
@@ -219,6 +226,7 @@ def hf_model(config, checkpoint: CheckpointFiles | None = None,
     model.__class__ = plait_class(type(model))
     real_buffers(model)
     model.plait_architecture = architecture
+    model.plait_expert_blocks = experts.adopt_experts(model)  # base_model_ep_plan's blocks
     model.plait_checkpoint = _Shared(checkpoint)
     model.plait_source_directory = _Shared(directory)
     model.plait_aliases = _Shared(tied_aliases(model))
