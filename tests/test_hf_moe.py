@@ -16,7 +16,8 @@ With processes (one run each, shared): each family 20 steps in one process and a
 (relative) of one process; each rank held and read from safetensors only its 2 experts of each
 layer, and called ``all_to_all_single`` (counted at ``torch.distributed``, bytes too), so a
 silent fallback to replicated experts fails; the checkpoint and ``plait export format=hf`` hold
-every expert once, and ``from_pretrained`` of the export gives the one-process logits.
+every expert once (``checkpoint.hf_every`` too, its experts gathered over the ep group), and
+``from_pretrained`` of the export gives the one-process logits.
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ def test_the_ep_plan_puts_each_block_under_plaits_expert_contract(family, checkp
     names = {model.plait_names.value[n] for n, _ in model.named_parameters() if ".experts." in n}
     assert names == stored_experts(family)
     assert model.expert_parameter_count() == len(BLOCKS[family]) * 4 * 3 * 64 * 32
+    assert model.n_experts == 4  # the planner tries the parallel.ep that divide it
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -190,7 +192,7 @@ COMMON = ["model=hf", "data=stdlib", f"train.steps={STEPS}", "train.batch_size=8
           "train.seq_len=32", "optimizer.warmup_steps=2", f"optimizer.decay_steps={STEPS}",
           "fault.keep_last=1"]
 LAYOUTS = {"one": ["launcher.nproc_per_node=1", "train.grad_accum_steps=2"],
-           "ep2": ["launcher.nproc_per_node=2", "parallel.ep=2"]}
+           "ep2": ["launcher.nproc_per_node=2", "parallel.ep=2", "checkpoint.hf_every=20"]}
 STRATEGY = {"qwen3_moe": "strategy=ddp", "mixtral": "strategy=zero2"}
 
 
@@ -202,8 +204,9 @@ def trained(checkpoints, tmp_path_factory):
     def run(family: str, layout: str) -> Path:
         if (family, layout) not in done:
             run_dir = root / f"{family}_{layout}"
-            run_training(run_dir, [*COMMON, f"model.path={checkpoints[family]}",
-                                   STRATEGY[family], *LAYOUTS[layout]],
+            strategy = STRATEGY[family] if layout == "ep2" else "strategy=ddp"
+            run_training(run_dir, [*COMMON, f"model.path={checkpoints[family]}", strategy,
+                                   *LAYOUTS[layout]],
                          plugins=[inhouse.ExpertProbe(), inhouse.RecordReads()])
             done[family, layout] = run_dir
         return done[family, layout]
@@ -298,6 +301,9 @@ def test_the_ep2_checkpoint_and_export_hold_every_expert_once(family, trained, e
     out = exported(family)
     written = safetensors_of(out)
     assert written.keys() == safetensors_of(checkpoints[family]).keys()
+    during = safetensors_of(run_dir / "hf" / "step_00000020")  # checkpoint.hf_every=20
+    assert during.keys() == written.keys()
+    assert all(torch.equal(during[k], written[k]) for k in written)
     hf = AutoModelForCausalLM.from_pretrained(str(out))
     one = consolidate(str(trained(family, "one")))
     one.model.load_state_dict(one.state, assign=True)

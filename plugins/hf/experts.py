@@ -196,6 +196,7 @@ def adopt_experts(model: nn.Module) -> list[str]:
         block.aux_loss_coeff, block.z_loss_coeff = aux, 0.0
         block.dispatcher, block.stats, block.aux_loss_scale = LocalDispatcher(), MoEStats(), 1.0
         adopted.append(name)
+        model.n_experts = n_experts  # what the planner enumerates parallel.ep against
     return adopted
 
 
