@@ -43,8 +43,7 @@ from plait.plugins.models.moe import (LocalDispatcher, MoEStats, Routing, routed
                                       router_losses_and_stats)
 
 SERVED_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock")
-EP_STYLES = {"grouped_gemm": "expert weights split along the expert dim",
-             "ep_dispatch_experts": "the experts module, its tokens dispatched by all-to-all"}
+EP_STYLES = ("grouped_gemm", "ep_dispatch_experts")  # expert weights by expert; their dispatch
 FUSED = ("experts.gate_up_proj", "experts.down_proj")
 
 

@@ -8,10 +8,12 @@ meta`), its plans as plait's (:mod:`.plans`). Parameter names stay ``transformer
 layers.3.self_attn.q_proj.weight``); a checkpoint's tensors are found by the names
 ``transformers`` gives them on load (its conversion mapping's renames, e.g. GPT-NeoX's
 ``embed_out`` → ``lm_head``, and the base-model prefix added or dropped), and an export is written
-under the names ``save_pretrained`` writes. Weights ``transformers`` converts on load (fused
-experts, split q/k/v) are not read: such a checkpoint is refused before launch. Non-persistent buffers (the rotary embedding's ``inv_freq``) are
-computed on the CPU at build time by the model's own ``_init_weights``, as ``from_pretrained``
-does after a meta build.
+under the names ``save_pretrained`` writes. The experts of the mixture-of-experts blocks the
+config's ep plan names are kept one module per expert under their stored names (:mod:`.experts`),
+so they are read as stored; other weights ``transformers`` converts on load (other fused experts,
+split q/k/v) are not read: such a checkpoint is refused before launch. Non-persistent buffers
+(the rotary embedding's ``inv_freq``) are computed on the CPU at build time by the model's own
+``_init_weights``, as ``from_pretrained`` does after a meta build.
 
 Taken from ``transformers``: the classes, configs, plans, weight init (``_init_weights``) and
 ``generate``; written here: reading only this rank's boxes, the per-name random init (one
