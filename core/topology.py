@@ -112,7 +112,7 @@ class ParallelDims:
         if world_size is None:
             world_size = int(os.environ.get("WORLD_SIZE", nnodes * launcher.nproc_per_node))
         tp, pp = cfg.parallel.tp, cfg.parallel.pp
-        cp = cfg.parallel.cp
+        cp = getattr(cfg.parallel, "cp", 1)  # a config made for a topology alone may omit it
         dp = cfg.parallel.dp
         if dp < -1 or dp == 0:
             raise ValueError(f"parallel.dp={dp} is out of range: set parallel.dp >= 1, or -1 for "

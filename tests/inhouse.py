@@ -346,7 +346,7 @@ class Rank0:
     roles = Roles({"trainer": (0,)})
     trainer_group = None
     local_rank = local_trainer_rank = node_rank = 0
-    dims = SimpleNamespace(dp=1, cp=1, tp=1, pp=1)
+    dims = SimpleNamespace(dp=1, cp=1, tp=1, pp=1, ep=1)
 
 
 @contextlib.contextmanager

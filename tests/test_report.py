@@ -149,6 +149,28 @@ def test_a_live_run_is_reported_as_far_as_it_got(tmp_path):
     assert "no config.yaml" in target.read_text() and len(pngs) == 3
 
 
+@pytest.mark.slow
+def test_stragglers_restarts_and_skipped_steps_are_marked_where_they_happened(slow, tmp_path):
+    """The loss figure's markers: the step the detector first named the slow rank (a real run),
+    and, in a run's metrics as the fault plugins write them, the step a restart, a skipped step
+    and a change of size first show."""
+    verdicts = named(read_metrics(slow))
+    data = embedded(report([str(slow)], str(tmp_path / "slow.html"))[0].read_text())
+    [marks] = data["loss_by_step"]["markers"].values()
+    assert marks[0]["step"] == verdicts[0][0] and "rank 1" in marks[0]["label"]
+    assert {m["kind"] for m in marks} == {"straggler"}
+    assert {m["step"] for m in marks} <= {step for step, _, _ in verdicts}
+    run = tmp_path / "faults"
+    run.mkdir()
+    rows = [{"step": s, "loss": 5.0, "restarts": float(s >= 3), "skipped_steps": float(s >= 5),
+             "world_size": 4.0 if s < 7 else 2.0} for s in range(1, 9)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = embedded(report([str(run)], str(tmp_path / "faults.html"))[0].read_text())
+    [marks] = data["loss_by_step"]["markers"].values()
+    assert [(m["kind"], m["step"]) for m in marks] == [
+        ("restart", 3), ("skipped step", 5), ("membership", 7)]
+
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # Collects what the page did, once loaded: each image's rendered size, then prints them into
 # the DOM (read back with --dump-dom). Appended to a copy; the report itself has no script.
