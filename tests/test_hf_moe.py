@@ -12,7 +12,8 @@ under the checkpoint's names; plait's step-0 loss equal to ``transformers``' for
 -> HF bit for bit; the refusals.
 
 With processes (one run each, shared): each family 20 steps in one process and at ``ep=2``
-(Qwen3-MoE under ddp, Mixtral under FSDP), fp32: loss within 1e-5 and grad norm within 1e-4
+(Qwen3-MoE under ddp and under ``pp=2``, 4 processes; Mixtral under FSDP), in micro-batches of 2
+sequences, fp32: loss within 1e-5 and grad norm within 1e-4
 (relative) of one process; each rank held and read from safetensors only its 2 experts of each
 layer, and called ``all_to_all_single`` (counted at ``torch.distributed``, bytes too), so a
 silent fallback to replicated experts fails; the checkpoint, ``checkpoint.hf_every`` (its
@@ -163,10 +164,8 @@ def configs(tmp_path_factory) -> Path:
      "parallel.ep=4 does not divide the 6 experts per layer of model.path={configs}/qwen3_moe6 "
      "(num_experts in its config.json): each expert-parallel rank holds num_experts/ep experts; "
      "choose parallel.ep in [1, 2]"),
-    ("qwen3_moe", ["parallel.ep=2", "parallel.pp=2", "pipeline.microbatches=2",
-                   "launcher.nproc_per_node=4"],
-     "parallel.ep=2 with parallel.pp=2: plait has not verified Qwen3MoeForCausalLM's experts "
-     "under pipeline stages"),
+    ("qwen3_moe", ["parallel.ep=2", "parallel.cp=2", "launcher.nproc_per_node=4"],
+     "parallel.ep=2 with parallel.cp=2: expert parallelism is carved out of the dp ranks alone"),
     ("qwen3_moe", ["parallel.tp=2", "launcher.nproc_per_node=2"],
      "'model.layers.*.mlp.experts' the style 'moe_tp_experts', which plait does not honour "
      "(plait spreads a mixture of experts' experts with parallel.ep, not by tensor parallelism)"),
@@ -191,8 +190,13 @@ def test_a_served_model_at_ep2_plans_without_a_problem(checkpoints):
 COMMON = ["model=hf", "data=stdlib", f"train.steps={STEPS}", "train.batch_size=8",
           "train.seq_len=32", "optimizer.warmup_steps=2", f"optimizer.decay_steps={STEPS}",
           "fault.keep_last=1"]
-LAYOUTS = {"one": ["launcher.nproc_per_node=1", "train.grad_accum_steps=2"],
-           "ep2": ["launcher.nproc_per_node=2", "parallel.ep=2", "checkpoint.hf_every=20"]}
+MICRO_BATCHES = 2  # of 2 sequences per rank and step in every layout (the router's losses are
+# per micro-batch): the reference accumulates 4
+LAYOUTS = {"one": ["launcher.nproc_per_node=1", "train.grad_accum_steps=4"],
+           "ep2": ["launcher.nproc_per_node=2", "parallel.ep=2", "train.grad_accum_steps=2",
+                   "checkpoint.hf_every=20"],
+           "ep2_pp2": ["launcher.nproc_per_node=4", "parallel.ep=2", "parallel.pp=2",
+                       "pipeline.microbatches=2", "strategy=ddp"]}
 STRATEGY = {"qwen3_moe": "strategy=ddp", "mixtral": "strategy=fsdp"}
 
 
@@ -204,7 +208,7 @@ def trained(checkpoints, tmp_path_factory):
     def run(family: str, layout: str) -> Path:
         if (family, layout) not in done:
             run_dir = root / f"{family}_{layout}"
-            strategy = STRATEGY[family] if layout == "ep2" else "strategy=ddp"
+            strategy = STRATEGY[family] if layout == "ep2" else "strategy=ddp"  # (pp: ddp)
             run_training(run_dir, [*COMMON, f"model.path={checkpoints[family]}", strategy,
                                    *LAYOUTS[layout]],
                          plugins=[inhouse.ExpertProbe(), inhouse.RecordReads()])
@@ -220,9 +224,10 @@ def figures(run_dir: Path) -> tuple[list[float], list[float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_ep2_trains_like_one_process(family, trained):
-    loss, grad_norm = figures(trained(family, "ep2"))
+@pytest.mark.parametrize("family, layout", [(f, "ep2") for f in MOE_FAMILIES] +
+                         [("qwen3_moe", "ep2_pp2")])
+def test_ep2_trains_like_one_process(family, layout, trained):
+    loss, grad_norm = figures(trained(family, layout))
     loss_1, grad_norm_1 = figures(trained(family, "one"))
     assert len(loss) == STEPS
     assert loss == pytest.approx(loss_1, rel=LOSS)
@@ -257,7 +262,7 @@ def test_each_rank_holds_and_reads_only_its_experts_and_exchanges_tokens_by_all_
     metrics = read_metrics(run_dir)
     for step, m in enumerate(metrics):
         per_rank = [counts[r][step] for r in (0, 1)]
-        assert {c["calls"] for c in per_rank} == {5 * len(BLOCKS[family])} == {
+        assert {c["calls"] for c in per_rank} == {5 * len(BLOCKS[family]) * MICRO_BATCHES} == {
             m["moe/all_to_all_calls"]}
         sent = [c["bytes"] for c in per_rank]
         assert min(sent) > 0
@@ -316,3 +321,19 @@ def test_the_ep2_checkpoint_and_export_hold_every_expert_once(family, trained, e
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=x).logits, one.model(x), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_under_pipeline_stages_each_rank_holds_its_stages_experts(trained):
+    """ep=2 x pp=2 x dp=2 (ranks laid out (pp, dp)): stage 0 holds MoE layer 0 (and the dense
+    layer 1), stage 1 MoE layer 2; the two dp ranks of a stage split its experts, and every rank
+    exchanges tokens (5 calls per micro-batch of its one MoE layer; the first step also runs
+    each stage once on placeholder inputs to learn the shapes)."""
+    run_dir = trained("qwen3_moe", "ep2_pp2")
+    held, _ = inhouse.read_expert_probe(run_dir)
+    assert {r: record["experts"] for r, record in held.items()} == {
+        0: {"model.layers.0.mlp": ["0", "1"]}, 1: {"model.layers.0.mlp": ["2", "3"]},
+        2: {"model.layers.2.mlp": ["0", "1"]}, 3: {"model.layers.2.mlp": ["2", "3"]}}
+    calls = [m["moe/all_to_all_calls"] for m in read_metrics(run_dir)]
+    assert calls[1:] == [5 * MICRO_BATCHES] * (STEPS - 1) and calls[0] > 5 * MICRO_BATCHES
+    assert all(m["moe/all_to_all_bytes"] > 0 for m in read_metrics(run_dir))

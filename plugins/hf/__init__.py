@@ -19,8 +19,8 @@ index), a checkpoint lacking the model's parameters, a dtype the run cannot hold
 fp64 weights; bf16 weights under ``precision=fp16``), a context longer than the model's,
 ``parallel.tp`` with no tp plan, a style plait cannot honour (``packed_colwise``, ...), or sizes
 tp does not divide (heads, KV heads, every split layer), ``parallel.ep`` with no ep plan, a
-mixture-of-experts block plait does not serve, expert counts ep does not divide, or pipeline
-stages, and data tokenized with another
+mixture-of-experts block plait does not serve, expert counts ep does not divide, or context
+parallelism, and data tokenized with another
 tokenizer than the model's own ``tokenizer.json``. See ``docs/hf.md``.
 """
 

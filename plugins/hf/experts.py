@@ -217,7 +217,7 @@ def expert_parameter_count(model: nn.Module) -> int:
 
 def refusals(cfg, model: nn.Module, dims) -> list[str]:
     """Why ``parallel.ep`` cannot spread this model's experts: no ep plan, styles plait does not
-    honour, blocks it does not serve, expert counts ep does not divide, pipeline stages."""
+    honour, blocks it does not serve, expert counts ep does not divide, context parallelism."""
     arch, path, ep = model.plait_architecture, cfg.model.path, dims.ep
     plan = ep_plan(model)
     if not plan:
@@ -250,10 +250,6 @@ def refusals(cfg, model: nn.Module, dims) -> list[str]:
         problems.append(f"parallel.ep={ep} with parallel.cp={dims.cp}: expert parallelism is "
                         "carved out of the dp ranks alone, not the dp x cp ranks that share "
                         "gradients (not built): set parallel.ep=1 or parallel.cp=1")
-    if adopted and dims.pp > 1:
-        problems.append(f"parallel.ep={ep} with parallel.pp={dims.pp}: plait has not verified "
-                        f"{arch}'s experts under pipeline stages (plait's own GPT-MoE runs "
-                        "them): set parallel.pp=1, or parallel.ep=1")
     return problems
 
 
