@@ -59,7 +59,7 @@ def test_context_parallel_refusals_name_the_combination():
     """The issue's three refusals (and the setting's range) are lines of test_refusals.py;
     these are the combinations cp cannot run with."""
     assert "needs 'model:context_parallel' for parallel.cp=2" in refusal(
-        "model=llama_tiny", "parallel.cp=2")
+        "model=custom", "model._target_=torch.nn.Identity", "parallel.cp=2")
     assert ("plugin 'local_sgd' does not support cp parallelism (parallel.cp=2)"
             in refusal("strategy=local_sgd", "parallel.cp=2"))
     assert ("model.dropout=0.1 with parallel.cp=2: the attention of context-parallel ranks has "

@@ -18,10 +18,12 @@ runs would be 25 launches; the suite's budget allows about 10):
   check above, each family's plans are proven to cut it correctly; what a layout adds beyond the
   cut (the engine, the schedule, dp averaging, ZeRO partitions) does not depend on the family.
 - Llama, 20 steps under ddp (dp=2), zero3 (dp=2), fsdp (dp=2), tp=2 (with activation
-  checkpointing), pp=2, pp=2 x tp=2 and zero1 x pp2 x dp2, each against one process: loss within 1e-5, grad norm within
-  1e-4 (fp32), and what each rank held (parameter and optimizer-state elements) proves the layout
-  happened. Phi-3, the family whose plan differs most (fused q/k/v and gate/up with gathered
-  outputs, split inputs, a padding row, two checkpoint files), once more under pp=2 x tp=2.
+  checkpointing), pp=2, pp=2 x tp=2, zero1 x pp2 x dp2 and cp=2 (ring and Ulysses), each against
+  one process: loss within 1e-5, grad norm within 1e-4 (fp32), and what each rank held
+  (parameter and optimizer-state elements) or, under cp, the keys and values its attention sent
+  every step proves the layout happened (every family under cp: test_hf_context_parallel.py).
+  Phi-3, the family whose plan differs most (fused q/k/v and gate/up with gathered outputs,
+  split inputs, a padding row, two checkpoint files), once more under pp=2 x tp=2.
 - The pp=2 x tp=2 Llama run also writes ``checkpoint.hf_every=10``, is exported with ``format=hf``
   (``from_pretrained`` loads it; its logits equal plait's one-process logits after the same
   training, 1e-5) and sampled with ``plait sample temperature=0`` (the same text as the export's
@@ -263,6 +265,9 @@ LAYOUTS = {
     "pp2_tp2": [*PIPELINE, "parallel.tp=2", "launcher.nproc_per_node=4",
                 "checkpoint.hf_every=10"],
     "zero1_pp2_dp2": [*PIPELINE, "strategy=zero1", "launcher.nproc_per_node=4"],
+    "cp2_ring": ["parallel.cp=2", "launcher.nproc_per_node=2"],
+    "cp2_ulysses": ["parallel.cp=2", "context_parallel.backend=ulysses",
+                    "launcher.nproc_per_node=2"],
 }
 RUNS = {("llama", "one"): ["launcher.nproc_per_node=1", "train.grad_accum_steps=2"],
         ("phi3", "one"): ["launcher.nproc_per_node=1", "train.grad_accum_steps=2"],
@@ -353,6 +358,21 @@ def test_twenty_steps_under_a_layout_equal_one_process(family, layout, trained, 
         whole[name] = torch.Size(entry.shape).numel()
     run_dir = trained(family, layout)
     assert_layout_happened(layout, per_rank(run_dir, "held"), per_rank(run_dir, "reads"), whole)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["ring", "ulysses"])
+def test_cp2_exchanged_keys_and_values_every_step(trained, backend):
+    """``parallel.cp=2``: every logged step, rank 0's attention sent what the theory says for 4
+    layers, 8 sequences of 32 tokens, 4 query heads and 2 key/value heads of 16, fp32 (ring
+    passes only the key/value heads); a run whose attention did not exchange sends nothing."""
+    from plait.plugins.context_parallel.apply import exchange_bytes
+
+    metrics = read_metrics(trained("llama", f"cp2_{backend}"))
+    per_layer = {"ring": 3 * 2 - 2, "ulysses": 8}[backend]
+    assert [m["context_parallel/exchanges"] for m in metrics] == [4 * per_layer] * STEPS
+    assert [m["context_parallel/exchange_bytes"] for m in metrics] == [
+        4 * exchange_bytes(backend, 32, 8, 64, 2, 4, kv_width=32)] * STEPS
 
 
 @pytest.mark.slow

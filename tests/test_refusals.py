@@ -48,9 +48,16 @@ CASES = [
      ["context_parallel.backend=ulysses with parallel.cp=4: the heads (model.n_head=2) are not "
       "divisible by cp, and Ulysses gives each rank heads / cp of them: choose parallel.cp "
       "dividing 2, or context_parallel.backend=ring"]),
-    ("model=llama_tiny parallel.cp=2",
+    ("model=custom model._target_=torch.nn.Identity parallel.cp=2",
+     ["parallel.cp=2: plait cannot replace the attention of model._target_=torch.nn.Identity: "
+      "the model carries no context_parallel_plan"]),
+    ("model=hf model.path={tmp}/bloom model.pretrained=false parallel.cp=2 "
+     "launcher.nproc_per_node=2 train.seq_len=32",
      ["parallel.cp=2: plait cannot replace the attention of model._target_="
-      "plait.plugins.models.llama.build_llama: the model carries no context_parallel_plan"]),
+      "plait.plugins.hf.model.build_hf: BloomForCausalLM's attention does not go through "
+      "transformers' attention interface (ALL_ATTENTION_FUNCTIONS), where plait puts its "
+      "exchange; use a model that has one (plait's GPT: model=gpt_tiny, gpt2_small; model=hf "
+      "with Llama-family attention) or parallel.cp=1"]),
     ("device=tpu", ["device=tpu: choose auto, cpu or cuda"]),
     # adamw
     ("optimizer.lr=-1 optimizer.min_lr=-1e-4 optimizer.warmup_steps=-1 optimizer.decay_steps=0 "
@@ -229,6 +236,9 @@ def data_files(tmp_path_factory):
     T.LlamaConfig(**small).save_pretrained(tmp / "llama")
     T.Qwen3MoeConfig(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
                      **small).save_pretrained(tmp / "qwen3_moe6")
+    # Bloom: ALiBi attention of its own, no context parallelism
+    T.BloomConfig(vocab_size=512, hidden_size=64, n_layer=2, n_head=4).save_pretrained(
+        tmp / "bloom")
     return tmp
 
 

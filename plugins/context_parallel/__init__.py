@@ -13,7 +13,8 @@ CUDA SDPA kernels, so on the CPU (gloo) plait exchanges keys and values itself; 
 each tile is ATen's fused CPU kernel (:mod:`.kernels`).
 
 A model takes part by carrying ``context_parallel_plan`` (its plugin declares
-``model:context_parallel``; :mod:`.apply`) and ``n_head``; an engine by reducing gradients over
+``model:context_parallel``; :mod:`.apply`) and ``n_head`` (a model its plugin cannot plan says
+why in ``no_context_parallel_plan_reason``); an engine by reducing gradients over
 ``dp x cp`` ranks (``engine:context_parallel``). Packed documents (``data.pack=true``) pass their
 document ids to the attention, which never crosses a boundary. Context parallelism shards no
 parameter: checkpoints are those of the same run without it. Each logged step reports the
@@ -83,11 +84,13 @@ def plait_validate(cfg, dims, hook) -> list[str]:
         return problems
     plan = getattr(model, "context_parallel_plan", None)
     if plan is None:
+        reason = getattr(model, "no_context_parallel_plan_reason", None)  # the model says why
+        why = reason or ("the model carries no context_parallel_plan (which module takes the "
+                         "token ids, which is the attention core)")
         return problems + [
             f"parallel.cp={cp}: plait cannot replace the attention of model._target_="
-            f"{cfg.model._target_}: the model carries no context_parallel_plan (which module "
-            "takes the token ids, which is the attention core); use a model that has one "
-            "(plait's GPT: model=gpt_tiny, gpt2_small) or parallel.cp=1"]
+            f"{cfg.model._target_}: {why}; use a model that has one (plait's GPT: "
+            "model=gpt_tiny, gpt2_small; model=hf with Llama-family attention) or parallel.cp=1"]
     for style in STYLES:
         if not planned(model, plan, style):
             problems.append(f"parallel.cp={cp}: the context_parallel_plan of model._target_="
@@ -95,8 +98,10 @@ def plait_validate(cfg, dims, hook) -> list[str]:
                             "the model's plan")
     heads = getattr(model, "n_head", None)
     if backend == "ulysses" and heads is not None and (heads // dims.tp) % cp:
-        per_rank = f"model.n_head / parallel.tp = {heads // dims.tp}" if dims.tp > 1 else (
-            f"model.n_head={heads}")
+        # a setting of plait's GPT; model=hf reads it from config.json (num_attention_heads)
+        name = "model.n_head" if "n_head" in cfg.model else "the model's n_head"
+        per_rank = (f"{name} / parallel.tp = {heads // dims.tp}" if dims.tp > 1
+                    else f"{name}={heads}")
         problems.append(f"context_parallel.backend=ulysses with parallel.cp={cp}: the heads "
                         f"({per_rank}) are not divisible by cp, and Ulysses gives each rank "
                         f"heads / cp of them: choose parallel.cp dividing {heads // dims.tp}, "

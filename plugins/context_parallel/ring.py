@@ -26,6 +26,12 @@ Per layer and sequence of ``T`` tokens, ``h_kv`` key/value width and ``v`` bytes
 rank sends ``(C - 1)·2·(T/C)·h_kv·v`` bytes forward and ``(2C - 1)·2·(T/C)·h_kv·v`` backward
 (keys and values ``C - 1`` times, their gradients ``C`` times), in ``C - 1`` and ``2C - 1``
 point-to-point exchanges.
+
+Grouped-query attention (``h_kv`` key/value heads serving ``H`` query heads, ``g = H / h_kv``
+each, as Llama-family models have): only the ``h_kv`` heads travel; each tile repeats them for
+its query heads (``repeat_interleave``, query head ``i`` seeing key head ``i // g``, as
+``transformers``' ``repeat_kv``), and the tile's key/value gradients are summed back over each
+group of ``g`` before they travel.
 """
 
 from __future__ import annotations
@@ -143,9 +149,23 @@ def chunk(x: torch.Tensor, slot: int, chunk_len: int) -> torch.Tensor:
     return x[..., slot * chunk_len:(slot + 1) * chunk_len, :]
 
 
+def expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[b, h_kv, n, d]`` key/value heads repeated for ``h_kv · groups`` query heads."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def fold_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of :func:`expand_heads`: ``[b, h_kv · groups, n, d]`` summed per group."""
+    if groups == 1:
+        return x
+    b, heads, n, d = x.shape
+    return x.view(b, heads // groups, groups, n, d).sum(2)
+
+
 class RingAttention(torch.autograd.Function):
     """``out = softmax(q·kᵀ·scale + mask)·v`` for this rank's queries against every rank's keys;
-    ``q, k, v``: ``[b, heads, T/C, d]`` in the layout's order."""
+    ``q``: ``[b, H, T/C, d]``, ``k, v``: ``[b, h_kv, T/C, d]`` (``h_kv`` dividing ``H``), in the
+    layout's order."""
 
     @staticmethod
     def forward(ctx, q, k, v, documents, layout: SequenceLayout, group, scale: float,
@@ -154,14 +174,16 @@ class RingAttention(torch.autograd.Function):
         slots = len(layout.chunks[layout.rank])
         outs, lses = [None] * slots, [None] * slots
         kv = torch.stack([k, v]).contiguous()
+        groups = q.shape[1] // k.shape[1]
         flops_per_pair = 4 * q.shape[0] * q.shape[1] * q.shape[-1]
         for step in range(layout.size):
             owner = (layout.rank - step) % layout.size
             incoming = ring.exchange(kv, KV_TAG) if step < layout.size - 1 else None
             for tile in plan_tiles(layout, owner, documents):
-                out, lse = tile_forward(chunk(q, tile.q_slot, n), chunk(kv[0], tile.k_slot, n),
-                                        chunk(kv[1], tile.k_slot, n), tile.causal, tile.bias,
-                                        tile.visible_rows, scale)
+                out, lse = tile_forward(chunk(q, tile.q_slot, n),
+                                        expand_heads(chunk(kv[0], tile.k_slot, n), groups),
+                                        expand_heads(chunk(kv[1], tile.k_slot, n), groups),
+                                        tile.causal, tile.bias, tile.visible_rows, scale)
                 a = tile.q_slot
                 outs[a], lses[a] = merge(outs[a], lses[a], out, lse)
                 stats.attention_flops += flops_per_pair * tile.pairs(n)
@@ -180,6 +202,7 @@ class RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=accumulation_dtype(q.dtype))
         kv = torch.stack([k, v]).contiguous()
+        groups = q.shape[1] // k.shape[1]
         grads_home = None  # the accumulator of key/value gradients arriving from the last rank
         for step in range(layout.size):
             owner = (layout.rank - step) % layout.size
@@ -188,12 +211,13 @@ class RingAttention(torch.autograd.Function):
             for tile in plan_tiles(layout, owner, documents):
                 a, b = tile.q_slot, tile.k_slot
                 dq_t, dk_t, dv_t = tile_backward(
-                    chunk(dout, a, n), chunk(q, a, n), chunk(kv[0], b, n), chunk(kv[1], b, n),
-                    chunk(out, a, n), lse[..., a * n:(a + 1) * n], tile.causal, tile.bias,
-                    ctx.scale)
+                    chunk(dout, a, n), chunk(q, a, n),
+                    expand_heads(chunk(kv[0], b, n), groups),
+                    expand_heads(chunk(kv[1], b, n), groups), chunk(out, a, n),
+                    lse[..., a * n:(a + 1) * n], tile.causal, tile.bias, ctx.scale)
                 chunk(dq, a, n).add_(dq_t)
-                chunk(dkv[0], b, n).add_(dk_t)
-                chunk(dkv[1], b, n).add_(dv_t)
+                chunk(dkv[0], b, n).add_(fold_heads(dk_t, groups))
+                chunk(dkv[1], b, n).add_(fold_heads(dv_t, groups))
             if grads_home is not None:
                 dkv += grads_home.wait()
             grads_home = ring.exchange(dkv, GRAD_TAG)

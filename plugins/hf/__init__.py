@@ -20,8 +20,10 @@ fp64 weights; bf16 weights under ``precision=fp16``), a context longer than the 
 ``parallel.tp`` with no tp plan, a style plait cannot honour (``packed_colwise``, ...), or sizes
 tp does not divide (heads, KV heads, every split layer), ``parallel.ep`` with no ep plan, a
 mixture-of-experts block plait does not serve, expert counts ep does not divide, or context
-parallelism, and data tokenized with another
-tokenizer than the model's own ``tokenizer.json``. See ``docs/hf.md``.
+parallelism, and data tokenized with another tokenizer than the model's own ``tokenizer.json``.
+Under ``parallel.cp`` the attention of Llama-family models (any whose attention goes through
+``transformers``' attention interface and is plain causal softmax) exchanges keys and values
+(:mod:`.context_parallel`); other architectures are refused, naming why. See ``docs/hf.md``.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="hf", selected_by={"model._target_": TARGET},
         provides=frozenset({"model:tensor_parallel_plan", "model:activation_checkpointing_plan",
-                            "model:experts", BUILD_CHECKS}),
+                            "model:experts", "model:context_parallel", BUILD_CHECKS}),
         description="transformers causal LMs from a local directory, read slice by slice")
 
 
@@ -101,7 +103,21 @@ def plait_validate(cfg, dims, hook) -> list[str]:
     problems += experts.loss_problems(cfg, model)
     if dims.ep > 1:
         problems += experts.refusals(cfg, model, dims)
+    if dims.cp > 1 and model.context_parallel_plan is not None:
+        from plait.plugins.hf import context_parallel
+
+        problems += context_parallel.problems(cfg, model, config, dims.cp)
     return problems + checks.tokenizer_problems(cfg, hook, directory, config)
+
+
+@hookimpl
+def plait_apply_context_parallel(cfg, model, topology) -> None:
+    """Under ``parallel.cp > 1``, ``transformers`` calls the attention cores the context-parallel
+    plugin replaces (:mod:`.context_parallel`)."""
+    if topology.dims.cp > 1 and getattr(model, "context_parallel_plan", None):
+        from plait.plugins.hf.context_parallel import use_core_attention
+
+        use_core_attention(model)
 
 
 @hookimpl

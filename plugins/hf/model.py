@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from plait.meta import SkipMetaInit, whole
-from plait.plugins.hf import experts, plans
+from plait.plugins.hf import context_parallel, experts, plans
 from plait.plugins.hf.checkpoint_files import CheckpointFiles
 
 CONFIG = "config.json"
@@ -244,6 +244,7 @@ def hf_model(config, checkpoint: CheckpointFiles | None = None,
     else:  # its forward mixes the embedding into later layers' inputs: no layer list will do
         model.no_pipeline_plan_reason = (f"{architecture} has no base_model_pp_plan in its "
                                          "config, so transformers names no pipeline stages")
+    context_parallel.prepare(model, config)
     return model
 
 

@@ -4,8 +4,8 @@ weights (no download, no directory): ``plait train model=llama_tiny``. Needs the
 
 It is ``model=hf``'s model (:mod:`plait.plugins.hf.model`) for a ``LlamaConfig`` made from these
 settings: ``transformers``' module names, its init by parameter name, and the tensor-parallel and
-pipeline plans of the config's ``base_model_tp_plan`` / ``base_model_pp_plan``; no plan is
-written here.
+pipeline plans of the config's ``base_model_tp_plan`` / ``base_model_pp_plan``, and its
+context-parallel plan (:mod:`plait.plugins.hf.context_parallel`); no plan is written here.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def build_llama(vocab_size: int = 256, block_size: int = 64, hidden_size: int = 
 def plait_declare() -> PluginInfo:
     return PluginInfo(name="llama", selected_by={"model._target_": LlamaModelConfig._target_},
                       provides=frozenset({"model:tensor_parallel_plan",
-                                          "model:activation_checkpointing_plan"}),
+                                          "model:activation_checkpointing_plan",
+                                          "model:context_parallel"}),
                       description="transformers' Llama built from settings (model=hf's model)")
 
 
@@ -92,3 +93,13 @@ def plait_validate(cfg, dims) -> list[str]:
         "num_attention_heads": "attention heads", "num_key_value_heads": "KV heads",
         "hidden_size": "hidden size", "intermediate_size": "MLP size",
         "vocab_size": "vocabulary"})
+
+
+@hookimpl
+def plait_apply_context_parallel(cfg, model, topology) -> None:
+    """Under ``parallel.cp > 1``, as ``model=hf``: ``transformers`` calls the attention cores the
+    context-parallel plugin replaces (:mod:`plait.plugins.hf.context_parallel`)."""
+    if topology.dims.cp > 1:
+        from plait.plugins.hf.context_parallel import use_core_attention
+
+        use_core_attention(model)
