@@ -1,7 +1,8 @@
 """Tiny Hugging Face checkpoints for the tests of ``model=hf``, written with ``save_pretrained``
 (no network): Llama, Qwen2, Mistral, GPT-NeoX and Phi-3, each 4 layers of width 64, sharing one
 byte-level BPE tokenizer (512 ids, trained here on a few standard-library files) so that one set
-of prepared shards fits every family."""
+of prepared shards fits every family; and two mixtures of experts, Qwen3-MoE and Mixtral, with 4
+experts of width 32 (top 2) per MoE layer and no tokenizer (they train on plait's byte data)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,31 @@ def family_config(family: str, **overrides):
         return T.GPTNeoXConfig(**small)
     if family == "phi3":  # fused qkv / gate_up (gathered outputs), a padding row
         return T.Phi3Config(pad_token_id=1, **small)
+    if family == "qwen3_moe":  # layers 0 and 2 MoE (top 2 of 4, not renormalised), 1 dense,
+        # the router's load-balancing loss in the objective (output_router_logits)
+        moe = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                   num_hidden_layers=3, mlp_only_layers=[1], output_router_logits=True,
+                   router_aux_loss_coef=0.01)
+        return T.Qwen3MoeConfig(**{**small, **moe, **overrides})
+    if family == "mixtral":  # every layer MoE, top 2 of 4 renormalised; stored as w1/w3/w2
+        moe = dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                   num_hidden_layers=2)
+        return T.MixtralConfig(**{**small, **moe, **overrides})
     raise ValueError(family)
+
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+
+
+def write_moe_checkpoint(directory: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """A randomly initialised mixture of experts saved with ``save_pretrained`` (each expert's
+    weights apart, as ``transformers`` writes them), without a tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(family_config(family, **overrides)).save_pretrained(directory)
+    return directory
 
 
 FAMILIES = ("llama", "qwen2", "mistral", "gpt_neox", "phi3")

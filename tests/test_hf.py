@@ -608,8 +608,8 @@ def hf_problems(path, *overrides: str, data=("data=stdlib",)) -> str:
                                 "config: set parallel.tp=1"),
     ("mixtral", ["parallel.tp=2"],
      "MixtralForCausalLM's tensor-parallel plan gives 'model.layers.*.mlp.experts.gate_up_proj' "
-     "the style 'packed_colwise', which plait does not honour (fused expert weights (mixture of "
-     "experts) wait for expert parallelism): set parallel.tp=1"),
+     "the style 'packed_colwise', which plait does not honour (plait spreads a mixture of "
+     "experts' experts with parallel.ep, not by tensor parallelism): set parallel.tp=1"),
     ("llama", ["parallel.tp=3", "launcher.nproc_per_node=3"],
      "parallel.tp=3 does not divide num_attention_heads=4 (attention heads) of model.path="),
     ("llama", ["train.seq_len=65"], "train.seq_len=65 is longer than model.path="),

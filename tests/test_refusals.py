@@ -177,6 +177,15 @@ CASES = [
      ["checkpoint.hf_every=-1 is out of range: set checkpoint.hf_every >= 0 (0: never)",
       "pipeline.layers=nosuch: GPT (the model) has no child 'nosuch'; it has ['embed', 'blocks', "
       "'norm', 'head']"]),
+    # model=hf mixtures of experts under parallel.ep (tests/test_hf_moe.py: the checkpoints)
+    ("model=hf model.path={tmp}/qwen3_moe6 model.pretrained=false train.seq_len=32 "
+     "parallel.ep=4 launcher.nproc_per_node=4",
+     ["parallel.ep=4 does not divide the 6 experts per layer of model.path={tmp}/qwen3_moe6 "
+      "(num_experts in its config.json): each expert-parallel rank holds num_experts/ep "
+      "experts; choose parallel.ep in [1, 2]"]),
+    ("model=hf model.path={tmp}/llama model.pretrained=false train.seq_len=32 parallel.ep=2",
+     ["parallel.ep=2: LlamaForCausalLM (model.path={tmp}/llama) has no base_model_ep_plan in its "
+      "config, so it has no mixture-of-experts layers to spread: set parallel.ep=1"]),
     ("checkpoint.hf_every=5", ["checkpoint.hf_every=5 writes Hugging Face's format, which needs a "
                                "transformers model (model=hf, llama_tiny), not model._target_="
                                "plait.plugins.models.gpt.GPT: set checkpoint.hf_every=0"]),
@@ -220,9 +229,16 @@ def data_files(tmp_path_factory):
     gpt2[0] = 50256  # <|endoftext|>
     gpt2.tofile(tmp / "gpt2.bin")
     (tmp / "train.bin").write_bytes(np.zeros(20000, np.uint16).tobytes())  # a dir without val.bin
-    from transformers import BloomConfig  # ALiBi attention of its own: no context parallelism
+    import transformers as T  # config-only model=hf directories
 
-    BloomConfig(vocab_size=512, hidden_size=64, n_layer=2, n_head=4).save_pretrained(tmp / "bloom")
+    small = dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+    T.LlamaConfig(**small).save_pretrained(tmp / "llama")
+    T.Qwen3MoeConfig(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
+                     **small).save_pretrained(tmp / "qwen3_moe6")
+    # Bloom: ALiBi attention of its own, no context parallelism
+    T.BloomConfig(vocab_size=512, hidden_size=64, n_layer=2, n_head=4).save_pretrained(
+        tmp / "bloom")
     return tmp
 
 

@@ -10,17 +10,20 @@ layout.
 The model is ``transformers``' own class, built on the meta device; each rank reads only the
 boxes of the checkpoint it keeps (:mod:`.model`, :mod:`.checkpoint_files`); tensor and pipeline
 parallelism come from the config's ``base_model_tp_plan`` / ``base_model_pp_plan``
-(:mod:`.plans`); activation checkpointing recomputes whole decoder layers. Before launch it
+(:mod:`.plans`), expert parallelism (``parallel.ep``) from its ``base_model_ep_plan``
+(:mod:`.experts`: Qwen3-MoE's and Mixtral's experts, one module per expert under plait's expert
+contract); activation checkpointing recomputes whole decoder layers. Before launch it
 refuses, naming the fix: a path that is neither a directory nor a cached model, a directory
 without ``config.json``, a missing or truncated shard (sizes against the headers and the
 index), a checkpoint lacking the model's parameters, a dtype the run cannot hold (quantized or
 fp64 weights; bf16 weights under ``precision=fp16``), a context longer than the model's,
 ``parallel.tp`` with no tp plan, a style plait cannot honour (``packed_colwise``, ...), or sizes
-tp does not divide (heads, KV heads, every split layer), and data tokenized with another
-tokenizer than the model's own ``tokenizer.json``. Under ``parallel.cp`` the attention of
-Llama-family models (any whose attention goes through ``transformers``' attention interface and
-is plain causal softmax) exchanges keys and values (:mod:`.context_parallel`); other
-architectures are refused, naming why. See ``docs/hf.md``.
+tp does not divide (heads, KV heads, every split layer), ``parallel.ep`` with no ep plan, a
+mixture-of-experts block plait does not serve, expert counts ep does not divide, or context
+parallelism, and data tokenized with another tokenizer than the model's own ``tokenizer.json``.
+Under ``parallel.cp`` the attention of Llama-family models (any whose attention goes through
+``transformers``' attention interface and is plain causal softmax) exchanges keys and values
+(:mod:`.context_parallel`); other architectures are refused, naming why. See ``docs/hf.md``.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="hf", selected_by={"model._target_": TARGET},
         provides=frozenset({"model:tensor_parallel_plan", "model:activation_checkpointing_plan",
-                            "model:context_parallel", BUILD_CHECKS}),
+                            "model:experts", "model:context_parallel", BUILD_CHECKS}),
         description="transformers causal LMs from a local directory, read slice by slice")
 
 
@@ -65,7 +68,7 @@ def plait_register_configs(config_store) -> None:
 def plait_validate(cfg, dims, hook) -> list[str]:
     if importlib.util.find_spec("transformers") is None:
         return ["model=hf needs transformers: pip install -e \".[hf]\""]
-    from plait.plugins.hf import checks
+    from plait.plugins.hf import checks, experts
     from plait.plugins.hf.model import CONFIG, load_config, resolve_directory
 
     m = cfg.model
@@ -97,6 +100,9 @@ def plait_validate(cfg, dims, hook) -> list[str]:
     problems += checks.context_problems(cfg, config)
     if dims.tp > 1:
         problems += checks.tensor_parallel_problems(cfg, model, config, dims.tp)
+    problems += experts.loss_problems(cfg, model)
+    if dims.ep > 1:
+        problems += experts.refusals(cfg, model, dims)
     if dims.cp > 1 and model.context_parallel_plan is not None:
         from plait.plugins.hf import context_parallel
 

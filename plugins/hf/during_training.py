@@ -6,7 +6,8 @@ It follows plait's own checkpoint at the same step (a wrapper around ``plait_sav
 on every rank). Every rank hands over its model state by the unsplit names (the engine's
 ``layout_free_state``, capability ``engine:layout_free_state``: data-parallel and ZeRO / FSDP
 shards joined), tensor-parallel shards are all-gathered over the tp group, and one rank per
-pipeline stage (dp rank 0, tp rank 0) writes that stage's file ``model-<s>-of-<pp>.safetensors``;
+pipeline stage (dp rank 0, tp rank 0) writes that stage's file ``model-<s>-of-<pp>.safetensors``
+(under ``parallel.ep`` with every expert, gathered over its expert-parallel group);
 rank 0 then writes the index, the config and the tokenizer files and renames the directory into
 place. No rank holds more than its stage, and only model weights are written (no optimizer
 state, no layout-free copy: about a sixth of a plait checkpoint's bytes; ``scripts/
@@ -57,6 +58,23 @@ def model_state(engine, topology) -> dict[str, torch.Tensor]:
     return state
 
 
+def gather_experts(state: dict[str, torch.Tensor], topology, model) -> dict[str, torch.Tensor]:
+    """Under ``parallel.ep > 1`` each rank of an expert-parallel group holds its own experts
+    (global names): every rank gets all of them (a collective over the ep group), so the stage's
+    writer writes every expert once."""
+    if topology.dims.ep == 1:
+        return state
+    prefixes = tuple(f"{name}.experts." for name, m in model.named_modules()
+                     if getattr(m, "is_moe_layer", False))
+    mine = {name: value for name, value in state.items() if name.startswith(prefixes)}
+    gathered = [None] * topology.dims.ep
+    dist.all_gather_object(gathered, {n: v.cpu() for n, v in mine.items()},
+                           group=topology.get_expert_parallel_group())
+    for experts in gathered:
+        state.update(experts)
+    return state
+
+
 def barrier(topology) -> None:
     if dist.is_initialized():
         dist.barrier(group=topology.trainer_group)
@@ -72,7 +90,7 @@ def save(cfg, engine, step: int, topology, model) -> Path:
     out = root / f"step_{step:08d}"
     partial = partial_directory(out)
     pp = topology.dims.pp
-    state = model_state(engine, topology)
+    state = gather_experts(model_state(engine, topology), topology, model)
     if topology.is_logging_rank:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)

@@ -8,10 +8,12 @@ meta`), its plans as plait's (:mod:`.plans`). Parameter names stay ``transformer
 layers.3.self_attn.q_proj.weight``); a checkpoint's tensors are found by the names
 ``transformers`` gives them on load (its conversion mapping's renames, e.g. GPT-NeoX's
 ``embed_out`` → ``lm_head``, and the base-model prefix added or dropped), and an export is written
-under the names ``save_pretrained`` writes. Weights ``transformers`` converts on load (fused
-experts, split q/k/v) are not read: such a checkpoint is refused before launch. Non-persistent buffers (the rotary embedding's ``inv_freq``) are
-computed on the CPU at build time by the model's own ``_init_weights``, as ``from_pretrained``
-does after a meta build.
+under the names ``save_pretrained`` writes. The experts of the mixture-of-experts blocks the
+config's ep plan names are kept one module per expert under their stored names (:mod:`.experts`),
+so they are read as stored; other weights ``transformers`` converts on load (other fused experts,
+split q/k/v) are not read: such a checkpoint is refused before launch. Non-persistent buffers
+(the rotary embedding's ``inv_freq``) are computed on the CPU at build time by the model's own
+``_init_weights``, as ``from_pretrained`` does after a meta build.
 
 Taken from ``transformers``: the classes, configs, plans, weight init (``_init_weights``) and
 ``generate``; written here: reading only this rank's boxes, the per-name random init (one
@@ -29,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from plait.meta import SkipMetaInit, whole
-from plait.plugins.hf import context_parallel, plans
+from plait.plugins.hf import context_parallel, experts, plans
 from plait.plugins.hf.checkpoint_files import CheckpointFiles
 
 CONFIG = "config.json"
@@ -106,6 +108,9 @@ class PlaitCausalLM:
             torch.manual_seed(generator.initial_seed())
             self._init_weights(twin)
 
+    def expert_parameter_count(self) -> int:
+        return experts.expert_parameter_count(self)
+
     def flops_per_token(self, seq_len: int) -> int:
         """``6·N`` for the weight matmuls plus ``12·L·E·T`` for attention (PaLM, appendix B),
         ``N`` without the input embedding's lookup table (kept when tied: it is the head)."""
@@ -113,6 +118,9 @@ class PlaitCausalLM:
         n = sum(p.numel() for p in self.parameters())
         if not c.tie_word_embeddings:
             n -= self.get_input_embeddings().weight.numel()
+        for block in (m for m in self.modules() if getattr(m, "is_moe_layer", False)):
+            one = sum(p.numel() for p in next(iter(block.experts.values())).parameters())
+            n += one * (block.top_k - len(block.experts))  # a token runs top_k of the experts
         return 6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq_len
 
 
@@ -154,7 +162,8 @@ def checkpoint_names(model: nn.Module, checkpoint: CheckpointFiles) -> dict[str,
     with as_transformers_class(model):
         transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    converters = experts.kept_converters(
+        model, [t for t in transforms if isinstance(t, WeightConverter)])
     meta = model.state_dict()
     names = {}
     for key in sorted(checkpoint.weight_map):
@@ -219,6 +228,7 @@ def hf_model(config, checkpoint: CheckpointFiles | None = None,
     model.__class__ = plait_class(type(model))
     real_buffers(model)
     model.plait_architecture = architecture
+    model.plait_expert_blocks = experts.adopt_experts(model)  # base_model_ep_plan's blocks
     model.plait_checkpoint = _Shared(checkpoint)
     model.plait_source_directory = _Shared(directory)
     model.plait_aliases = _Shared(tied_aliases(model))

@@ -52,11 +52,13 @@ TO_PLAIT = {
     "embedding_rowwise": "vocab",
     "replicate": "replicate",
 }
-UNTIL = {  # why a style is refused, where another issue brings it
-    "packed_colwise": "fused expert weights (mixture of experts) wait for expert parallelism",
-    "packed_rowwise": "fused expert weights (mixture of experts) wait for expert parallelism",
-    "moe_tp_experts": "mixture-of-experts layers wait for expert parallelism",
-    "moe_identity_expert": "mixture-of-experts layers wait for expert parallelism",
+EXPERTS = "plait spreads a mixture of experts' experts with parallel.ep, not by tensor parallelism"
+FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # split by parallel.ep instead
+UNTIL = {  # why a style is refused
+    "packed_colwise": EXPERTS,
+    "packed_rowwise": EXPERTS,
+    "moe_tp_experts": EXPERTS,
+    "moe_identity_expert": EXPERTS,
 }
 
 
@@ -75,7 +77,7 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, str] | None:
     head = output_embedding_name(model)
     plan = {}
     for pattern, style in tp_plan.items():
-        if style not in TO_PLAIT:
+        if style not in TO_PLAIT or pattern.endswith(FUSED_EXPERTS):
             continue
         mapped = TO_PLAIT[style]
         if pattern == head and mapped in ("colwise", "colwise_gather_output"):

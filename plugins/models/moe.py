@@ -201,31 +201,41 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         logits = self.router(tokens)
         routing = route(logits, self.top_k, self.router_kind, self.capacity_factor)
-        out = self._routed(tokens, routing)
+        out = routed_output(tokens, routing, self.dispatcher, self.experts)
         if self.shared is not None:
             out = out + self.shared(tokens)
-        aux = load_balancing_loss(routing, self.top_k)
-        z = z_loss(logits)
-        if self.training and torch.is_grad_enabled():
-            if self.aux_loss_coeff or self.z_loss_coeff:
-                weighted = self.aux_loss_coeff * aux + self.z_loss_coeff * z
-                out = AuxLossScaler.apply(out, weighted, self.aux_loss_scale)
-            if not in_backward():
-                self.stats.add(routing, aux, z)
-        return out.view_as(x)
+        return router_losses_and_stats(self, out, routing, logits).view_as(x)
 
-    def _routed(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Sort the kept choices by expert, run them through the dispatcher, and sum each
-        token's outputs weighted by their gates."""
-        k = self.top_k
-        kept = routing.kept.flatten()
-        experts = routing.experts.flatten()[kept]
-        order = torch.argsort(experts, stable=True)
-        token_of = (torch.arange(tokens.shape[0], device=tokens.device)
-                    .repeat_interleave(k)[kept][order])
-        gates = routing.gates.flatten()[kept][order].to(tokens.dtype)
-        outputs = self.dispatcher(tokens[token_of], routing.tokens_per_expert, self.experts)
-        return torch.zeros_like(tokens).index_add(0, token_of, outputs * gates.unsqueeze(-1))
+
+def routed_output(tokens: torch.Tensor, routing: Routing, dispatcher: Callable,
+                  experts: nn.ModuleDict) -> torch.Tensor:
+    """Sort the kept choices by expert, run them through ``dispatcher``, and sum each token's
+    outputs weighted by their gates."""
+    k = routing.experts.shape[1]
+    kept = routing.kept.flatten()
+    chosen = routing.experts.flatten()[kept]
+    order = torch.argsort(chosen, stable=True)
+    token_of = (torch.arange(tokens.shape[0], device=tokens.device)
+                .repeat_interleave(k)[kept][order])
+    gates = routing.gates.flatten()[kept][order].to(tokens.dtype)
+    outputs = dispatcher(tokens[token_of], routing.tokens_per_expert, experts)
+    return torch.zeros_like(tokens).index_add(0, token_of, outputs * gates.unsqueeze(-1))
+
+
+def router_losses_and_stats(layer: nn.Module, out: torch.Tensor, routing: Routing,
+                            logits: torch.Tensor) -> torch.Tensor:
+    """``out`` carrying ``layer``'s weighted auxiliary losses into the backward (a training
+    forward with ``aux_loss_coeff`` or ``z_loss_coeff``), the routing recorded in ``layer.stats``
+    (a training forward not recomputed in the backward)."""
+    aux = load_balancing_loss(routing, routing.experts.shape[1])
+    z = z_loss(logits)
+    if layer.training and torch.is_grad_enabled():
+        if layer.aux_loss_coeff or layer.z_loss_coeff:
+            weighted = layer.aux_loss_coeff * aux + layer.z_loss_coeff * z
+            out = AuxLossScaler.apply(out, weighted, layer.aux_loss_scale)
+        if not in_backward():
+            layer.stats.add(routing, aux, z)
+    return out
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
