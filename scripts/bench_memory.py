@@ -159,9 +159,16 @@ def measure(root: Path, name: str, overrides: list[str], steps: int, warmup: int
     }
 
 
+def oom_kills(group: Path, v2: bool) -> int:
+    """How many processes of the memory cgroup ``group`` the kernel killed for memory."""
+    events = (group / ("memory.events" if v2 else "memory.oom_control")).read_text().split("\n")
+    return sum(int(line.split()[1]) for line in events if line.startswith("oom_kill "))
+
+
 def run_in_cgroup(run: Path, overrides: list[str], job_mib: float) -> float | None:
     """Run ``plait train`` (launcher and workers) inside a fresh memory cgroup capped at
-    ``job_mib`` with no swap; the kernel's peak for the whole job, or None if it was killed."""
+    ``job_mib`` with no swap; the kernel's peak for the whole job, or None if the kernel killed
+    one of its processes for memory (any other failure raises)."""
     v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
     group = Path("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/memory") / f"plait-bench-{os.getpid()}"
     group.mkdir()
@@ -189,7 +196,12 @@ def run_in_cgroup(run: Path, overrides: list[str], job_mib: float) -> float | No
         done = subprocess.run(["sh", "-c", join, "sh", *command], capture_output=True, text=True,
                               env=env)
         peak = (group / ("memory.peak" if v2 else "memory.max_usage_in_bytes")).read_text()
-        return float(peak) if done.returncode == 0 else None
+        if done.returncode == 0:
+            return float(peak)
+        if not oom_kills(group, v2):  # a crash or a hang is a bug, not "does not fit"
+            raise RuntimeError(f"{run.name} failed without an OOM kill (exit "
+                               f"{done.returncode}):\n{done.stderr[-3000:]}")
+        return None
     finally:
         for pid in (group / "cgroup.procs").read_text().split():
             os.kill(int(pid), 9)

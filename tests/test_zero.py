@@ -100,6 +100,21 @@ def test_deepspeed_buffers_are_sized_from_the_model_and_the_user_overrides_them(
     assert mine["zero_optimization"]["sub_group_size"] == 10**9
 
 
+def test_sub_groups_are_cut_to_the_count_every_stage_needs():
+    """A stage with fewer ZeRO-1/2 sub-groups than another cuts its largest at parameter
+    boundaries (nearest the half of its elements) until the counts match; none grows."""
+    from plait.plugins.zero.sizing import param_groups_within, split_to_count
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (4, 4, 2, 6, 1)]
+    groups = param_groups_within([{"params": params, "weight_decay": 0.1}], 10)
+    assert [[p.numel() for p in g["params"]] for g in groups] == [[4, 4, 2], [6, 1]]
+    cut = split_to_count(groups, 4)
+    assert [[p.numel() for p in g["params"]] for g in cut] == [[4], [4, 2], [6], [1]]
+    assert all(g["weight_decay"] == 0.1 for g in cut)
+    with pytest.raises(ValueError, match="cannot cut 5 parameter groups into 6"):
+        split_to_count(cut, 6)
+
+
 def built_optimizer(*overrides: str):
     cfg = compose([*TEST_OVERRIDES, *overrides])
     pm = keep_selected(make_plugin_manager(cfg), cfg)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from plait.plugins.optim.hyperparameters import keep_hyperparameters
 from plait.plugins.optim.state_by_name import load_state_by_name, state_by_name
 from plait.plugins.zero.fp32_master import share_fp32_partitions
-from plait.plugins.zero.sizing import param_groups_within
+from plait.plugins.zero.sizing import param_groups_within, split_to_count
 from plait.types import Batch, StepOutput, model_inputs
 
 TAG = "deepspeed"  # DeepSpeed's checkpoint tag: files go to <checkpoint dir>/deepspeed/
@@ -153,6 +153,10 @@ class ZeroEngine:
             # sizing.py: ZeRO-1/2 step their partition in sub-groups
             param_groups = param_groups_within(param_groups,
                                                self.dp_size * int(zero["sub_group_size"]))
+            if topology.dims.pp > 1:  # as many sub-groups on every stage (sizing.py)
+                count = torch.tensor(len(param_groups))
+                dist.all_reduce(count, op=dist.ReduceOp.MAX, group=topology.replica_group())
+                param_groups = split_to_count(param_groups, int(count))
         # Expert parallelism: DeepSpeed-MoE's expert param groups (experts.py)
         self.saves_engine_files = topology.dims.ep == 1
         if topology.dims.ep > 1:

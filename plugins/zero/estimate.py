@@ -66,7 +66,7 @@ def strategy_cost(cfg, strategy: str, model: torch.nn.Module, dims) -> StrategyC
     """``plait_strategy_cost`` for ``strategy=zero0..zero3``: the paper's model states on this
     rank's ``Ψ = N/(tp·pp)`` (experts: over ``ep`` too, and partitioned over ``dp/ep``),
     DeepSpeed's buffers as plait sizes them (``sizing.py``: a reduce and an all-gather bucket of
-    ``B`` elements; ZeRO-3 a reduce bucket and up to ``2B`` gathered elements), and per step a
+    ``B`` elements; ZeRO-3 see :func:`zero3_buffer_elements`), and per step a
     reduce-scatter/all-reduce of the gradients, plus under ZeRO-3 the parameters gathered in
     forward and in backward: ``(2 or 3)·(dp−1)/dp·Ψ·b``. With context parallelism ZeRO
     partitions over the ``dp x cp`` ranks: ``dp`` here is their number."""
@@ -91,9 +91,18 @@ def strategy_cost(cfg, strategy: str, model: torch.nn.Module, dims) -> StrategyC
     if reference:
         references["DeepSpeed's estimator (device, assumes 16-bit training)"] = reference
     return StrategyCost(params=states.params, grads=states.grads, optimizer=states.optimizer,
-                        buffers=bucket * b * (3 if stage == 3 else 2),
+                        buffers=bucket * b * (zero3_buffer_elements(cfg) if stage == 3 else 2),
                         dp_bytes_per_step=(3 if stage == 3 else 2) * (dp - 1) / dp * psi * b,
                         offloaded=offloaded, references=references)
+
+
+def zero3_buffer_elements(cfg) -> int:
+    """ZeRO-3's working buffers in units of the bucket ``B``, read from DeepSpeed 0.19's stage 3
+    and a memory profile of its backward on gloo: up to ``2B`` gathered parameters
+    (``stage3_max_live_parameters``), the reduce bucket ``B``, and its reduce-scatter
+    (``reduce_scatter_coalesced``) which concatenates the bucket's padded partitions into a flat
+    copy ``B``; gloo's ``reduce_scatter_tensor`` copies its input once more (``B``, CPU only)."""
+    return 4 + (1 if cfg.device == "cpu" else 0)
 
 
 def deepspeed_estimate(n_params: int, largest_layer_params: int, stage: int, dp: int,

@@ -26,7 +26,10 @@ step one flat partition per parameter group, so plait gives them parameter group
 ``N·sub_group_size`` elements (:func:`param_groups_within`: the same weight decay, consecutive
 parameters, each group partitioned over the N dp ranks as before), which bounds the same copy and
 temporaries, and the start-up flattening, to one group at a time. AdamW is elementwise, so the
-steps are the same numbers; only the grad norm's sum runs over more groups (in fp64).
+steps are the same numbers; only the grad norm's sum runs over more groups (in fp64). DeepSpeed
+all-reduces each group's norm over the model-parallel ranks (every pipeline stage and tensor
+shard), so those ranks must have as many groups: a stage with fewer is cut further
+(:func:`split_to_count`; pipeline stages of 12 and 11 layers had deadlocked in the first step).
 
 Measured (25.5M-parameter GPT, dp=4, fp32, CPU): ZeRO-3's peak above the pre-model memory falls
 from 632 to ~400 MiB with the buckets. Any of these keys in ``strategy.deepspeed.zero_optimization``
@@ -84,3 +87,22 @@ def param_groups_within(groups: list[dict[str, Any]], max_elements: int) -> list
         if run:
             split.append({**group, "params": run})
     return split
+
+
+def split_to_count(groups: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """``groups`` with the largest cut in two at a parameter boundary (halving its elements as
+    nearly as the parameters allow) until there are ``count``: the same number of ZeRO-1/2
+    sub-groups on every model-parallel rank, none larger than before. A group of one parameter
+    is not cut; ``ValueError`` when no group can be."""
+    groups = list(groups)
+    while len(groups) < count:
+        cuttable = [g for g in groups if len(g["params"]) > 1]
+        if not cuttable:
+            raise ValueError(f"cannot cut {len(groups)} parameter groups into {count}")
+        largest = max(cuttable, key=lambda g: sum(p.numel() for p in g["params"]))
+        sizes = [p.numel() for p in largest["params"]]
+        at = min(range(1, len(sizes)), key=lambda k: max(sum(sizes[:k]), sum(sizes[k:])))
+        i = next(k for k, g in enumerate(groups) if g is largest)
+        groups[i:i + 1] = [{**largest, "params": largest["params"][:at]},
+                           {**largest, "params": largest["params"][at:]}]
+    return groups
