@@ -275,11 +275,13 @@ LAYOUTS = {
 }
 # every family under these; Llama under every layout of LAYOUTS
 FAMILY_LAYOUTS = ("ddp_dp2", "zero3_dp2", "tp2", "pp2", "pp2_tp2")
+EXPORTED = ("pp2_tp2", "fsdp_dp2", "fsdp_dp2_tp2")  # Llama's runs exported with format=hf
 ONE = ["launcher.nproc_per_node=1", "train.grad_accum_steps=2"]
 UNREAD = ["fault.save_final=false"]  # no test reads these runs' checkpoints: none is written
-RUNS = {("llama", "one"): ONE,
-        **{("llama", layout): overrides for layout, overrides in LAYOUTS.items()},
-        ("llama", "pp2_tp2"): [*LAYOUTS["pp2_tp2"], "checkpoint.hf_every=10"],  # exported below
+RUNS = {("llama", "one"): ONE,  # its checkpoint: the one-process weights the exports equal
+        **{("llama", layout): [*overrides, *([] if layout in EXPORTED else UNREAD)]
+           for layout, overrides in LAYOUTS.items()},
+        ("llama", "pp2_tp2"): [*LAYOUTS["pp2_tp2"], "checkpoint.hf_every=10"],
         **{(family, "one"): [*ONE, *UNREAD] for family in FAMILIES[1:]},
         **{(family, layout): [*LAYOUTS[layout], *UNREAD] for family in FAMILIES[1:]
            for layout in FAMILY_LAYOUTS}}
@@ -424,9 +426,6 @@ def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:
     for file in sorted(directory.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
     return tensors
-
-
-EXPORTED = ("pp2_tp2", "fsdp_dp2", "fsdp_dp2_tp2")  # Llama's runs exported with format=hf
 
 
 @pytest.fixture(scope="module")
