@@ -22,10 +22,7 @@ What a fork of the server does not carry is mended by :func:`worker_entry`:
   pipe), and the worker puts them in place of its own.
 
 DeepSpeed is preloaded only for CPU runs: importing it probes its accelerator, which on a GPU
-host initialises CUDA, and CUDA does not survive a fork. So are ``transformers``' model base
-class and generation mixin where it is installed (the server skips a module it cannot import):
-~1 s of CPU that each worker of a ``model=hf`` run no longer spends, ~36 MiB of pages the workers
-share; not on GPU runs, where whether their import touches CUDA was not checked.
+host initialises CUDA, and CUDA does not survive a fork.
 """
 
 from __future__ import annotations
@@ -42,10 +39,9 @@ from typing import Any, Callable
 SERVER_ENV = dict(os.environ)
 SERVER_PID = os.getpid()  # another pid in a worker: this module was imported by the server
 START_METHODS = ("forkserver", "spawn")
-# What every worker imports before its first step; DeepSpeed and transformers on CPU runs only
-# (see above).
+# What every worker imports before its first step; DeepSpeed on CPU runs only (see above).
 PRELOAD = ("torch", "torch._dynamo", "plait.worker", "wandb")
-PRELOAD_CPU = ("deepspeed", "transformers.modeling_utils", "transformers.generation.utils")
+PRELOAD_CPU = ("deepspeed",)
 
 
 def use_forkserver(on_cpu: bool) -> None:
