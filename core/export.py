@@ -50,6 +50,10 @@ def consolidate(checkpoint_path: str) -> Consolidated:
     if checkpoint is None:
         raise ValueError(f"{checkpoint_path}: no checkpoint found; train with fault=checkpoint")
     shards = pm.hook.plait_read_model_shards(cfg=cfg, checkpoint=checkpoint)
+    if shards is None:
+        raise ValueError(f"{checkpoint}: no active plugin reads the checkpoints of strategy="
+                         f"{cfg.strategy.name} offline (plait_read_model_shards), so it cannot "
+                         "be exported or sampled from")
     with meta_device():
         model = pm.hook.plait_build_model(cfg=cfg)
     state: dict[str, torch.Tensor] = {}

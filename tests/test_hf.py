@@ -6,28 +6,28 @@ Tiny random checkpoints of Llama, Qwen2, Mistral, GPT-NeoX and Phi-3 are written
 one byte-level BPE tokenizer, and one set of shards is prepared with ``plait prepare
 data.tokenizer=<model dir>``. No network.
 
-What runs, and why it covers every family under every layout (the issue's 5 x 5 grid of 20-step
-runs would be 25 launches; the suite's budget allows about 10):
+What runs:
 
 - Every family, no processes: its plans mapped onto plait's layers as expected (the tp plan's
   styles, the pipeline plan's first / layers / last parts, activation checkpointing on the
   decoder layers); plait's step-0 loss equal to ``transformers``' own forward on the same batch
   (1e-6); its two pipeline stages composed equal to the whole forward (exact).
 - Every family, one 2-process spawn: the tensor-parallel split (each rank reading only its boxes
-  of the checkpoint, counted) gives the unsplit logits, loss and gradients. With the pipeline
-  check above, each family's plans are proven to cut it correctly; what a layout adds beyond the
-  cut (the engine, the schedule, dp averaging, ZeRO partitions) does not depend on the family.
-- Llama, 20 steps under ddp (dp=2), zero3 (dp=2), fsdp (dp=2), tp=2 (with activation
-  checkpointing), pp=2, pp=2 x tp=2, zero1 x pp2 x dp2 and cp=2 (ring and Ulysses), each against
-  one process: loss within 1e-5, grad norm within 1e-4 (fp32), and what each rank held
-  (parameter and optimizer-state elements) or, under cp, the keys and values its attention sent
-  every step proves the layout happened (every family under cp: test_hf_context_parallel.py).
-  Phi-3, the family whose plan differs most (fused q/k/v and gate/up with gathered outputs,
-  split inputs, a padding row, two checkpoint files), once more under pp=2 x tp=2.
-- The pp=2 x tp=2 Llama run also writes ``checkpoint.hf_every=10``, is exported with ``format=hf``
-  (``from_pretrained`` loads it; its logits equal plait's one-process logits after the same
-  training, 1e-5) and sampled with ``plait sample temperature=0`` (the same text as the export's
-  greedy ``generate``).
+  of the checkpoint, counted) gives the unsplit logits, loss and gradients.
+- Every family, 20 steps under ddp (dp=2), zero3 (dp=2), tp=2 (with activation checkpointing),
+  pp=2 and pp=2 x tp=2, each against that family's one-process run (the issue's grid: 25 runs
+  and 5 references); Llama also under fsdp (dp=2), fsdp x tp=2 (dp=2), zero1 x pp2 x dp2 and
+  cp=2 (ring and Ulysses; every family under cp: test_hf_context_parallel.py). Loss within
+  1e-5, grad norm within 1e-4 (fp32), and what each rank held (parameter and optimizer-state
+  elements: the tensors tp halves, counted per family; each stage's own parameters; ZeRO and
+  FSDP partitions) and read from the checkpoint or, under cp, the keys and values its attention
+  sent every step proves the layout happened. Runs no test exports write no checkpoint
+  (``fault.save_final=false``).
+- The pp=2 x tp=2 Llama run also writes ``checkpoint.hf_every=10``; it, the fsdp run and the
+  fsdp x tp=2 run are exported with ``format=hf`` (``from_pretrained`` loads each; its logits
+  equal plait's one-process logits after the same training, 1e-5), and the pp=2 x tp=2 and fsdp
+  x tp=2 checkpoints are sampled with ``plait sample temperature=0`` (the same text as the
+  export's greedy ``generate``).
 - A 24M-parameter Llama checkpoint loaded under tp=2 x pp=2: each rank's memory peak while
   loading stays below 0.6x the checkpoint, and the export of that run (learning rate 0: no
   change) is the source bit for bit.
@@ -233,6 +233,14 @@ def _tensor_parallel_equals_unsplit(rank, world_size, dirs, out):
         Path(out).write_text(json.dumps(counts))
 
 
+# The tensors tp=2 halves: in each of the 4 layers every split weight (Llama-like: q, k, v, o,
+# gate, up, down; GPT-NeoX: qkv, dense, h_to_4h, 4h_to_h; Phi-3: qkv, o, gate_up, down) and the
+# biases of the column-parallel ones (Qwen2's q, k, v; GPT-NeoX's qkv and h_to_4h), plus the
+# embedding and the head.
+HALVED = {"llama": 4 * 7 + 2, "qwen2": 4 * (7 + 3) + 2, "mistral": 4 * 7 + 2,
+          "gpt_neox": 4 * (4 + 2) + 2, "phi3": 4 * 4 + 2}
+
+
 @pytest.mark.slow
 def test_each_familys_tensor_parallel_split_equals_unsplit_reading_only_its_boxes(
         checkpoints, tmp_path):
@@ -240,13 +248,9 @@ def test_each_familys_tensor_parallel_split_equals_unsplit_reading_only_its_boxe
     spawn(_tensor_parallel_equals_unsplit, 2, {f: str(p) for f, p in checkpoints.items()},
           str(out))
     counts = json.loads(out.read_text())
-    split_layers = {"llama": 7, "qwen2": 7, "mistral": 7, "gpt_neox": 4, "phi3": 4}
     for family, c in counts.items():
         assert c["read"] == c["held"] < c["whole"], family  # each element it holds, read once
-        # every split weight per layer (and a bias per q/k/v for Qwen2, per linear for GPT-NeoX)
-        # is half, plus the embedding and the head
-        biases = {"qwen2": 3, "gpt_neox": 2}.get(family, 0)
-        assert c["halves"] == 4 * (split_layers[family] + biases) + 2, family
+        assert c["halves"] == HALVED[family], family
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,19 +264,27 @@ LAYOUTS = {
     "ddp_dp2": ["launcher.nproc_per_node=2"],
     "zero3_dp2": ["strategy=zero3", "launcher.nproc_per_node=2"],
     "fsdp_dp2": ["strategy=fsdp", "launcher.nproc_per_node=2"],
+    "fsdp_dp2_tp2": ["strategy=fsdp", "parallel.tp=2", "launcher.nproc_per_node=4"],
     "tp2": ["parallel.tp=2", "launcher.nproc_per_node=2", "train.activation_checkpointing=full"],
     "pp2": [*PIPELINE, "launcher.nproc_per_node=2"],
-    "pp2_tp2": [*PIPELINE, "parallel.tp=2", "launcher.nproc_per_node=4",
-                "checkpoint.hf_every=10"],
+    "pp2_tp2": [*PIPELINE, "parallel.tp=2", "launcher.nproc_per_node=4"],
     "zero1_pp2_dp2": [*PIPELINE, "strategy=zero1", "launcher.nproc_per_node=4"],
     "cp2_ring": ["parallel.cp=2", "launcher.nproc_per_node=2"],
     "cp2_ulysses": ["parallel.cp=2", "context_parallel.backend=ulysses",
                     "launcher.nproc_per_node=2"],
 }
-RUNS = {("llama", "one"): ["launcher.nproc_per_node=1", "train.grad_accum_steps=2"],
-        ("phi3", "one"): ["launcher.nproc_per_node=1", "train.grad_accum_steps=2"],
-        ("phi3", "pp2_tp2"): LAYOUTS["pp2_tp2"][:-1],
-        **{("llama", layout): overrides for layout, overrides in LAYOUTS.items()}}
+# every family under these; Llama under every layout of LAYOUTS
+FAMILY_LAYOUTS = ("ddp_dp2", "zero3_dp2", "tp2", "pp2", "pp2_tp2")
+EXPORTED = ("pp2_tp2", "fsdp_dp2", "fsdp_dp2_tp2")  # Llama's runs exported with format=hf
+ONE = ["launcher.nproc_per_node=1", "train.grad_accum_steps=2"]
+UNREAD = ["fault.save_final=false"]  # no test reads these runs' checkpoints: none is written
+RUNS = {("llama", "one"): ONE,  # its checkpoint: the one-process weights the exports equal
+        **{("llama", layout): [*overrides, *([] if layout in EXPORTED else UNREAD)]
+           for layout, overrides in LAYOUTS.items()},
+        ("llama", "pp2_tp2"): [*LAYOUTS["pp2_tp2"], "checkpoint.hf_every=10"],
+        **{(family, "one"): [*ONE, *UNREAD] for family in FAMILIES[1:]},
+        **{(family, layout): [*LAYOUTS[layout], *UNREAD] for family in FAMILIES[1:]
+           for layout in FAMILY_LAYOUTS}}
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +310,7 @@ def per_rank(run_dir: Path, what: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in files]
 
 
-def assert_layout_happened(layout: str, ranks: list[dict], reads: list[dict],
+def assert_layout_happened(family: str, layout: str, ranks: list[dict], reads: list[dict],
                            whole: dict[str, int]) -> None:
     """What each rank held proves the layout: shards of a tp split, disjoint stages, ZeRO
     partitions, or (ddp) whole replicas on each of 2 ranks; and each rank read from the
@@ -319,20 +331,25 @@ def assert_layout_happened(layout: str, ranks: list[dict], reads: list[dict],
     elif layout == "fsdp_dp2":  # each rank the dim-0 half of every parameter
         assert sum(sizes) == total and all(size < 0.51 * total for size in sizes)
         assert sum(optimizer) == total
-    elif layout in ("tp2", "pp2_tp2"):
-        split = [n for n in whole if params[0].get(n, whole[n]) * 2 == whole[n]]
-        assert len(split) >= 4 * 7 if layout == "tp2" else split, layout
-    if layout in ("pp2", "pp2_tp2", "zero1_pp2_dp2"):  # ranks are laid out (pp, dp, tp)
-        per_stage = len(ranks) // 2
+    elif layout == "fsdp_dp2_tp2":  # each rank the dim-0 half of its tp shard or of a replica
+        summed = {n: sum(p[n] for p in params) for n in whole}
+        split = {n for n in whole if summed[n] == whole[n]}
+        assert len(split) == HALVED[family]
+        assert all(summed[n] == 2 * whole[n] for n in set(whole) - split)
+        assert all(p[n] * 4 == whole[n] for p in params for n in split)
+        assert sum(optimizer) == sum(sizes)
+    elif layout in ("tp2", "pp2_tp2"):  # ranks are laid out (pp, dp, tp): tp rank 0 is even
+        halved = {n for p in params[::2] for n, held in p.items() if held * 2 == whole[n]}
+        assert len(halved) == HALVED[family], (layout, sorted(halved))
+    if layout in ("pp2", "pp2_tp2", "zero1_pp2_dp2"):
         first, last = set(params[0]), set(params[-1])
-        assert not first & last and "lm_head.weight" in last and \
-            "model.embed_tokens.weight" in first
+        embedding = EXPECTED_PLANS[family][1]["first"][0] + ".weight"
+        assert not first & last and "lm_head.weight" in last and embedding in first
         assert {n for p in params for n in p} == set(whole)
         if layout == "zero1_pp2_dp2":  # the stage's Adam moments split over its 2 dp ranks
             stage_sizes = [sizes[0], sizes[-1]]
             assert optimizer[0] + optimizer[1] in range(stage_sizes[0], stage_sizes[0] + 64)
             assert max(optimizer) < 0.6 * max(stage_sizes), optimizer
-        del per_stage
 
 
 def figures(run_dir: Path) -> tuple[list[float], list[float]]:
@@ -342,9 +359,10 @@ def figures(run_dir: Path) -> tuple[list[float], list[float]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family, layout", [*(("llama", layout) for layout in LAYOUTS),
-                                            ("phi3", "pp2_tp2")])
+                                            *((family, layout) for family in FAMILIES[1:]
+                                              for layout in FAMILY_LAYOUTS)])
 def test_twenty_steps_under_a_layout_equal_one_process(family, layout, trained, checkpoints):
-    from plait.plugins.hf.checkpoint_files import CheckpointFiles
+    from plait.plugins.hf.model import build_hf
 
     loss, grad_norm = figures(trained(family, layout))
     loss_1, grad_norm_1 = figures(trained(family, "one"))
@@ -352,12 +370,11 @@ def test_twenty_steps_under_a_layout_equal_one_process(family, layout, trained, 
     assert loss == pytest.approx(loss_1, abs=LOSS), layout
     assert grad_norm == pytest.approx(grad_norm_1, abs=GRAD_NORM), layout
     assert loss[-1] < loss[0] - 0.05  # it learned
-    files = CheckpointFiles(checkpoints[family])
-    whole = {name: 1 for name in files.entries}  # element counts, by the model's names
-    for name, entry in files.entries.items():
-        whole[name] = torch.Size(entry.shape).numel()
+    with meta_device():  # element counts by the model's names (GPT-NeoX's embed_out: lm_head)
+        whole = {n: p.numel() for n, p in build_hf(str(checkpoints[family])).named_parameters()}
     run_dir = trained(family, layout)
-    assert_layout_happened(layout, per_rank(run_dir, "held"), per_rank(run_dir, "reads"), whole)
+    assert_layout_happened(family, layout, per_rank(run_dir, "held"), per_rank(run_dir, "reads"),
+                           whole)
 
 
 @pytest.mark.slow
@@ -412,27 +429,40 @@ def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def exported(trained, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("export") / "llama_pp2_tp2"
-    assert main(["export", str(trained("llama", "pp2_tp2")), "format=hf", f"out={out}"]) == 0
-    return out
+def exported(trained, tmp_path_factory):
+    """``exported(layout)``: ``plait export <Llama's run under layout> format=hf``, once."""
+    root, done = tmp_path_factory.mktemp("export"), {}
+
+    def export(layout: str) -> Path:
+        if layout not in done:
+            out = root / f"llama_{layout}"
+            assert main(["export", str(trained("llama", layout)), "format=hf", f"out={out}"]) == 0
+            done[layout] = out
+        return done[layout]
+
+    return export
 
 
 @pytest.mark.slow
-def test_export_after_pp2_tp2_loads_in_transformers_with_one_process_logits(exported, trained):
+@pytest.mark.parametrize("layout", EXPORTED)
+def test_export_after_a_layout_loads_in_transformers_with_one_process_logits(
+        layout, exported, trained):
+    """pp=2 x tp=2 (each stage's tp shards joined), fsdp and fsdp x tp=2 (its layout-free copy,
+    read offline with DCP): ``from_pretrained`` loads the result, and its logits equal those of
+    the one-process run's weights after the same 20 steps."""
     from transformers import AutoModelForCausalLM
 
     from plait.export import consolidate
 
-    hf = AutoModelForCausalLM.from_pretrained(str(exported))
+    hf = AutoModelForCausalLM.from_pretrained(str(exported(layout)))
     one = consolidate(str(trained("llama", "one")))
     one.model.load_state_dict(one.state, assign=True)
     x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=x).logits, one.model(x), rtol=0, atol=1e-5)
-    assert {p.name for p in exported.iterdir()} == {"config.json", "generation_config.json",
-                                                    "model.safetensors", "tokenizer.json",
-                                                    "tokenizer_config.json"}
+    assert {p.name for p in exported(layout).iterdir()} == {
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json"}
 
 
 @pytest.mark.slow
@@ -447,25 +477,27 @@ def test_hf_every_writes_the_exported_weights_during_training(exported, trained)
     assert sorted(p.name for p in last.glob("*.safetensors*")) == [
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
         "model.safetensors.index.json"]
-    during, after = safetensors_of(last), safetensors_of(exported)
+    during, after = safetensors_of(last), safetensors_of(exported("pp2_tp2"))
     assert during.keys() == after.keys()
     assert all(torch.equal(during[k], after[k]) for k in after)
     AutoModelForCausalLM.from_pretrained(str(hf_dir / "step_00000010"))  # loads
 
 
 @pytest.mark.slow
-def test_sample_from_a_pp2_tp2_checkpoint_is_the_exported_models_greedy_text(
-        exported, trained, capsys):
+@pytest.mark.parametrize("layout", ["pp2_tp2", "fsdp_dp2_tp2"])
+def test_sample_from_a_checkpoint_is_the_exported_models_greedy_text(
+        layout, exported, trained, capsys):
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
+    out = exported(layout)
     capsys.readouterr()
-    assert main(["sample", str(trained("llama", "pp2_tp2")), "prompt=def main(",
+    assert main(["sample", str(trained("llama", layout)), "prompt=def main(",
                  "max_new_tokens=16", "temperature=0"]) == 0
     printed = capsys.readouterr().out
-    tokenizer = Tokenizer.from_file(str(exported / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     ids = torch.tensor([tokenizer.encode("def main(").ids])
-    greedy = AutoModelForCausalLM.from_pretrained(str(exported)).generate(
+    greedy = AutoModelForCausalLM.from_pretrained(str(out)).generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
     assert greedy.shape[1] > ids.shape[1]
     assert printed == tokenizer.decode(greedy[0].tolist(), skip_special_tokens=False) + "\n"

@@ -297,8 +297,8 @@ def test_the_ep2_checkpoint_and_export_hold_every_expert_once(family, trained, e
     """The layout-free copy holds each layer's 4 experts under their global names;
     ``checkpoint.hf_every`` (its experts gathered over the ep group) writes exactly the source's
     tensors (every expert once, ``save_pretrained``'s names), ``plait export format=hf`` the same
-    bytes (ddp: ``plait export`` reads no FSDP run yet), and ``from_pretrained`` of it gives the
-    logits of the one-process run after the same 20 steps."""
+    bytes (ddp: the per-ep files joined; fsdp: its layout-free copy), and ``from_pretrained`` of
+    it gives the logits of the one-process run after the same 20 steps."""
     from transformers import AutoModelForCausalLM
 
     from plait.export import consolidate
@@ -311,10 +311,9 @@ def test_the_ep2_checkpoint_and_export_hold_every_expert_once(family, trained, e
     out = run_dir / "hf" / "step_00000020"  # checkpoint.hf_every=20
     written = safetensors_of(out)
     assert written.keys() == safetensors_of(checkpoints[family]).keys()
-    if STRATEGY[family] != "strategy=fsdp":
-        by_export = safetensors_of(exported(family))
-        assert by_export.keys() == written.keys()
-        assert all(torch.equal(by_export[k], written[k]) for k in written)
+    by_export = safetensors_of(exported(family))
+    assert by_export.keys() == written.keys()
+    assert all(torch.equal(by_export[k], written[k]) for k in written)
     hf = AutoModelForCausalLM.from_pretrained(str(out))
     one = consolidate(str(trained(family, "one")))
     one.model.load_state_dict(one.state, assign=True)

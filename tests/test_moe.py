@@ -356,6 +356,23 @@ def test_the_ep4_checkpoint_holds_every_expert_once_under_its_global_index(runs,
         assert torch.equal(exported[key], files[owner][key]), key
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ep2_dp4_zero2", "ep2_fsdp"])
+def test_export_of_a_layout_free_only_checkpoint_holds_the_trained_model(runs, layout,
+                                                                          tmp_path):
+    """ZeRO and FSDP under ``ep`` write only the layout-free copy (each expert under its global
+    name); ``plait export`` reads it offline (``layout_free.read_model``): every parameter, equal
+    to the ep=4 run's export (its per-rank files joined) after the same 20 steps (1e-5)."""
+    exports = {}
+    for name in ("ep4", layout):
+        assert main(["export", str(runs[name]), f"out={tmp_path / name}.pt"]) == 0
+        exports[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+    assert exports[layout].keys() == exports["ep4"].keys() >= EXPERT_KEYS
+    for key, value in exports["ep4"].items():
+        torch.testing.assert_close(exports[layout][key], value, rtol=0, atol=1e-5, msg=key)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ep, overrides", [
     (2, ["launcher.nproc_per_node=2", "parallel.ep=2", "train.grad_accum_steps=2"]),

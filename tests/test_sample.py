@@ -66,3 +66,25 @@ def test_bad_sample_and_export_settings_are_refused(gpt_run, capsys):
     assert main(["export", str(gpt_run), "format=hf"]) == 2
     assert ("format=hf: no active plugin writes it; choose format=pt or a format of the run's "
             "model (format=hf for model=hf)" in capsys.readouterr().err)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_no_plugin_reads_is_refused_by_name(gpt_run, tmp_path, capsys):
+    """The run's copy, as if strategy=local_sgd (whose plugin has no offline reader) had written
+    it: export and sample say so, without a traceback."""
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    copy = tmp_path / "local_sgd"
+    shutil.copytree(gpt_run, copy)
+    cfg = OmegaConf.load(copy / "config.yaml")
+    cfg.strategy.name = "local_sgd"
+    OmegaConf.save(cfg, copy / "config.yaml")
+    for command in (["export", str(copy)], ["sample", str(copy), "max_new_tokens=1"]):
+        capsys.readouterr()
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert ("no active plugin reads the checkpoints of strategy=local_sgd offline "
+                "(plait_read_model_shards), so it cannot be exported or sampled from" in err)
+        assert "Traceback" not in err

@@ -131,3 +131,18 @@ def saved_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     return {key.removeprefix("model."): tuple(meta.size)
             for key, meta in metadata.state_dict_metadata.items()
             if key.startswith("model.") and hasattr(meta, "size")}
+
+
+def read_model(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model of a checkpoint's layout-free copy, every tensor whole (dp and tp shards joined,
+    every pipeline stage's names), in fp32, read offline: one process, no process group
+    (``plait export``, ``plait sample``). The entries DCP's metadata lists under ``model.`` are
+    allocated and ``dcp.load`` fills them; the optimizer's are not read."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(checkpoint / DIRECTORY))
+    stored = reader.read_metadata().state_dict_metadata
+    model = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in stored.items() if key.startswith("model.") and hasattr(meta, "size")}
+    dcp.load({"model": model}, storage_reader=reader, no_dist=True)
+    return {name: value.float() for name, value in model.items()}

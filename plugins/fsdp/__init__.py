@@ -27,6 +27,7 @@ sum-then-divide gradient reduction: gloo computes ``ReduceOp.AVG`` wrongly under
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from plait import hookimpl
 from plait.config import AT_LEAST_1, StrategyConfig, range_problems
@@ -124,6 +125,18 @@ def plait_strategy_cost(cfg, strategy, model, dims) -> StrategyCost | None:
     return StrategyCost(params=4 * psi // shard, grads=4 * psi // shard,
                         optimizer=8 * psi // shard, buffers=unit // dims.tp * (b + 4),
                         dp_bytes_per_step=3 * (shard - 1) / shard * psi * b)
+
+
+@hookimpl
+def plait_read_model_shards(checkpoint) -> dict[tuple[int, int], dict]:
+    """``plait export`` / ``plait sample``: the checkpoint's layout-free copy, which every fsdp
+    checkpoint holds (the engine's own files are DTensor shards by dp rank), read whole."""
+    from plait.plugins.checkpoint.layout_free import DIRECTORY, read_model
+
+    if not (Path(checkpoint) / DIRECTORY).is_dir():
+        raise ValueError(f"{checkpoint}: no {DIRECTORY}/ copy in it, which strategy=fsdp "
+                         "checkpoints are read from; give a complete checkpoint of the run")
+    return {(0, 0): read_model(Path(checkpoint))}
 
 
 @hookimpl

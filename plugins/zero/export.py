@@ -6,7 +6,8 @@ DeepSpeed's zero-to-fp32 path joins the partitions; it reads one tensor-parallel
 so each tensor-parallel rank's files are linked into a folder of their own first.
 
 A checkpoint without DeepSpeed's files (written under expert parallelism, ``experts.py``) is read
-from its layout-free copy, which holds every parameter whole: DCP's ``dcp_to_torch_save``.
+from its layout-free copy, which holds every parameter whole (:func:`plait.plugins.checkpoint.
+layout_free.read_model`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from plait.plugins.checkpoint.layout_free import DIRECTORY
+from plait.plugins.checkpoint.layout_free import DIRECTORY, read_model
 from plait.plugins.zero.engine import TAG
 
 MP_RANK = re.compile(r"mp_rank_(\d+)_")
@@ -50,19 +51,9 @@ def read_partitioned(ds_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in state.items()}
 
 
-def read_layout_free(directory: Path) -> dict[str, torch.Tensor]:
-    """The model entries of a layout-free (DCP) copy, whole, offline."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(directory, Path(tmp) / "state.pt")
-        state = torch.load(Path(tmp) / "state.pt", map_location="cpu", weights_only=False)
-    return {k: v.float() for k, v in state["model"].items()}
-
-
 def read_model_shards(checkpoint: Path, stage: int) -> dict[tuple[int, int], dict]:
     ds_dir = checkpoint / TAG
     if not ds_dir.exists() and (checkpoint / DIRECTORY).exists():
-        return {(0, 0): read_layout_free(checkpoint / DIRECTORY)}
+        return {(0, 0): read_model(checkpoint)}
     read = read_stage0 if stage == 0 else read_partitioned
     return {(0, tp): read(ds_dir, tp) for tp in tensor_parallel_ranks(ds_dir)}
