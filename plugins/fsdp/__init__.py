@@ -4,6 +4,7 @@ of DeepSpeed ZeRO-3.
     plait train strategy=fsdp launcher.nproc_per_node=4
     plait train strategy=fsdp strategy.replicate=2 launcher.nproc_per_node=4      # HSDP
     plait train strategy=fsdp parallel.tp=2 launcher.nproc_per_node=4 precision=bf16
+    plait train strategy=fsdp parallel.pp=2 pipeline.microbatches=2 launcher.nproc_per_node=4
 
 Parameters, gradients and optimizer states are sharded over the data-parallel group (dim 0 of
 every parameter, DTensor ``Shard(0)``); each transformer block is its own FSDP unit, gathered
@@ -14,7 +15,10 @@ across groups, the gradient reduce-scatter inside a group and an all-reduce acro
 ``precision=bf16`` is FSDP's ``MixedPrecisionPolicy`` (bf16 compute and all-gather, fp32 gradient
 reduction and fp32 sharded parameters for the optimizer). Tensor parallelism composes: plait's
 Megatron-style shards are sharded again over the dp group. So does context parallelism: the
-``dp x cp`` ranks form the shard mesh (torchtitan's ``dp_shard_cp``).
+``dp x cp`` ranks form the shard mesh (torchtitan's ``dp_shard_cp``). So do pipeline stages
+(``engine:pipeline``, ``engine:pipeline_step``): each stage chunk is sharded over its own dp
+axis of the topology's mesh, torch's ``PipelineStage`` reduce-scatters on the last micro-batch,
+and this engine clips by the norm over dp shards, tp shards and stages, then steps.
 
 What plait took from torch: ``fully_shard``, ``MixedPrecisionPolicy``, ``DeviceMesh``, DCP's
 ``get_state_dict``/``set_state_dict`` (full tensors by name for the layout-free checkpoint). What
@@ -51,9 +55,10 @@ OFFLOAD = ("none", "cpu")
 def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="fsdp", selected_by={"strategy.name": "fsdp"},
-        precisions=frozenset({"fp32", "bf16"}), parallel_axes=frozenset({"dp", "cp", "tp", "ep"}),
+        precisions=frozenset({"fp32", "bf16"}),  # every parallel axis
         provides=frozenset({"engine:tensor_parallel", "engine:layout_free_state",
-                            "engine:expert_parallel", "engine:context_parallel"}),
+                            "engine:expert_parallel", "engine:context_parallel",
+                            "engine:pipeline", "engine:pipeline_step"}),
         description="torch FSDP2 (fully_shard), HSDP with strategy.replicate")
 
 

@@ -6,8 +6,12 @@ One optimizer step::
         loss = loss_fn(model(x), y) / n;  loss.backward()   # reduce-scatter on the last
     norm = ||g|| over dp shards and tensor-parallel shards;  clip;  guard;  optimizer.step()
 
-The optimizer plait's optimizer plugin built steps the sharded (DTensor) parameters; plait's LR
-schedule is set on its param groups each step, as under DDP.
+Under pipeline stages the pipeline engine runs the forwards and backwards instead (torch's
+``PipelineStage`` keeps FSDP from syncing before the last micro-batch, then reduce-scatters each
+stage's gradients and divides them by the micro-batch count) and hands the rest of the step to
+:meth:`FSDPEngine.step_after_backward` (``engine:pipeline_step``): the norm then also sums over
+the stages. The optimizer plait's optimizer plugin built steps the sharded (DTensor) parameters;
+plait's LR schedule is set on its param groups each step, as under DDP.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plait.plugins.fsdp.materialize import experts_divided_by_engine, shard
+from plait.plugins.fsdp.materialize import experts_divided_by_engine, is_sharded, shard
 from plait.plugins.optim.clip_grads import is_expert, is_tensor_parallel
 from plait.plugins.optim.hyperparameters import keep_hyperparameters
 from plait.plugins.optim.mixed_precision import autocast
@@ -33,11 +37,9 @@ def full_options(**kwargs):
 
 class FSDPEngine:
     def __init__(self, cfg, model, optimizer, loss_fn, topology, hook):
-        from torch.distributed.fsdp import FSDPModule
-
         self.device = topology.device
         self.check_step = functools.partial(hook.plait_check_step, cfg=cfg, topology=topology)
-        if not isinstance(model, FSDPModule):  # built whole, not materialized by this plugin
+        if not is_sharded(model):  # built whole, not materialized by this plugin
             model = shard(cfg, model.to(self.device), topology)
             optimizer = hook.plait_build_optimizer(cfg=cfg, model=model)
         self.model = model
@@ -50,6 +52,9 @@ class FSDPEngine:
         self.dp_size = topology.dims.dp_cp
         self.tp_group = topology.get_tensor_model_parallel_group() if topology.dims.tp > 1 else None
         self.tp_rank = topology.tp_rank
+        # pipeline stages hold disjoint parameters: the norm sums over them
+        self.pp_group = (topology.get_pipeline_model_parallel_group() if topology.dims.pp > 1
+                         else None)
         mesh = next(p for p in model.parameters()).device_mesh
         # the ranks a parameter's shards are spread over (not the HSDP replicas)
         self.shard_group = mesh.get_group(mesh.ndim - 1)
@@ -57,7 +62,8 @@ class FSDPEngine:
         self.ep_group = topology.get_expert_parallel_group() if topology.dims.ep > 1 else None
         self.edp_group = topology.get_expert_data_parallel_group()
         self.divide_experts = experts_divided_by_engine(topology)
-        self.checkpoint_name = f"fsdp_tp{topology.tp_rank}_dp{topology.dp_cp_rank}.pt"
+        self.checkpoint_name = (f"fsdp_pp{topology.pp_rank}_tp{topology.tp_rank}"
+                                f"_dp{topology.dp_cp_rank}.pt")
 
     def _loss(self, batch: Batch) -> torch.Tensor:
         x, kwargs, y = model_inputs(batch, self.device)
@@ -66,9 +72,12 @@ class FSDPEngine:
 
     def grad_norm(self) -> torch.Tensor:
         """``||g||`` over every shard: squares summed over this rank's FSDP shards, then over
-        the shard group (shards are disjoint there; HSDP replicas hold the same) and the
-        tensor-parallel group (a replicated parameter counted on tp rank 0 only); experts'
-        over their expert-data-parallel shards, then the expert-parallel group."""
+        the shard group (shards are disjoint there; HSDP replicas hold the same), the
+        tensor-parallel group (a replicated parameter counted on tp rank 0 only) and the
+        pipeline stages (disjoint parameters); experts' over their expert-data-parallel shards,
+        then the expert-parallel group::
+
+            ||g||² = Σ_pp Σ_tp Σ_shard Σ_local g²"""
         squares = torch.zeros((), device=self.device, dtype=torch.float32)
         experts = torch.zeros((), device=self.device, dtype=torch.float32)
         for p in self.model.parameters():
@@ -82,6 +91,8 @@ class FSDPEngine:
             squares += experts
         if self.tp_group is not None:
             dist.all_reduce(squares, group=self.tp_group)
+        if self.pp_group is not None:
+            dist.all_reduce(squares, group=self.pp_group)
         return squares.sqrt()
 
     def clip(self, norm: torch.Tensor) -> None:
@@ -104,18 +115,23 @@ class FSDPEngine:
             total += loss.detach()
         mean_loss = total / n
         dist.all_reduce(mean_loss, group=self.dp_group)  # gloo has no AVG
+        return self.step_after_backward(mean_loss.item() / self.dp_size, total / n)
+
+    def step_after_backward(self, loss: float, local_loss: torch.Tensor) -> StepOutput:
+        """The step after the gradients are reduce-scattered (by this engine's last
+        micro-batch, or under pipeline stages by the schedule's): clip by the global norm,
+        guard, step. ``loss``: the global mean; ``local_loss``: this rank's (the guard's)."""
         if self.divide_experts:
             for p in self.model.parameters():
                 if p.grad is not None and is_expert(p):
                     p.grad.to_local().div_(self.dp_size)
         norm = self.grad_norm()
         self.clip(norm)
-        skipped = any(self.check_step(loss=total / n, grad_norm=norm))
+        skipped = any(self.check_step(loss=local_loss, grad_norm=norm))
         if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepOutput(loss=mean_loss.item() / self.dp_size, grad_norm=float(norm),
-                          skipped=skipped)
+        return StepOutput(loss=loss, grad_norm=float(norm), skipped=skipped)
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> float:

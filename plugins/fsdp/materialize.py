@@ -9,6 +9,13 @@ pretrained checkpoint), otherwise cut from the full value made one parameter at 
 communication. Buffers (a rotary embedding's ``inv_freq``) keep their values across
 ``to_empty``. A model built whole is sharded as it is. Either way the parameters lose the
 attributes plait's tensor-parallel layers set on them; they are carried over by name.
+
+Under pipeline stages (``parallel.pp>1``) the model is this rank's
+:class:`~plait.plugins.pipeline.split.PipelineStageModules`: each of its stage chunks is sharded
+as a model of its own (its layers, then the chunk, which takes the stage's embedding or head),
+as torchtitan shards each model part, so torch's ``PipelineStage`` sees an ``FSDPModule`` and
+syncs its gradients on the last micro-batch only. The chunks share their parts with the
+stage modules, which therefore hold the same DTensors under the unsplit names.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch.nn as nn
 
 from plait.host_memory import return_freed_memory
 from plait.meta import ParameterInit
+from plait.plugins.pipeline.split import PipelineStageModules
 
 # carried over the parameters fully_shard replaces: tensor-parallel shards' and experts' marks
 TENSOR_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride",
@@ -73,6 +81,20 @@ def units(model: nn.Module) -> list[nn.Module]:
     return [model]
 
 
+def stage_roots(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded as FSDP roots: each pipeline stage chunk this rank runs (a
+    pipeline schedule calls each alone), else the model itself."""
+    if isinstance(model, PipelineStageModules):
+        return [chunk for _, chunk in model.chunks]
+    return [model]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return all(isinstance(root, FSDPModule) for root in stage_roots(model))
+
+
 def tensor_parallel_attrs(model: nn.Module) -> dict[str, dict]:
     return {name: {a: getattr(p, a) for a in TENSOR_PARALLEL_ATTRS if hasattr(p, a)}
             for name, p in model.named_parameters()}
@@ -87,7 +109,8 @@ def restore(model: nn.Module, attrs: dict[str, dict]) -> nn.Module:
 
 
 def shard(cfg, model: nn.Module, topology) -> nn.Module:
-    """``fully_shard`` every unit over the dp mesh, reductions summed then divided (gloo).
+    """``fully_shard`` every unit of every stage root (:func:`stage_roots`) over the dp mesh,
+    reductions summed then divided (gloo).
     Under expert parallelism each expert first over the expert-data-parallel mesh, its
     gradients summed there and divided by dp too: ``g = Σ_edp g / dp``. On a mesh of one rank
     (``ep == dp``) torch 2.13 divides a gradient by the factor twice (``foreach_reduce``'s
@@ -100,7 +123,8 @@ def shard(cfg, model: nn.Module, topology) -> nn.Module:
     mesh = dp_mesh(cfg, topology)
     experts = expert_units(model) if topology.dims.ep > 1 else []
     edp_mesh = expert_data_parallel_mesh(topology) if experts else None
-    plan = [(expert, edp_mesh) for expert in experts] + [(unit, mesh) for unit in units(model)]
+    plan = [(expert, edp_mesh) for expert in experts]
+    plan += [(unit, mesh) for root in stage_roots(model) for unit in units(root)]
     for unit, unit_mesh in plan:
         fully_shard(unit, mesh=unit_mesh, reshard_after_forward=cfg.strategy.reshard_after_forward,
                     mp_policy=mixed_precision(cfg), offload_policy=offload)
@@ -129,11 +153,13 @@ def shard_and_materialize(cfg, model: nn.Module, init: ParameterInit, topology) 
     shard(cfg, model, topology)
     device = "cpu" if cfg.strategy.offload == "cpu" else topology.device
     attrs = tensor_parallel_attrs(model)  # to_empty replaces the parameters again
-    buffers = {name: b.clone() for name, b in model.named_buffers()}  # to_empty drops values
-    restore(model.to_empty(device=device), attrs)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            b.copy_(buffers.pop(name))
+    for root in stage_roots(model):  # an FSDP root re-registers its shards after to_empty
+        buffers = {name: b.clone() for name, b in root.named_buffers()}  # to_empty drops values
+        root.to_empty(device=device)
+        with torch.no_grad():
+            for name, b in root.named_buffers():
+                b.copy_(buffers.pop(name))
+    restore(model, attrs)
     with torch.no_grad():
         for name, p in model.named_parameters():
             local = p.to_local()
