@@ -6,7 +6,8 @@ processes (``strategy.replicate=2``, two launcher agents on loopback). Layout: e
 a DTensor sharded over the dp (or shard) mesh, each rank holding 1/shard of it, so a silent
 fallback to DDP fails; under pp the ranks are the ``(pp, dp)`` mesh, each stage's dp ranks hold
 its half each, stages disjoint (``inhouse.assert_layout``). The pp=2 run's step-10 checkpoint
-resumes as itself (steps 11-20 exactly) and as fsdp at dp=2 without stages (within 1e-5). Switch-off run once: without
+resumes as itself (steps 11-20 exactly), as fsdp at dp=2 without stages and as fsdp x pp=2 at
+dp=1 (within 1e-5). Switch-off run once: without
 restoring the tensor-parallel attributes on the sharded parameters the FSDP x tp grad norm was
 4.69 instead of 5.08 (red). The gloo ``ReduceOp.AVG`` trap (pytorch#162338) could not be shown
 here: on torch 2.13 FSDP2's default reduction also gave parity at dp=2 (switched off once: still
@@ -121,7 +122,6 @@ def test_fsdp_under_pipeline_stages_equals_one_process_and_shards_each_stage(one
         assert 2 * sum(p["local"] for p in stage.values()) == sum(p["global"]
                                                                   for p in stage.values())
         assert stage.keys() == held[rank ^ 1].keys(), rank  # the other dp rank of its stage
-    assert not held[0].keys() & held[2].keys()
 
 
 @pytest.mark.slow
@@ -129,12 +129,14 @@ def test_fsdp_pipeline_checkpoint_resumes_exactly_and_reshards(pp2_run, tmp_path
     """The step-10 checkpoint of the pp=2 run: each rank's shards and Adam states in files
     named by pp, tp and dp rank resume the same layout with the uninterrupted steps 11-20
     exactly; its layout-free copy (each stage's names, dp shards gathered) resumes as fsdp at
-    dp=2 without stages, the next losses within 1e-5."""
+    dp=2 without stages and as fsdp x pp=2 at dp=1 (loaded into stage chunks), the next losses
+    within 1e-5."""
     saved = pp2_run / "checkpoints" / f"step_{SAVED:08d}"
     assert sorted(p.name for p in saved.glob("fsdp_*.pt")) == [
         f"fsdp_pp{p}_tp0_dp{d}.pt" for p in range(2) for d in range(2)]
     want = {m["step"]: m["loss"] for m in read_metrics(pp2_run)}
-    for name, layout in (("same", PP2), ("dp2", LAYOUTS["dp2"][0])):
+    pp2_dp1 = [*PP2[:-1], "launcher.nproc_per_node=2"]
+    for name, layout in (("same", PP2), ("dp2", LAYOUTS["dp2"][0]), ("pp2_dp1", pp2_dp1)):
         resumed = run_training(tmp_path / name, [*COMMON, *layout, f"resume={saved}"])
         got = {m["step"]: m["loss"] for m in read_metrics(resumed)}
         assert sorted(got) == list(range(SAVED + 1, STEPS + 1)), name
