@@ -82,6 +82,9 @@ def test_fsdp_equals_one_process_and_really_shards(one_process, layout, tmp_path
     (["strategy.replicate=3", "launcher.nproc_per_node=4"],
      "strategy.replicate=3 does not divide dp=4"),
     (["comm=ring"], "FSDP reduce-scatters gradients with its own collectives"),
+    (["parallel.pp=2", "pipeline.schedule=zbv", "pipeline.virtual_stages=2",
+      "launcher.nproc_per_node=2"], "pipeline.schedule=zbv with strategy=fsdp: the zero-bubble "
+                                    "schedules split each backward"),
     (["strategy.offload=cpu", "device=cpu"], "strategy.offload=cpu with device=cpu"),
     (["precision=fp16"], "plugin 'fsdp' does not support precision=fp16: choose one of bf16, fp32"),
 ])

@@ -163,6 +163,9 @@ CASES = [
      "launcher.nproc_per_node=4",
      ["strategy.replicate=2 with parallel.ep=2: plait shards experts over their "
       "expert-data-parallel group, not over HSDP's replica groups"]),
+    ("strategy=fsdp parallel.pp=2 pipeline.schedule=zero_bubble launcher.nproc_per_node=2",
+     ["pipeline.schedule=zero_bubble with strategy=fsdp: the zero-bubble schedules split each "
+      "backward into input and weight gradients"]),
     ("model.n_experts=4 parallel.ep=2 strategy=local_sgd",
      ["plugin 'local_sgd' does not support ep parallelism (parallel.ep=2)"]),
     ("model.n_experts=4 precision=fp16", ["precision=fp16 with model.n_experts: the router's "
