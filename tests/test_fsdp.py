@@ -7,7 +7,10 @@ a DTensor sharded over the dp (or shard) mesh, each rank holding 1/shard of it, 
 fallback to DDP fails; under pp the ranks are the ``(pp, dp)`` mesh, each stage's dp ranks hold
 its half each, stages disjoint (``inhouse.assert_layout``). The pp=2 run's step-10 checkpoint
 resumes as itself (steps 11-20 exactly), as fsdp at dp=2 without stages and as fsdp x pp=2 at
-dp=1 (within 1e-5). Switch-off run once: without
+dp=1 (within 1e-5). Switch-offs run once under pp: the grad norm not summed over the stages gave
+3.67 instead of 5.08 at step 1 (all 20 steps red); checkpoint files named without the pp rank
+(both stages' ranks writing one file) failed the resume (``PytorchStreamReader ... archive is
+corrupted``). Switch-off run once: without
 restoring the tensor-parallel attributes on the sharded parameters the FSDP x tp grad norm was
 4.69 instead of 5.08 (red). The gloo ``ReduceOp.AVG`` trap (pytorch#162338) could not be shown
 here: on torch 2.13 FSDP2's default reduction also gave parity at dp=2 (switched off once: still
