@@ -90,7 +90,7 @@ def test_fsdp_equals_one_process_and_really_shards(one_process, layout, tmp_path
                                     "schedules split each backward"),
     (["parallel.pp=2", "strategy.replicate=2", "launcher.nproc_per_node=8"],
      "strategy.replicate=2 with parallel.pp=2 and strategy=fsdp: fsdp under pipeline stages is "
-     "checked against one process with dp and tp only"),
+     "checked against one process over dp alone"),
     (["strategy.offload=cpu", "device=cpu"], "strategy.offload=cpu with device=cpu"),
     (["precision=fp16"], "plugin 'fsdp' does not support precision=fp16: choose one of bf16, fp32"),
 ])
