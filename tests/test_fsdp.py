@@ -39,6 +39,9 @@ LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
 LAYOUTS = {
     "dp2": (["strategy=fsdp", "launcher.nproc_per_node=2"], 2, [2], ["dp"]),
     "tp2": (["strategy=fsdp", "parallel.tp=2", "launcher.nproc_per_node=4"], 4, [2], ["dp"]),
+    # torchtitan's 3D: each stage chunk an FSDP root over dp, its layers tp-split
+    "pp2_tp2": (["strategy=fsdp", "parallel.pp=2", "parallel.tp=2", "pipeline.microbatches=2",
+                 "launcher.nproc_per_node=8"], 8, [2], ["dp"]),
 }
 
 
@@ -90,7 +93,7 @@ def test_fsdp_equals_one_process_and_really_shards(one_process, layout, tmp_path
                                     "schedules split each backward"),
     (["parallel.pp=2", "strategy.replicate=2", "launcher.nproc_per_node=8"],
      "strategy.replicate=2 with parallel.pp=2 and strategy=fsdp: fsdp under pipeline stages is "
-     "checked against one process over dp alone"),
+     "checked against one process with dp and tp only"),
     (["strategy.offload=cpu", "device=cpu"], "strategy.offload=cpu with device=cpu"),
     (["precision=fp16"], "plugin 'fsdp' does not support precision=fp16: choose one of bf16, fp32"),
 ])
