@@ -102,7 +102,8 @@ def zero3_buffer_elements(cfg) -> int:
     (``stage3_max_live_parameters``), the reduce bucket ``B``, and its reduce-scatter
     (``reduce_scatter_coalesced``) which concatenates the bucket's padded partitions into a flat
     copy ``B``; gloo's ``reduce_scatter_tensor`` copies its input once more (``B``, CPU only)."""
-    return 4 + (1 if cfg.device == "cpu" else 0)
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    return 4 + (1 if on_cpu else 0)
 
 
 def deepspeed_estimate(n_params: int, largest_layer_params: int, stage: int, dp: int,
