@@ -18,6 +18,14 @@ from omegaconf import MISSING, ListConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp16": 2}  # of a tensor element in each precision
+
+
+def runs_on_cpu(cfg) -> bool:
+    """Whether the run's ``device`` (cpu, cuda, auto) puts it on the host: ``auto`` without a
+    CUDA device does (as :func:`plait.topology.pick_device` picks it)."""
+    import torch
+
+    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 

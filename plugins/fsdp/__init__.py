@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plait import hookimpl
-from plait.config import AT_LEAST_1, StrategyConfig, range_problems
+from plait.config import AT_LEAST_1, StrategyConfig, range_problems, runs_on_cpu
 from plait.plugin_manager import offered_by
 from plait.types import PluginInfo, StrategyCost
 
@@ -75,7 +75,7 @@ def plait_validate(cfg, dims, hook) -> list[str]:
     problems = range_problems("strategy", settings, RANGES)
     if settings.offload not in OFFLOAD:
         problems.append(f"strategy.offload={settings.offload}: choose none or cpu")
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not _cuda_available())
+    on_cpu = runs_on_cpu(cfg)
     if settings.offload == "cpu" and on_cpu:
         problems.append("strategy.offload=cpu with device=cpu: the run is on the host already "
                         "(FSDP's CPUOffloadPolicy moves shards off a GPU); use strategy.offload="
@@ -173,9 +173,3 @@ def plait_build_engine(cfg, model, optimizer, loss_fn, topology, hook):
     from plait.plugins.fsdp.engine import FSDPEngine
 
     return FSDPEngine(cfg, model, optimizer, loss_fn, topology, hook)
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 from omegaconf import OmegaConf
 
 from plait import hookimpl
-from plait.config import AT_LEAST_0, LauncherConfig, Range, range_problems
+from plait.config import AT_LEAST_0, LauncherConfig, Range, range_problems, runs_on_cpu
 from plait.plugins.launch.forkserver import START_METHODS
 from plait.plugins.launch.slurm import in_srun_task, task_count_problems, torch_env_from_slurm
 from plait.types import PluginInfo
@@ -169,12 +169,6 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
     finally:
         if not threads_given:
             os.environ.pop("OMP_NUM_THREADS", None)
-
-
-def runs_on_cpu(cfg) -> bool:
-    import torch
-
-    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
 
 
 def launch_config(cfg, dims):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from plait.config import StrategyConfig
+from plait.config import StrategyConfig, runs_on_cpu
 from plait.plugins.zero.comm import comm_settings
 from plait.plugins.zero.sizing import working_memory_settings
 from plait.types import CommSpec
@@ -243,7 +243,7 @@ def validate(cfg: DictConfig, dims, comm: CommSpec | None = None) -> list[str]:
     if strategy.offload_optimizer != "none" and stage == 0:
         problems.append(f"strategy.offload_optimizer={strategy.offload_optimizer} needs ZeRO-1 or "
                         "higher (stage 0 keeps the torch optimizer): use strategy=zero1..zero3")
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not _cuda_available())
+    on_cpu = runs_on_cpu(cfg)
     for setting in ("offload_optimizer", "offload_params"):
         if strategy[setting] == "nvme" and on_cpu:
             problems.append(f"strategy.{setting}=nvme needs a CUDA device (DeepSpeed's async_io "
@@ -345,9 +345,3 @@ def _cpu_supports_fp16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     except (AttributeError, RuntimeError):
         return False
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

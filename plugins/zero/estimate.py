@@ -33,7 +33,7 @@ from typing import Iterable
 
 import torch
 
-from plait.config import BYTES_PER_VALUE
+from plait.config import BYTES_PER_VALUE, runs_on_cpu
 from plait.meta import parameters_per_rank
 from plait.plugins.zero.config import STAGES
 from plait.plugins.zero.sizing import working_memory_settings
@@ -102,8 +102,7 @@ def zero3_buffer_elements(cfg) -> int:
     (``stage3_max_live_parameters``), the reduce bucket ``B``, and its reduce-scatter
     (``reduce_scatter_coalesced``) which concatenates the bucket's padded partitions into a flat
     copy ``B``; gloo's ``reduce_scatter_tensor`` copies its input once more (``B``, CPU only)."""
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    return 4 + (1 if on_cpu else 0)
+    return 4 + (1 if runs_on_cpu(cfg) else 0)
 
 
 def deepspeed_estimate(n_params: int, largest_layer_params: int, stage: int, dp: int,
