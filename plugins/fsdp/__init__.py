@@ -100,14 +100,15 @@ def plait_validate(cfg, dims, hook) -> list[str]:
                         "FSDP under torch's PipelineStage then gave wrong gradients (grad norm "
                         "5.45 instead of 7.33 at step 1, not traced further); use "
                         "pipeline.schedule=1f1b, gpipe or interleaved_1f1b")
-    untried = [f"{name}={value}" for name, value in (
-        ("strategy.replicate", settings.replicate),
-        ("parallel.ep", dims.ep), ("parallel.cp", dims.cp)) if value > 1]
+    untried = {name: value for name, value in (("strategy.replicate", settings.replicate),
+                                                ("parallel.ep", dims.ep), ("parallel.cp", dims.cp))
+               if value > 1}
     if dims.pp > 1 and untried:
-        problems.append(f"{' '.join(untried)} with parallel.pp={dims.pp} and strategy=fsdp: "
-                        "fsdp under pipeline stages is checked against one process with dp and "
-                        "tp only (not built further); drop pipeline stages (parallel.pp=1) or "
-                        f"set {' and '.join(u.split('=')[0] + '=1' for u in untried)}")
+        problems.append(f"{' '.join(f'{n}={v}' for n, v in untried.items())} with parallel.pp="
+                        f"{dims.pp} and strategy=fsdp: fsdp under pipeline stages is checked "
+                        "against one process with dp and tp only (not built further); drop "
+                        "pipeline stages (parallel.pp=1) or set "
+                        f"{' and '.join(f'{n}=1' for n in untried)}")
     if dims.elastic:
         problems.append(f"launcher.nnodes={cfg.launcher.nnodes} with strategy=fsdp: an elastic "
                         "job changes the shard count, which plait does not re-form for FSDP; use "
