@@ -11,7 +11,8 @@ Order of a run (``plait.train.train`` reads as this list)::
     plait_comm_spec (asked by plugins and ``plait plan``),
     plait_assign_roles (asked by the plan and the topology),
     plait_validate, plait_backend_config, plait_launch, plait_objective
-    plait_strategy_cost (asked by ``plait estimate`` and ``plait plan --search``)
+    plait_strategy_cost (asked by ``plait estimate`` and ``plait plan --search``),
+    plait_axis_cost (asked by ``plait plan --search``)
     plait_build_topology
     a rank whose role is not "trainer": plait_run_role, and nothing below
     plait_build_dataset, plait_shard_data
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from plait.meta import ParameterInit
     from plait.topology import ParallelDims, Roles, Topology
     from plait.types import (
+        AxisCost,
         BatchLoader,
         CommSpec,
         Engine,
@@ -183,6 +185,31 @@ def plait_strategy_cost(cfg: DictConfig, strategy: str, model: torch.nn.Module,
     :param dims: the layout; tensor and pipeline parallelism hold about ``1/(tp·pp)`` of the
         parameters per rank.
     :return: a :class:`plait.types.StrategyCost`.
+    """
+
+
+@hookspec
+def plait_axis_cost(cfg: DictConfig, axis: str, model: torch.nn.Module, dims: ParallelDims,
+                    micro_batch_size: int, microbatches: int, recompute: str
+                    ) -> AxisCost | None:
+    """Estimate what one rank's share of parallel ``axis`` costs per optimizer step (since hook
+    spec 1.5): the bytes it sends over that axis, and for pipeline stages how many
+    micro-batches' activations a rank holds at once.
+
+    Called on every active plugin: the plugins of several axes are active together, so this is
+    not a decision; ``plait plan --search`` asks for each axis of a layout larger than 1
+    (``"tp"``, ``"pp"``, ``"cp"``, ``"ep"``), as it asks strategies ``plait_strategy_cost``, and
+    takes the first answer. Answer only for the axis your plugin carries out, and only while
+    your plugin is the one ``cfg`` selects for it, None otherwise.
+
+    :param cfg: the run's config (``train.seq_len``, ``precision``, and your own group's
+        settings).
+    :param model: the unsplit model, on the meta device.
+    :param dims: the layout being estimated.
+    :param micro_batch_size: sequences per micro-batch on one rank.
+    :param microbatches: micro-batches per optimizer step (the pipeline's under ``pp > 1``).
+    :param recompute: ``train.activation_checkpointing`` of the layout (none, full, selective).
+    :return: a :class:`plait.types.AxisCost`.
     """
 
 
@@ -334,7 +361,7 @@ def plait_apply_context_parallel(
 ) -> None:
     """Make the model hold only this rank's part of each sequence, in place: its input is cut
     along the sequence and its attention exchanges keys and values with the other
-    context-parallel ranks (``topology.get_context_parallel_group()``).
+    context-parallel ranks (``topology.group("cp")``).
 
     Called on every active plugin after tensor and expert parallelism and before activation
     checkpointing (so a checkpointed block recomputes the exchanging attention), on the meta

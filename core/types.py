@@ -154,6 +154,20 @@ class StrategyCost:
         return sum(v for k, v in kept.items() if k not in self.offloaded) + self.buffers
 
 
+@dataclass(frozen=True)
+class AxisCost:
+    """What one rank's share of a parallel axis costs per optimizer step, as the plugin that
+    carries the axis out estimates it (``plait_axis_cost``), for ``plait plan --search``.
+
+    ``bytes_per_step``: what the rank sends over the axis per step (activations, gradients,
+    attention exchanges, token dispatches); ``in_flight``: how many micro-batches' activations
+    the rank holds at once (a pipeline schedule's: 1 elsewhere).
+    """
+
+    bytes_per_step: float
+    in_flight: int = 1
+
+
 class GradBucket(Protocol):
     """A flat gradient buffer and the gradients it holds, in the shape of
     ``torch.distributed.GradBucket`` (what DDP hands a comm hook), so torch's comm hooks run on it.

@@ -13,7 +13,7 @@ One command, interleaved runs, CPU and gloo (started by ``plait.testing.spawn``)
 2. two processes with tensor parallelism (tp=2) load that tp=1 checkpoint: the conversion
    (each rank reads the full tensors and cuts its shard).
 
-The save and load paths are plait's own (``plait.plugins.checkpoint.layout_free`` and
+The save and load paths are plait's own (``plait.engine.layout_free`` and
 ``background.cpu_stager``) over the state DDP gives at fp32 (``plait.plugins.optim.
 state_by_name``, what ``DDPEngine.layout_free_state`` returns without a loss scaler). Prints
 seconds and the ratios ``async block / sync save`` (target <= 0.25) and ``reshard / load``.
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from plait.plugins.checkpoint import layout_free
 from plait.plugins.checkpoint.background import cpu_stager
 from plait.plugins.models.gpt import GPT
-from plait.plugins.optim.state_by_name import load_state_by_name, state_by_name
+from plait.engine.state_by_name import load_state_by_name, state_by_name
 from plait.plugins.tensor_parallel.plan import TensorParallelPlan, apply_plan
 from plait.testing import spawn
 
@@ -67,7 +67,7 @@ def build(rank: int, world: int, args: dict) -> tuple[Engine, SimpleNamespace]:
         apply_plan(model, TensorParallelPlan(styles=dict(model.tensor_parallel_plan)),
                    dist.group.WORLD, rank, world, sequence_parallel=False)
     topology = SimpleNamespace(dims=SimpleNamespace(tp=world), tp_rank=rank,
-                               get_tensor_model_parallel_group=lambda: dist.group.WORLD)
+                               group=lambda name: dist.group.WORLD)
     return Engine(model), topology
 
 

@@ -94,7 +94,7 @@ def timed_reduce(reducer, group, numel: int, times: int = 1) -> float:
     import torch
     import torch.distributed as dist
 
-    from plait.plugins.comm.buckets import FlatBucket
+    from plait.engine.buckets import FlatBucket
 
     buckets = [FlatBucket(0, [torch.ones(numel)], last=True) for _ in range(times)]
     dist.barrier()
@@ -118,7 +118,7 @@ def worker(args) -> None:
                             "parallel": {"dp": -1, "tp": 1, "pp": 1},
                             "train": {"grad_accum_steps": 1}})
     topology = Topology.initialize(cfg)
-    group = topology.get_data_parallel_group()
+    group = topology.group("dp")
     built = reducers(topology, nnodes, nproc)
     lead = topology.rank == 0
     results = []

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from plait.plugins.models.gpt import GPT
-from plait.plugins.optim.clip_grads import clip_grad_norm_
+from plait.engine.norm import clip_grad_norm_
 from plait.plugins.tensor_parallel.layers import VocabParallelCrossEntropy
 from plait.plugins.tensor_parallel.plan import TensorParallelPlan, apply_plan
 from plait.testing import spawn

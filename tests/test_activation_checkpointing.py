@@ -116,7 +116,7 @@ def refusal(*overrides: str, plugins=()) -> str:
     (["train.activation_checkpointing=partial"],
      "train.activation_checkpointing=partial: choose one of none, full, selective"),
     (["train.activation_checkpointing=selective", "model=llama_tiny"],
-     "train.activation_checkpointing=selective: the model (plait.plugins.models.llama."
+     "train.activation_checkpointing=selective: the model (plait.plugins.hf.llama."
      "build_llama) has no 'selective' entry in its activation_checkpointing_plan (it has: full)"),
     (["train.activation_checkpointing=full", "model=custom", "model._target_=torch.nn.Identity"],
      "plugin 'activation_checkpointing' needs 'model:activation_checkpointing_plan', which no "

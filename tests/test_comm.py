@@ -47,7 +47,7 @@ def test_node_groups_follow_the_launcher_not_rank_numbers():
 
 
 def test_engines_without_buckets_fuse_gradients_by_dtype_up_to_the_bucket_size():
-    from plait.plugins.comm.buckets import fuse
+    from plait.engine.buckets import fuse
 
     grads = [torch.zeros(256), torch.zeros(256), torch.zeros(600),
              torch.zeros(8, dtype=torch.bfloat16)]
@@ -165,7 +165,7 @@ def _algorithms_on_two_nodes(rank: int, world_size: int) -> None:
 
     from plait.plugins import comm as plugins
     from inhouse import WireRecorder
-    from plait.plugins.comm.buckets import FlatBucket
+    from plait.engine.buckets import FlatBucket
     from plait.plugins.comm.hierarchical import hierarchical_all_reduce_
     from plait.plugins.comm.ring import ring_all_reduce_
     from plait.plugins.ddp import ddp_options, register_reducer
@@ -177,7 +177,7 @@ def _algorithms_on_two_nodes(rank: int, world_size: int) -> None:
     assert (nodes.nnodes, nodes.local_size) == (2, 2)
     assert dist.get_process_group_ranks(nodes.intra) == [[0, 1], [2, 3]][rank // 2]
     assert dist.get_process_group_ranks(nodes.inter) == [[0, 2], [1, 3]][rank % 2]
-    group = topology.get_data_parallel_group()
+    group = topology.group("dp")
 
     # integers: the same sums as torch's all-reduce, bit for bit (short buffers included)
     for numel in (0, 1, 3, 4, 7, 1001):

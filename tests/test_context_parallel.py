@@ -389,7 +389,7 @@ def test_packed_samples_restart_positions_at_every_document(packed_shards):
     assert len(plain.batch([0])) == 2  # unpacked samples stay (inputs, targets)
     assert ("data.pack=true passes each token's position in its document to the model "
             "(forward(ids, position_ids)), from which it masks attention across documents; "
-            "model._target_=plait.plugins.models.llama.build_llama takes no position_ids"
+            "model._target_=plait.plugins.hf.llama.build_llama takes no position_ids"
             in refusal("model=llama_tiny", "data=shards", f"data.path={packed_shards}",
                        "data.pack=true", "data.val_fraction=0"))
 

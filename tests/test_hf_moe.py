@@ -302,7 +302,7 @@ def test_the_ep2_checkpoint_and_export_hold_every_expert_once(family, trained, e
     from transformers import AutoModelForCausalLM
 
     from plait.export import consolidate
-    from plait.plugins.checkpoint.layout_free import saved_shapes
+    from plait.engine.layout_free import saved_shapes
 
     run_dir = trained(family, "ep2")
     saved = sorted((run_dir / "checkpoints").glob("step_*"))[-1]

@@ -31,7 +31,7 @@ from plait.plan import format_plan, make_plan
 from plait.plugin_manager import keep_selected, make_plugin_manager
 from plait.plugins.planner.cost import Layout, Workload, cost
 from plait.plugins.planner.search import enumerate_layouts
-from plait.plugins.checkpoint.layout_free import saved_shapes
+from plait.engine.layout_free import saved_shapes
 from plait.plugins.expert_parallel import plait_apply_expert_parallel
 from plait.plugins.models.gpt import GPT, MLP
 from plait.plugins.models.moe import MoE, load_balancing_loss, route, z_loss
@@ -166,7 +166,7 @@ def test_a_rank_keeps_its_experts_initialised_by_their_global_names():
     pm = keep_selected(make_plugin_manager(cfg), cfg)
     model, init = build_model(pm.hook, cfg)
     topology = SimpleNamespace(dims=SimpleNamespace(ep=2), ep_rank=1,
-                               get_expert_parallel_group=lambda: None)
+                               group=lambda name: None)
     plait_apply_expert_parallel(cfg=cfg, model=model, topology=topology)
     materialize(model, init)
     assert list(model.blocks["1"].mlp.experts.keys()) == ["2", "3"]

@@ -68,7 +68,7 @@ GRAD_CLIP = "train.grad_clip=0.05"
      "plugin 'tensor_parallel' needs 'model:tensor_parallel_plan' for parallel.tp=2, which no "
      "active plugin provides (installed plugins that provide it: gpt (model._target_="
      "plait.plugins.models.gpt.GPT), hf (model._target_=plait.plugins.hf.model.build_hf), llama "
-     "(model._target_=plait.plugins.models.llama.build_llama); or set parallel.tp=1)"),
+     "(model._target_=plait.plugins.hf.llama.build_llama); or set parallel.tp=1)"),
 ])
 def test_refused_before_launch(overrides, expected):
     with pytest.raises(PlanError) as refused:
@@ -190,7 +190,7 @@ def check_gpt(rank, tp, sequence_parallel, counter):
 
 
 def check_llama(rank, tp, counter):
-    from plait.plugins.models.llama import build_llama
+    from plait.plugins.hf.llama import build_llama
 
     torch.manual_seed(0)
     full = build_llama()

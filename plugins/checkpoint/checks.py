@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from plait.meta import meta_model
 from plait.plugin_manager import offered_by
-from plait.plugins.checkpoint import layout_free
+from plait.engine import layout_free
 from plait.plugins.checkpoint.directory import (
     AUTO,
     LATEST,

@@ -22,6 +22,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from plait.engine.files import atomic_write_text, fsync_path
+
 LATEST = "latest"
 AUTO = "auto"
 TRAINER_STATE = "trainer_state.json"
@@ -120,24 +122,6 @@ def resolve_resume(cfg, resume: str | None) -> Path | None:
         if found is not None:
             return found
     return None
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 def prune(root: Path, keep_last: int) -> None:

@@ -38,14 +38,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plait.plugins.checkpoint.directory import (
-    COMPLETE,
-    atomic_write_text,
-    checkpoint_problem,
-    fsync_path,
-    node_root,
-    publish,
-)
+from plait.engine.files import atomic_write_text, fsync_path
+from plait.plugins.checkpoint.directory import COMPLETE, checkpoint_problem, node_root, publish
 
 PART = "part_node{}.json"
 

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from plait.plugins.checkpoint import layout_free, replication
+from plait.engine import layout_free
+from plait.engine.files import atomic_write_text, fsync_path
+from plait.plugins.checkpoint import replication
 from plait.plugins.checkpoint.background import BackgroundWrites
 from plait.plugins.checkpoint.directory import (
     AUTO,
     LATEST,
     LAYOUT,
     TRAINER_STATE,
-    atomic_write_text,
     checkpoint_root,
-    fsync_path,
     node_root,
     prune,
     publish,

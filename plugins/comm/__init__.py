@@ -87,8 +87,7 @@ def algorithm_of(name: str, topology) -> Callable[[dist.ProcessGroup], dist.Proc
 
     # gradients are averaged over the data- and context-parallel ranks together
     nodes = topology.node_groups("dp_cp")
-    dp_ranks = dist.get_process_group_ranks(
-        topology.get_data_parallel_group(with_context_parallel=True))
+    dp_ranks = dist.get_process_group_ranks(topology.group("dp_cp"))
     if nodes.intra is None or nodes.inter is None:
         if topology.dp_cp_rank == 0 and topology.tp_rank == 0:
             where = ("lies on one node" if nodes.nnodes == 1 else "has one rank per node"
@@ -100,7 +99,7 @@ def algorithm_of(name: str, topology) -> Callable[[dist.ProcessGroup], dist.Proc
     def on_nodes(group: dist.ProcessGroup) -> dist.ProcessGroup:
         if dist.get_process_group_ranks(group) != dp_ranks:
             raise ValueError("comm=hierarchical splits the data-parallel group by node: reduce "
-                             "over topology.get_data_parallel_group(with_context_parallel=True)")
+                             "over topology.group('dp_cp')")
         return HierarchicalGroup(group, nodes.intra, nodes.inter)
 
     return on_nodes

@@ -27,18 +27,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait import hookimpl
-from plait.config import ContextParallelConfig
+from plait.config import BYTES_PER_VALUE, ContextParallelConfig
 from plait.meta import meta_model
 from plait.plugins.context_parallel.apply import (
     BACKENDS,
     STYLES,
     SequenceShardLoss,
     apply_context_parallel,
+    exchange_bytes,
     layout_for,
     planned,
 )
 from plait.plugins.context_parallel.ring import ExchangeStats
-from plait.types import PluginInfo
+from plait.types import AxisCost, PluginInfo
 
 
 @dataclass
@@ -117,7 +118,7 @@ def plait_apply_context_parallel(cfg, model, topology) -> None:
     backend = cfg.context_parallel.backend
     layout = layout_for(backend, cfg.train.seq_len, dims.cp, topology.cp_rank)
     replaced = apply_context_parallel(model, backend, layout,
-                                      topology.get_context_parallel_group(), stats)
+                                      topology.group("cp"), stats)
     if topology.is_logging_rank:
         print(f"context parallelism ({backend}, cp={dims.cp}): {layout.local_len} of "
               f"{layout.seq_len} tokens per sequence on each rank, {len(replaced)} attention "
@@ -143,3 +144,17 @@ def plait_log_metrics(metrics) -> None:
     if counts["exchanges"]:
         metrics["context_parallel/exchanges"] = float(counts["exchanges"])
         metrics["context_parallel/exchange_bytes"] = float(counts["bytes_sent"])
+
+
+@hookimpl
+def plait_axis_cost(cfg, axis, model, dims, micro_batch_size, microbatches) -> AxisCost | None:
+    """What context parallelism sends per step (``plait plan --search``): the attention
+    exchange of ``context_parallel.backend`` per layer, forward and backward
+    (:func:`~plait.plugins.context_parallel.apply.exchange_bytes`), over the layers of a
+    stage and the step's micro-batches."""
+    if axis != "cp" or cfg.context_parallel.name != "plait":
+        return None
+    h, n_layer = getattr(model, "n_embd", 0), getattr(model, "n_layer", 0)
+    per_layer = exchange_bytes(cfg.context_parallel.backend, cfg.train.seq_len, micro_batch_size,
+                               h // dims.tp, dims.cp, BYTES_PER_VALUE[cfg.precision])
+    return AxisCost(per_layer * n_layer / dims.pp * microbatches)

@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait import hookimpl
-from plait.config import ExpertParallelConfig
-from plait.types import PluginInfo
+from plait.config import BYTES_PER_VALUE, ExpertParallelConfig
+from plait.types import AxisCost, PluginInfo
 
 
 @dataclass
@@ -78,11 +78,11 @@ def plait_apply_expert_parallel(cfg, model, topology) -> None:
     if dims.ep == 1 or not layers:
         return
     from plait.plugins.expert_parallel.dispatch import AllToAllDispatcher, AllToAllMeter
-    from plait.plugins.expert_parallel.grads import mark_expert
+    from plait.engine.experts import mark_expert
 
     meter = AllToAllMeter()
     for layer in layers:
-        dispatcher = AllToAllDispatcher(topology.get_expert_parallel_group(), dims.ep,
+        dispatcher = AllToAllDispatcher(topology.group("ep"), dims.ep,
                                         topology.ep_rank, layer.n_experts, meter)
         mine = {str(dispatcher.first + j) for j in range(dispatcher.local)}
         for key in [k for k in layer.experts.keys() if k not in mine]:
@@ -102,3 +102,20 @@ def plait_build_engine(model, topology):
 
     meter = next((getattr(layer.dispatcher, "meter", None) for layer in layers), None)
     return MoEEngine(engine, layers, topology, meter)
+
+
+@hookimpl
+def plait_axis_cost(cfg, axis, model, dims, micro_batch_size, microbatches) -> AxisCost | None:
+    """What expert parallelism sends per step (``plait plan --search``): a mixture of experts'
+    all-to-all, tokens out and back in forward and their gradients in backward, ``4(ep-1)/ep``
+    of ``k·s/cp·b·h·v`` bytes per MoE layer of a stage (``k`` = top_k choices per token)."""
+    if axis != "ep" or cfg.expert_parallel.name != "alltoall":
+        return None
+    moe = [layer for layer in model.modules() if getattr(layer, "is_moe_layer", False)]
+    if not moe:
+        return AxisCost(0.0)
+    ep = dims.ep
+    activation_msg = cfg.train.seq_len // dims.cp * micro_batch_size \
+        * getattr(model, "n_embd", 0) * BYTES_PER_VALUE[cfg.precision]
+    return AxisCost(4 * (ep - 1) / ep * moe[0].top_k * activation_msg * len(moe) / dims.pp
+                    * microbatches)

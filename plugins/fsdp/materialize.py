@@ -11,7 +11,7 @@ communication. Buffers (a rotary embedding's ``inv_freq``) keep their values acr
 attributes plait's tensor-parallel layers set on them; they are carried over by name.
 
 Under pipeline stages (``parallel.pp>1``) the model is this rank's
-:class:`~plait.plugins.pipeline.split.PipelineStageModules`: each of its stage chunks is sharded
+:class:`~plait.engine.stages.PipelineStageModules`: each of its stage chunks is sharded
 as a model of its own (its layers, then the chunk, which takes the stage's embedding or head),
 as torchtitan shards each model part, so torch's ``PipelineStage`` sees an ``FSDPModule`` and
 syncs its gradients on the last micro-batch only. The chunks share their parts with the
@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from plait.host_memory import return_freed_memory
 from plait.meta import ParameterInit
-from plait.plugins.pipeline.split import PipelineStageModules
+from plait.engine.stages import PipelineStageModules
 
 # carried over the parameters fully_shard replaces: tensor-parallel shards' and experts' marks
 TENSOR_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride",

@@ -4,6 +4,7 @@ loaded."""
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import torch.nn as nn
@@ -108,11 +109,8 @@ def tensor_parallel_problems(cfg, model: nn.Module, config, tp: int) -> list[str
     if problems:
         return problems
     plan = model.tensor_parallel_plan or {}
-    from plait.plugins.tensor_parallel.plan import TensorParallelPlan
-
-    split = TensorParallelPlan(plan)
     for name, module in model.named_modules():
-        style = split.style_of(name)
+        style = style_of(plan, name)
         size = split_size(module, style)
         if size is not None and size % tp:
             problems.append(f"parallel.tp={tp} does not divide {name} ({style}, {size} "
@@ -120,6 +118,13 @@ def tensor_parallel_problems(cfg, model: nn.Module, config, tp: int) -> list[str
                             f"model.path={cfg.model.path}: choose tp in {divisors(size)}")
             break
     return problems
+
+
+def style_of(plan: dict[str, str], name: str) -> str:
+    """The style a tensor-parallel plan gives module ``name``: its first matching pattern's
+    (fnmatch), else ``replicate`` (the tensor-parallel plugin's rule, which applies the plan)."""
+    return next((style for pattern, style in plan.items() if fnmatchcase(name, pattern)),
+                "replicate")
 
 
 def split_size(module: nn.Module, style: str) -> int | None:

@@ -42,19 +42,13 @@ RANGES = {"hf_every": Range(0, meaning="0: never")}
 
 def model_state(engine, topology) -> dict[str, torch.Tensor]:
     """This rank's stage, every tensor full (a collective on every rank)."""
-    from plait.plugins.checkpoint.layout_free import tensor_parallel_placements
-    from plait.plugins.tensor_parallel.layers import merge_tensors
+    from plait.engine.layout_free import gather_shard, tensor_parallel_placements
 
     state = dict(engine.layout_free_state()["model"])
     placements = tensor_parallel_placements(engine)
-    if not placements:
-        return state
-    group, size = topology.get_tensor_model_parallel_group(), topology.dims.tp
     for name, local in state.items():
         if name in placements:
-            shards = [torch.empty_like(local) for _ in range(size)]
-            dist.all_gather(shards, local.contiguous(), group=group)
-            state[name] = merge_tensors(shards, *placements[name])
+            state[name] = gather_shard(local, placements[name], topology)
     return state
 
 
@@ -69,7 +63,7 @@ def gather_experts(state: dict[str, torch.Tensor], topology, model) -> dict[str,
     mine = {name: value for name, value in state.items() if name.startswith(prefixes)}
     gathered = [None] * topology.dims.ep
     dist.all_gather_object(gathered, {n: v.cpu() for n, v in mine.items()},
-                           group=topology.get_expert_parallel_group())
+                           group=topology.group("ep"))
     for experts in gathered:
         state.update(experts)
     return state
@@ -81,7 +75,7 @@ def barrier(topology) -> None:
 
 
 def save(cfg, engine, step: int, topology, model) -> Path:
-    from plait.plugins.checkpoint.directory import atomic_write_text
+    from plait.engine.files import atomic_write_text
     from plait.plugins.hf.checkpoint_files import write_safetensors
     from plait.plugins.hf.writer import (copy_side_files, partial_directory, publish, stage_file,
                                          tensors_to_write, write_index)

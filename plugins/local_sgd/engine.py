@@ -22,7 +22,6 @@ clipping clips each replica's own gradient. Checkpoints hold every replica
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from pathlib import Path
 
@@ -33,21 +32,21 @@ from torch.distributed.algorithms.model_averaging.hierarchical_model_averager im
     HierarchicalModelAverager)
 from torch.distributed.optim import PostLocalSGDOptimizer
 
-from plait.plugins.optim.accumulate import accumulate_gradients
-from plait.plugins.optim.mixed_precision import autocast
+from plait.engine.hyperparameters import set_lr
+from plait.engine.step import TorchEngine, accumulate, mean_over
 from plait.topology import split_by_node
-from plait.types import Batch, StepOutput, model_inputs
+from plait.types import Batch, StepOutput
 
 
-class LocalSGDEngine:
+class LocalSGDEngine(TorchEngine):
+    """The base step (:class:`plait.engine.step.TorchEngine`) of each replica on its own: no
+    gradient reduction, no step guard (it would be a collective every step), the optimizer
+    wrapped in torch's model averager."""
+
     def __init__(self, cfg, model, optimizer, loss_fn, topology):
-        self.device = topology.device
-        self.model = model.to(self.device)
-        self.loss_fn = loss_fn
-        self.precision = cfg.precision
-        self.max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
-        self.dp_group = topology.get_data_parallel_group()
-        self.dp_size = topology.dims.dp
+        super().__init__(cfg, topology, None, model.to(topology.device), optimizer, loss_fn,
+                         loss_scaling=False, loss_group="dp")
+        self.dp_group = self.loss_group
         self.checkpoint_name = f"replica_dp{topology.dp_rank}.pt"
         self.sync_every = cfg.strategy.sync_every
         self.steps = 0
@@ -87,35 +86,15 @@ class LocalSGDEngine:
         """The replicas were averaged after the step just taken."""
         return self.steps % self.sync_every == 0
 
-    def _loss(self, batch: Batch) -> torch.Tensor:
-        x, kwargs, y = model_inputs(batch, self.device)
-        with autocast(self.precision, self.device):
-            return self.loss_fn(self.model(x, **kwargs), y)
-
-    def _mean_over_dp(self, value: torch.Tensor) -> float:
-        if self.dp_size > 1:
-            dist.all_reduce(value, group=self.dp_group)
-            value = value / self.dp_size
-        return float(value)
-
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        mean = accumulate_gradients(micro_batches, self._loss)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+        set_lr(self.optimizer, lr)
+        local_loss = accumulate(micro_batches, self.loss_of)
         self.steps += 1
-        self.optimizer_step()
-        self.optimizer.zero_grad(set_to_none=True)
-        mean_loss = self._mean_over_dp(mean) if self.averaged else float(mean)
-        return StepOutput(loss=mean_loss, grad_norm=float(grad_norm),
+        grad_norm, _, _ = self.finish_step(local_loss)
+        loss = (mean_over(local_loss, self.dp_group, self.loss_size)() if self.averaged
+                else float(local_loss))
+        return StepOutput(loss=loss, grad_norm=float(grad_norm),
                           metrics={"replicas_averaged": float(self.averaged)})
-
-    @torch.no_grad()
-    def eval_loss(self, batch: Batch) -> float:
-        self.model.eval()
-        loss = self._loss(batch).detach().float()
-        self.model.train()
-        return self._mean_over_dp(loss)
 
     def state(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),

@@ -56,6 +56,8 @@ import torch
 import torch.distributed as dist
 
 from plait.config import job_last_step
+from plait.engine import norm
+from plait.engine.hyperparameters import set_lr
 from plait.plugins.parameter_server.sharding import flat, shards_of, unflatten_into
 from plait.plugins.parameter_server.store import inbox, job_store, publish, saved_key
 
@@ -116,15 +118,11 @@ class Server:
             p.grad = torch.empty_like(p)
         unflatten_into(grad, [p.grad for p in self.params])
         grad_norm = math.nan
-        if clip:
-            squares = grad.square().sum()
-            if self.group is not None:
-                dist.all_reduce(squares, group=self.group)
-            total = squares.sqrt()
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.max_norm, total)
+        if clip:  # the servers hold disjoint shards: their squares add up over the servers
+            total = norm.grad_norm(self.params, norm.ShardGroups(shard=self.group))
+            norm.clip_grads_(self.params, self.max_norm, total)
             grad_norm = float(total)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1

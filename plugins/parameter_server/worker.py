@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from plait.config import job_last_step
-from plait.plugins.optim.clip_grads import clip_grad_norm_
-from plait.plugins.optim.accumulate import accumulate_gradients
-from plait.plugins.optim.mixed_precision import autocast
+from plait.engine.norm import clip_grad_norm_
+from plait.engine.precision import autocast
+from plait.engine.step import accumulate, mean_over
 from plait.plugins.parameter_server import SERVER
 from plait.plugins.parameter_server.server import BYE
 from plait.plugins.parameter_server.sharding import flat, shards_of, unflatten_into
@@ -47,7 +47,8 @@ class WorkerEngine:
         self.servers = list(topology.roles.ranks[SERVER])
         self.shards = shards_of(list(self.model.parameters()), len(self.servers))
         self.rank, self.workers = topology.rank, topology.trainer_ranks
-        self.step_group = topology.step_group
+        self.step_group = topology.step_group  # None: this worker alone
+        self.step_size = dist.get_world_size(self.step_group) if self.step_group else 1
         self.samples_per_step = cfg.train.batch_size // topology.dims.dp
         self.last_step = job_last_step(cfg.train)
         self.log_every = cfg.train.log_every
@@ -77,14 +78,8 @@ class WorkerEngine:
         with autocast(self.precision, self.device):
             return self.loss_fn(self.model(x, **kwargs), y)
 
-    def _mean_over_step_group(self, value: torch.Tensor) -> float:
-        if self.step_group is not None and dist.get_world_size(self.step_group) > 1:
-            dist.all_reduce(value, group=self.step_group)
-            value = value / dist.get_world_size(self.step_group)
-        return float(value)
-
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
-        mean = accumulate_gradients(micro_batches, self._loss)
+        mean = accumulate(micro_batches, self._loss)
         own_norm = None
         if not self.sync:  # each push is an update of its own: clip it here
             own_norm = float(clip_grad_norm_(self.model.parameters(), self.max_norm))
@@ -101,7 +96,7 @@ class WorkerEngine:
         self.steps += 1
         if not self.sync and self.steps == self.last_step:
             self._say_goodbye()
-        mean_loss = self._mean_over_step_group(mean)
+        mean_loss = mean_over(mean, self.step_group, self.step_size)()
         return StepOutput(loss=mean_loss, grad_norm=own_norm if own_norm is not None else server_norm,
                           metrics=self._figures())
 
@@ -135,7 +130,7 @@ class WorkerEngine:
         self.model.eval()
         loss = self._loss(batch).detach().float()
         self.model.train()
-        return self._mean_over_step_group(loss)
+        return mean_over(loss, self.step_group, self.step_size)()
 
     def save_state(self, directory: Path) -> None:
         """The model as this worker last pulled it (in sync mode, the servers' parameters after

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from plait import hookimpl
-from plait.config import AT_LEAST_1, PipelineConfig, range_problems
+from plait.config import AT_LEAST_1, BYTES_PER_VALUE, PipelineConfig, range_problems
+from plait.engine.stages import PipelineStageModules
 from plait.meta import meta_model
 from plait.plugins.pipeline.schedules import (
     SCHEDULES,
@@ -47,15 +48,15 @@ from plait.plugins.pipeline.schedules import (
 from plait.plugins.pipeline.split import (
     BALANCES,
     PipelinePlan,
-    PipelineStageModules,
     build_stage_modules,
     measure_part_times,
     model_plan,
     part_modules,
     split_stages,
 )
-from plait.plugin_manager import provided
+from plait.plugin_manager import offered_by, provided
 from plait.types import (
+    AxisCost,
     LossScaledEngine,
     PipelineDrivenEngine,
     PluginInfo,
@@ -68,6 +69,11 @@ STEPPED_HERE = "engine:pipeline without engine:pipeline_step"
 # What the engine a pipeline wraps must have, by what its strategy declares.
 INNER_SURFACES = {PIPELINE: PipelineDrivenEngine, SELF_STEPPING: SelfSteppingEngine,
                   STEPPED_HERE: LossScaledEngine}
+# Schedules whose backward is split into input and weight parts, and the capability of an engine
+# whose gradients stay right under them (this plugin averages DDP's itself, after the schedule;
+# DeepSpeed's ZeRO-1 reduces after it too; FSDP under torch's PipelineStage does not declare it).
+SPLIT_BACKWARD = ("zero_bubble", "zbv")
+SPLIT_BACKWARD_SAFE = "engine:split_backward"
 
 
 @dataclass
@@ -176,6 +182,12 @@ def plait_validate(cfg, dims, hook) -> list[str]:
     if pp == 1 or problems:
         return problems
     problems = schedule_problems(settings, pp)
+    if settings.schedule in SPLIT_BACKWARD and SPLIT_BACKWARD_SAFE not in provided(hook):
+        problems.append(f"pipeline.schedule={settings.schedule} with strategy="
+                        f"{cfg.strategy.name}: the zero-bubble schedules split each backward "
+                        "into input and weight gradients, which this strategy's engine does not "
+                        f"declare it survives ({SPLIT_BACKWARD_SAFE!r}); use pipeline.schedule="
+                        f"1f1b, gpipe or interleaved_1f1b, or {offered_by(SPLIT_BACKWARD_SAFE)}")
     model = meta_model(hook, cfg)
     if problems or model is None:  # a model that cannot be built: the models plugin says why
         return problems
@@ -271,3 +283,18 @@ def plait_build_engine(cfg, loss_fn, grad_reducer, topology, hook):
     if problems:
         raise TypeError("; ".join(problems))
     return PipelineEngine(cfg, engine, loss_fn, grad_reducer, topology, hook, inner_steps)
+
+
+@hookimpl
+def plait_axis_cost(cfg, axis, model, dims, micro_batch_size, microbatches) -> AxisCost | None:
+    """What pipeline stages cost per step (``plait plan --search``): a stage sends its
+    activations forward and their gradients backward, ``2·s/cp·b·h·v`` bytes per micro-batch;
+    the first stage holds the activations of ``min(m, pp)`` micro-batches under 1F1B-like
+    schedules, all ``m`` under GPipe."""
+    if axis != "pp" or cfg.pipeline.name != "torch":
+        return None
+    activation_msg = cfg.train.seq_len // dims.cp * micro_batch_size \
+        * getattr(model, "n_embd", 0) * BYTES_PER_VALUE[cfg.precision]
+    in_flight = (microbatches if cfg.pipeline.schedule == "gpipe"
+                 else min(microbatches, dims.pp))
+    return AxisCost(2 * activation_msg * microbatches, in_flight=in_flight)

@@ -44,6 +44,8 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from plait.engine.stages import PipelineStageModules
+
 BALANCES = ("layers", "params", "time")
 
 
@@ -337,24 +339,6 @@ def stage_layers(container: nn.ModuleList | nn.ModuleDict, layers: dict[str, nn.
     if isinstance(container, nn.ModuleDict):
         return nn.ModuleDict(layers)
     return StageLayerList(layers, len(container))
-
-
-class PipelineStageModules(nn.Module):
-    """This rank's pipeline chunks under the unsplit model's parameter names.
-
-    The model with every part this rank holds (and identities for the others) is registered
-    here child by child, so ``state_dict()`` keeps the original names (``plait export`` unites
-    the stages' disjoint names) and the optimizer sees every local parameter once. ``chunks``
-    lists ``(stage_index, module)`` for the pipeline schedule; each chunk is a copy of the
-    model's shell sharing these parts.
-    """
-
-    def __init__(self, union: nn.Module, chunks: list[tuple[int, nn.Module]], n_stages: int):
-        super().__init__()
-        self.n_stages = n_stages
-        for name, child in union.named_children():
-            self.add_module(name, child)
-        self.chunks = chunks  # a plain list: the parts are registered above, once
 
 
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -334,7 +334,7 @@ class AllReduceEngine:
         self.max_norm = grad_clip if grad_clip > 0 else math.inf  # train.grad_clip, 0: off
         self.model = model.to(self.device)
         self.optimizer, self.loss_fn = optimizer, loss_fn
-        self.group, self.dp = topology.get_data_parallel_group(), topology.dims.dp
+        self.group, self.dp = topology.group("dp"), topology.dims.dp
         self.saves = topology.rank == 0
 
     def _mean(self, value: float) -> float:

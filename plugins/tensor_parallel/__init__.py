@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait import hookimpl
-from plait.config import TensorParallelConfig
+from plait.config import BYTES_PER_VALUE, TensorParallelConfig
 from plait.meta import meta_model
 from plait.plugins.tensor_parallel.plan import apply_plan, merge_shards, plan_for, plan_problems
-from plait.types import PluginInfo
+from plait.types import AxisCost, PluginInfo
 
 
 @dataclass
@@ -80,7 +80,7 @@ def plait_validate(cfg, dims, hook) -> list[str]:
 def plait_apply_tensor_parallel(cfg, model, topology) -> None:
     if topology.dims.tp == 1:
         return
-    apply_plan(model, plan_for(cfg, model), topology.get_tensor_model_parallel_group(),
+    apply_plan(model, plan_for(cfg, model), topology.group("tp"),
                topology.tp_rank, topology.dims.tp, cfg.tensor_parallel.sequence_parallel)
 
 
@@ -92,7 +92,7 @@ def plait_build_loss(cfg, model, topology):
         return None
     from plait.plugins.tensor_parallel.layers import VocabParallelCrossEntropy
 
-    return VocabParallelCrossEntropy(topology.get_tensor_model_parallel_group(), topology.tp_rank)
+    return VocabParallelCrossEntropy(topology.group("tp"), topology.tp_rank)
 
 
 @hookimpl
@@ -100,3 +100,20 @@ def plait_merge_tensor_parallel_shards(cfg, shards, model) -> dict | None:
     if len(shards) == 1:
         return None
     return merge_shards(plan_for(cfg, model), shards)
+
+
+@hookimpl
+def plait_axis_cost(cfg, axis, model, dims, micro_batch_size, microbatches,
+                    recompute) -> AxisCost | None:
+    """What tensor parallelism sends per step (``plait plan --search``): ``k`` all-reduces of a
+    rank's activations per layer, 2 in forward and 2 in backward (6 when full recompute repeats
+    the forward's), each ``2(tp-1)/tp`` of ``s/cp·b·h·v`` bytes; 0 without the model's ``h`` and
+    ``L`` (``n_embd``, ``n_layer``)."""
+    if axis != "tp" or cfg.tensor_parallel.name != "megatron":
+        return None
+    tp, h = dims.tp, getattr(model, "n_embd", 0)
+    activation_msg = cfg.train.seq_len // dims.cp * micro_batch_size * h \
+        * BYTES_PER_VALUE[cfg.precision]
+    all_reduces = 6 if recompute == "full" else 4
+    return AxisCost(all_reduces * 2 * (tp - 1) / tp * activation_msg
+                    * getattr(model, "n_layer", 0) / dims.pp * microbatches)

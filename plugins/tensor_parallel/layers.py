@@ -7,7 +7,7 @@ that initialises by name, :mod:`plait.meta`) the slice is only a shape, and the 
 ``slice_of_full``: how to cut its value from the full initial value when it is materialized. Parameters stay ordinary
 ``torch.nn.Parameter`` (DeepSpeed ZeRO and DDP need plain tensors) and carry Megatron's attributes
 ``tensor_model_parallel``, ``partition_dim`` and ``partition_stride``, which DeepSpeed and
-:func:`plait.plugins.optim.clip_grads.clip_grad_norm_` read to count each shard once in the global
+:func:`plait.engine.norm.grad_norm` read to count each shard once in the global
 gradient norm.
 
 A weight with ``parts`` fused blocks along ``dim`` (the GPT's ``[3E, E]`` QKV weight) is split
@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from plait.engine.tensor_shards import split_tensor
 from plait.meta import FullSlice
 from plait.plugins.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -35,24 +36,12 @@ from plait.plugins.tensor_parallel.mappings import (
 )
 
 
-def split_tensor(full: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> torch.Tensor:
-    """Rank ``rank``'s shard: each of the ``parts`` blocks along ``dim`` cut into ``size``."""
-    blocks = full.unflatten(dim, (parts, -1))
-    return blocks.chunk(size, dim=dim + 1)[rank].flatten(dim, dim + 1).clone()
-
-
 def shard_box(shape: torch.Size, dim: int, rank: int, size: int) -> tuple[slice, ...]:
     """Where a plain split's shard (``parts=1``) sits in the full tensor: rows (or columns)
     ``[rank·n/size, (rank+1)·n/size)`` of ``dim``, all of every other dimension."""
     n = shape[dim] // size
     return tuple(slice(rank * n, (rank + 1) * n) if d == dim else slice(0, length)
                  for d, length in enumerate(shape))
-
-
-def merge_tensors(shards: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
-    """The inverse of :func:`split_tensor` over all ranks' shards."""
-    blocks = [s.unflatten(dim, (parts, -1)) for s in shards]
-    return torch.cat(blocks, dim=dim + 1).flatten(dim, dim + 1)
 
 
 def shard_parameter(full: nn.Parameter, dim: int, parts: int, rank: int, size: int,

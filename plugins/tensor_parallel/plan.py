@@ -155,7 +155,7 @@ def shard_spec(plan: TensorParallelPlan, key: str) -> tuple[int, int] | None:
 
 def merge_shards(plan: TensorParallelPlan, shards: list[dict]) -> dict[str, torch.Tensor]:
     """Join ``shards[tp_rank]`` (state dicts of one pipeline stage) into the unsplit state dict."""
-    from plait.plugins.tensor_parallel.layers import merge_tensors
+    from plait.engine.tensor_shards import merge_tensors
 
     merged = {}
     for key, first in shards[0].items():

@@ -19,7 +19,7 @@ Everyone else continues its own run (``resume=latest``). The initial population 
 search space; a plain list with one value per member (``optimizer.lr=1e-4,1e-3,3e-3,1e-2``) gives
 member ``i`` value ``i``; explore multiplies such values without bounds and resamples them
 between the list's extremes. The hyperparameters take effect on resume: the optimizer keeps the
-configured ones, not the checkpoint's (``plait.plugins.optim.hyperparameters``).
+configured ones, not the checkpoint's (``plait.engine.hyperparameters``).
 
 Lineage (round, member, parent, hyperparameters, objective, run directory) is appended to
 ``<sweep dir>/pbt_lineage.jsonl``; each child's W&B run carries its parent in config and notes.

@@ -29,7 +29,7 @@ def plait_declare() -> PluginInfo:
     return PluginInfo(name="zero", selected_by={"strategy.name": tuple(zero_config.STAGES)},
                       provides=frozenset({"engine:tensor_parallel", "engine:grad_comm",
                                           "engine:pipeline", "engine:pipeline_step",
-                                          "engine:layout_free_state", "engine:expert_parallel",
+                                          "engine:split_backward", "engine:layout_free_state", "engine:expert_parallel",
                                           "engine:context_parallel"}),
                       description="DeepSpeed ZeRO stages 0-3, offload, bf16/fp16")
 

@@ -8,7 +8,10 @@ One optimizer step is what DeepSpeed's own loop does, micro-batch by micro-batch
         engine.step()           # reduces / partitions grads; clips and steps at the boundary
 
 plait's LR schedule is applied by setting ``lr`` on DeepSpeed's optimizer param groups before each
-step, exactly as DDP does, so a run's per-step LR does not depend on the strategy.
+step (:func:`plait.engine.hyperparameters.set_lr`), exactly as every engine does, so a run's
+per-step LR does not depend on the strategy; the loss is averaged over dp by the engine
+library's :func:`~plait.engine.step.mean_over`, and DeepSpeed computes the norm, clips and asks
+the step guard (``guard.py``) inside its own step.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from plait.plugins.optim.hyperparameters import keep_hyperparameters
-from plait.plugins.optim.state_by_name import load_state_by_name, state_by_name
+from plait.engine.hyperparameters import keep_hyperparameters, set_lr
+from plait.engine.state_by_name import load_state_by_name, state_by_name
+from plait.engine.step import mean_over
 from plait.plugins.zero.fp32_master import share_fp32_partitions
 from plait.plugins.zero.sizing import param_groups_within, split_to_count
 from plait.types import Batch, StepOutput, model_inputs
@@ -39,27 +43,27 @@ class TopologyMPU:
     shards that hold one replica (same dp rank), so the norm is the whole model's; its rank names
     the checkpoint files (``mp_rank_XX``), one per stage and shard. DeepSpeed asks for these per
     parameter on hot paths, so groups and ranks are looked up once (a mesh slice per call costs
-    time).
+    time). These Megatron names live here only because DeepSpeed's ``mpu`` calls them; plait
+    itself names every group ``topology.group(name)``.
     """
 
     def __init__(self, topology):
         dims = topology.dims
-        self.dp_group = topology.get_data_parallel_group()
-        self.tp_group = topology.get_tensor_model_parallel_group()
+        self.dp_group = topology.group("dp")
+        self.tp_group = topology.group("tp")
         self.mp_group, self.mp_rank, self.mp_size = self.tp_group, topology.tp_rank, dims.tp
         if dims.pp > 1:
-            self.mp_group = topology.replica_group()
+            self.mp_group = topology.group("replica")
             self.mp_rank = topology.pp_rank * dims.tp + topology.tp_rank
             self.mp_size = dims.pp * dims.tp
-        self.pp_group = topology.get_pipeline_model_parallel_group()
+        self.pp_group = topology.group("pp")
         self.dp_rank, self.tp_rank, self.pp_rank = (topology.dp_rank, topology.tp_rank,
                                                     topology.pp_rank)
         self.dp_size, self.tp_size, self.pp_size = dims.dp, dims.tp, dims.pp
         self.dp_ranks = dist.get_process_group_ranks(self.dp_group)
         self.tp_src_rank = dist.get_process_group_ranks(self.tp_group)[0]
-        self.cp_group, self.cp_rank, self.cp_size = (topology.get_context_parallel_group(),
-                                                     topology.cp_rank, dims.cp)
-        self.dp_cp_group = topology.get_data_parallel_group(with_context_parallel=True)
+        self.cp_group, self.cp_rank, self.cp_size = topology.group("cp"), topology.cp_rank, dims.cp
+        self.dp_cp_group = topology.group("dp_cp")
         self.dp_cp_rank, self.dp_cp_size = topology.dp_cp_rank, dims.dp_cp
 
     def get_data_parallel_group(self):
@@ -142,7 +146,7 @@ class ZeroEngine:
         self.loss_fn = loss_fn
         self.topology = topology
         # the loss is averaged over the data- and context-parallel ranks
-        self.dp_group = topology.get_data_parallel_group(with_context_parallel=True)
+        self.dp_group = topology.group("dp_cp")
         self.dp_size = topology.dims.dp_cp
         self.backward_scale = 1 / topology.dims.cp  # DeepSpeed sums over sequence parallelism
         client = "optimizer" not in ds_config  # an in-house optimizer plugin's torch optimizer
@@ -155,7 +159,7 @@ class ZeroEngine:
                                                self.dp_size * int(zero["sub_group_size"]))
             if topology.dims.pp > 1:  # as many sub-groups on every stage (sizing.py)
                 count = torch.tensor(len(param_groups))
-                dist.all_reduce(count, op=dist.ReduceOp.MAX, group=topology.replica_group())
+                dist.all_reduce(count, op=dist.ReduceOp.MAX, group=topology.group("replica"))
                 param_groups = split_to_count(param_groups, int(count))
         # Expert parallelism: DeepSpeed-MoE's expert param groups (experts.py)
         self.saves_engine_files = topology.dims.ep == 1
@@ -196,15 +200,8 @@ class ZeroEngine:
         x, kwargs, y = model_inputs(batch, self.device)
         return self.loss_fn(self.ds(x, **kwargs), y)
 
-    def _mean_over_dp(self, value: torch.Tensor) -> float:
-        if self.dp_size > 1:
-            dist.all_reduce(value, group=self.dp_group)  # gloo has no AVG
-            value = value / self.dp_size
-        return value.item()
-
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
-        for group in self.ds.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.ds.optimizer, lr)
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
             loss = self._loss(batch)
@@ -219,19 +216,17 @@ class ZeroEngine:
             if last:
                 if not self.reports_grad_norm and self.ds.gradient_clipping() == 0:
                     self._clip_fp32_gradients(max_norm=math.inf)  # only measures: DeepSpeed won't
-                self.guard.arm(total / len(micro_batches))  # before the sum over dp below
-                # Sum the loss over dp while the optimizer steps (gloo has no AVG).
-                loss_reduced = self._start_sum_over_dp(total)
+                local_loss = total / len(micro_batches)
+                self.guard.arm(local_loss)
+                loss = mean_over(local_loss.clone(), self.dp_group, self.dp_size)  # overlaps
             self.ds.step()
-        loss_reduced()
         grad_norm = self.ds.get_global_grad_norm() if self.reports_grad_norm else self.stage0_norm
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         metrics = self._model_state_metrics()
         if self.ds.fp16_enabled():  # dynamic loss scaling: show the scale and skipped steps
             metrics["loss_scale"] = float(getattr(self.ds.optimizer, "loss_scale", float("nan")))
             metrics["skipped_steps"] = float(self.ds.skipped_steps)
-        mean_loss = total.item() / (len(micro_batches) * self.dp_size)
-        return StepOutput(loss=mean_loss, grad_norm=grad_norm, metrics=metrics,
+        return StepOutput(loss=loss(), grad_norm=grad_norm, metrics=metrics,
                           skipped=self.guard.settle())
 
     def step_after_backward(self, loss: float, local_loss: torch.Tensor) -> StepOutput:
@@ -259,12 +254,6 @@ class ZeroEngine:
         return {f"model_state_bytes/{k}": float(v)
                 for k, v in (self.model_state_bytes or {}).items()}
 
-    def _start_sum_over_dp(self, value: torch.Tensor) -> Callable[[], None]:
-        """Start summing ``value`` in place over the dp group; call the result to wait."""
-        if self.dp_size == 1:
-            return lambda: None
-        return dist.all_reduce(value, group=self.dp_group, async_op=True).wait
-
     def _clip_fp32_gradients(self, max_norm: float | None = None) -> None:
         """DeepSpeed's stage-0 clipping (``DeepSpeedEngine.clip_fp32_gradients``), keeping the
         pre-clipping global norm it computes; ``max_norm=inf`` measures without clipping."""
@@ -285,7 +274,7 @@ class ZeroEngine:
         self.ds.eval()
         loss = self._loss(batch).detach().float()
         self.ds.train()
-        return self._mean_over_dp(loss)
+        return mean_over(loss, self.dp_group, self.dp_size)()
 
     def save_state(self, directory: Path) -> None:
         self.ds.save_checkpoint(str(directory), tag=TAG, save_latest=False)
@@ -301,7 +290,7 @@ class ZeroEngine:
     def layout_free_state(self) -> dict:
         """The fp32 master parameters and Adam states, full over the dp group, by parameter
         name, and under fp16 the dynamic loss scaler's state (``loss_scale.py``). See
-        :mod:`plait.plugins.checkpoint.layout_free`."""
+        :mod:`plait.engine.layout_free`."""
         from plait.plugins.zero.loss_scale import dynamic_loss_scaler, loss_scaler_state
 
         state = self._parameter_state()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from plait.plugins.checkpoint.layout_free import DIRECTORY, read_model
+from plait.engine.layout_free import DIRECTORY, read_model
 from plait.plugins.zero.engine import TAG
 
 MP_RANK = re.compile(r"mp_rank_(\d+)_")

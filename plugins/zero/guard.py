@@ -37,6 +37,8 @@ from typing import Callable
 
 import torch
 
+from plait.engine.step import ask_guard
+
 
 class DeepSpeedStepGuard:
     """Asks ``check(loss=..., grad_norm=...)`` (the ``plait_check_step`` results) once per
@@ -86,9 +88,7 @@ class DeepSpeedStepGuard:
     def _ask(self, grad_norm: torch.Tensor) -> bool:
         if self.loss is None:  # a step plait did not arm: not a train step of its loop
             return False
-        if self.loss_scaled:  # fp16: gradient overflows are the loss scaler's
-            grad_norm = torch.zeros(())
-        self.skipped = any(self.check(loss=self.loss, grad_norm=grad_norm))
+        self.skipped = ask_guard(self.check, self.loss, grad_norm, self.loss_scaled)
         self.loss = None
         return self.skipped
 

@@ -1,7 +1,7 @@
 """DeepSpeed's dynamic loss scaler in the layout-free checkpoint copy.
 
 The layout-free form is the one torch's ``GradScaler`` gives under DDP and in a pipeline
-(:func:`plait.plugins.optim.mixed_precision.grad_scaler_state`): ``{"scale", "growth_tracker"}``,
+(:func:`plait.engine.precision.grad_scaler_state`): ``{"scale", "growth_tracker"}``,
 plus ``"hysteresis"``, which only DeepSpeed has. So a checkpoint converted between DDP, a
 pipeline and any ZeRO stage continues with the scale it had.
 

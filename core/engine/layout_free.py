@@ -32,10 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.plugins.tensor_parallel.layers import merge_tensors, split_tensor
+from plait.engine.tensor_shards import merge_tensors, split_tensor
 
 # torch.distributed.checkpoint is imported where it is used: it pulls in DTensor and sympy
-# (~0.8 s), and every ``plait train`` loads this plugin in the launching process too.
+# (~0.8 s), and every ``plait train`` loads the plugins that import this in the launching
+# process too.
 
 DIRECTORY = "layout_free"
 SHARD_ATTRS = ("partition_dim", "partition_stride")
@@ -63,6 +64,14 @@ def _map_entries(state: dict, placements: dict[str, tuple[int, int]], fn) -> dic
     return out
 
 
+def gather_shard(local: torch.Tensor, placement: tuple[int, int], topology) -> torch.Tensor:
+    """The full tensor of a tensor-parallel shard, from every tp rank (a collective over the
+    tp group)."""
+    shards = [torch.empty_like(local) for _ in range(topology.dims.tp)]
+    dist.all_gather(shards, local.contiguous(), group=topology.group("tp"))
+    return merge_tensors(shards, *placement)
+
+
 def full_state(engine, topology) -> dict:
     """The engine's layout-free state with every tensor-parallel shard joined over the tp group
     (a collective on every rank)."""
@@ -70,14 +79,8 @@ def full_state(engine, topology) -> dict:
     state = engine.layout_free_state()
     if not placements:
         return state
-    group, size = topology.get_tensor_model_parallel_group(), topology.dims.tp
-
-    def gather(local: torch.Tensor, placement: tuple[int, int]) -> torch.Tensor:
-        shards = [torch.empty_like(local) for _ in range(size)]
-        dist.all_gather(shards, local.contiguous(), group=group)
-        return merge_tensors(shards, *placement)
-
-    return _map_entries(state, placements, gather)
+    return _map_entries(state, placements,
+                        lambda local, placement: gather_shard(local, placement, topology))
 
 
 def local_state(engine, topology, full: dict) -> dict:

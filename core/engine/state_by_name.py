@@ -1,5 +1,5 @@
 """Model and torch-optimizer state keyed by parameter name, through DCP's ``get_state_dict`` /
-``set_state_dict``: the layout-free form (see :mod:`plait.plugins.checkpoint.layout_free`) of
+``set_state_dict``: the layout-free form (see :mod:`plait.engine.layout_free`) of
 every engine that steps a plain torch optimizer (DDP, ZeRO stage 0).
 
 DCP is imported where it is used (it pulls in DTensor and sympy, ~0.8 s, which a process that

@@ -1,4 +1,10 @@
-"""The run's own hyperparameters survive loading a checkpoint.
+"""The run's hyperparameters in the optimizer's param groups: the schedule's learning rate set
+before every step (:func:`set_lr`), and the run's own settings kept over a loaded checkpoint
+(:func:`keep_hyperparameters`).
+
+The learning rate is plait's schedule (the optimizer plugin's ``plait_build_lr_schedule``),
+written into every param group before each step by every engine alike, DeepSpeed's included,
+so a run's per-step learning rate does not depend on the strategy.
 
 ``torch.optim.Optimizer.load_state_dict`` (and DeepSpeed's ZeRO optimizers, which call it on the
 optimizer they wrap) replaces every param group's settings (betas, weight decay, eps, ...) with
@@ -15,6 +21,12 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """This step's learning rate into every param group of ``optimizer``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 @contextmanager

@@ -5,7 +5,9 @@ weights (no download, no directory): ``plait train model=llama_tiny``. Needs the
 It is ``model=hf``'s model (:mod:`plait.plugins.hf.model`) for a ``LlamaConfig`` made from these
 settings: ``transformers``' module names, its init by parameter name, and the tensor-parallel and
 pipeline plans of the config's ``base_model_tp_plan`` / ``base_model_pp_plan``, and its
-context-parallel plan (:mod:`plait.plugins.hf.context_parallel`); no plan is written here.
+context-parallel plan (:mod:`plait.plugins.hf.context_parallel`); no plan is written here. It
+lives in the ``hf`` package, beside the model it builds (the ``models`` package holds plait's own
+models and the generic ``_target_`` builder, and imports nothing of ``hf``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from plait.types import PluginInfo
 
 @dataclass
 class LlamaModelConfig(ModelConfig):
-    _target_: str = "plait.plugins.models.llama.build_llama"
+    _target_: str = "plait.plugins.hf.llama.build_llama"
     vocab_size: int = 256
     block_size: int = 64  # max_position_embeddings
     hidden_size: int = 64

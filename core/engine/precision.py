@@ -4,7 +4,7 @@ bf16 needs no loss scaling; fp16 uses a dynamic ``GradScaler`` (on CUDA, and on 
 installed torch supports it). fp32 runs without autocast.
 
 A dynamic loss scaler's state travels in the layout-free checkpoint copy (see
-:mod:`plait.plugins.checkpoint.layout_free`) as ``{"scale", "growth_tracker"}``: the scale, and
+:mod:`plait.engine.layout_free`) as ``{"scale", "growth_tracker"}``: the scale, and
 the overflow-free steps counted towards its next growth (torch's ``_growth_tracker``), so another
 engine's scaler (DeepSpeed's, ``plait.plugins.zero.loss_scale``) continues where this one was.
 """
