@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from plait.plan import CONFIG_NAME, Plan, hydra_app, make_plan, plan_config
 from plait.plugin_manager import make_plugin_manager
+from plait.renames import rename_overrides, renamed_settings
 from plait.worker import run_worker
 
 
@@ -75,7 +76,7 @@ def launch(plan: Plan, plugins: tuple[Any, ...]) -> RunResult:
     returned = plan.pm.hook.plait_launch(cfg=cfg, dims=plan.dims, entrypoint=run_worker,
                                          args=(config, plugins), hook=plan.pm.hook)
     # the logging rank returns what it saw; every other worker returns None
-    summary = next((r for r in (returned or {}).values() if r), {})
+    summary: dict = next((r for r in (returned or {}).values() if r), {})
     metrics = summary.get("metrics", {})
     checkpoint = summary.get("checkpoint")
     objective = plan.pm.hook.plait_objective(cfg=cfg, metrics=metrics) if metrics else None
@@ -119,8 +120,9 @@ def multirun(overrides: Iterable[str] = (), plugins: Iterable[Any] = (),
     :return: what the sweeper returns (Hydra's basic sweeper: the ``JobReturn`` of every job,
         batch by batch; each ``return_value`` is a :class:`RunResult`).
     """
-    plugins, overrides = tuple(plugins), list(overrides)
+    plugins = tuple(plugins)
     pm = make_plugin_manager(objects=plugins)
+    overrides = rename_overrides(overrides, renamed_settings(pm))  # a sweep's too
     with hydra_app(pm, config_dir) as hydra:
         check_sweep(hydra, config_name or CONFIG_NAME, overrides, plugins)
         return hydra.multirun(config_name or CONFIG_NAME, SweepJob(plugins), overrides)
@@ -149,7 +151,7 @@ def check_sweep(hydra: Any, config_name: str, overrides: list[str],
 def sweep_values(override: Override) -> list[str]:
     """``key=value`` for each value a swept override takes (the override itself if not swept)."""
     if not override.is_sweep_override():
-        return [override.input_line]
+        return [str(override.input_line)]
     key, sweep = override.get_key_element(), override.value()
     if isinstance(sweep, IntervalSweep):
         return [f"{key}={sweep.start}", f"{key}={sweep.end}"]

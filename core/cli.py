@@ -32,6 +32,7 @@ from plait.plan import (
     unknown_option,
 )
 from plait.plugin_manager import broken_problems, make_plugin_manager
+from plait.renames import rename_overrides, renamed_settings
 from plait.sample import cmd_sample
 from plait.types import PlanError
 
@@ -58,8 +59,10 @@ def cmd_train(argv: list[str]) -> int:
                              + ("; use --config-dir" if flag == "--config-path" else ""))
     if args.multirun + bool(args.cfg) + bool(args.info) > 1:
         raise ValueError("plait train takes only one of -m/--multirun, --cfg and --info")
-    name, overrides = args.config_name or CONFIG_NAME, args.overrides
-    with hydra_app(make_plugin_manager(), args.config_dir) as hydra:
+    pm = make_plugin_manager()
+    name = args.config_name or CONFIG_NAME
+    overrides = rename_overrides(args.overrides, renamed_settings(pm))
+    with hydra_app(pm, args.config_dir) as hydra:
         if args.help:
             hydra.app_help(config_name=name, args_parser=parser, args=args)
             return 0

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from plait.meta import meta_device
 from plait.plugin_manager import PlaitPluginManager, keep_selected, make_plugin_manager
 
+
 @dataclass
 class Consolidated:
     """A checkpoint's run config, its plugins, where it is, the unsplit model on the meta device
@@ -37,7 +38,9 @@ class Consolidated:
 def run_config(checkpoint_path: str) -> DictConfig:
     for candidate in (Path(checkpoint_path), *Path(checkpoint_path).parents):
         if (candidate / "config.yaml").exists():
-            return OmegaConf.load(candidate / "config.yaml")
+            cfg = OmegaConf.load(candidate / "config.yaml")
+            assert isinstance(cfg, DictConfig), candidate  # a run's config is a mapping
+            return cfg
     raise ValueError(f"{checkpoint_path}: no config.yaml in it or above it; give a plait run "
                      "directory or a checkpoint directory inside one")
 

@@ -23,7 +23,8 @@ Order of a run (``plait.train.train`` reads as this list)::
     plait_build_optimizer, plait_build_lr_schedule, plait_grad_reducer, plait_build_engine
     plait_load_checkpoint, plait_on_run_start
     per step:  plait_check_step (in the engine's step, every rank), plait_on_step_end,
-               plait_log_metrics (logged steps), plait_save_checkpoint
+               plait_log_metrics (logged steps), plait_save_checkpoint (and, asked by the
+               checkpoint plugin, plait_save_model_copy)
     plait_on_failure (on an exception), plait_on_run_end
     plait export: plait_find_checkpoint, plait_read_model_shards, plait_merge_tensor_parallel_shards,
                   plait_export_model (format=...)
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
     import torch
     from hydra.core.config_store import ConfigStore
     from omegaconf import DictConfig
-
     from pluggy import HookRelay
 
     from plait.meta import ParameterInit
@@ -544,6 +544,25 @@ def plait_save_checkpoint(
     :param hook: the active plugins' hooks (since hook spec 1.3), as for
         ``plait_load_checkpoint``.
     :return: the checkpoint directory written, or None when none was due.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_save_model_copy(
+    cfg: DictConfig, engine: Engine, topology: Topology, step: int, format: str, hook: HookRelay,
+) -> Path | None:
+    """Write the model being trained in another ``format`` than plait's checkpoints (since hook
+    spec 1.5), e.g. ``"hf"``: Hugging Face's, for ``from_pretrained``; called on every rank by
+    the checkpoint plugin when a copy is due (``checkpoint.hf_every``), after its own checkpoint.
+
+    Stops at the first non-None result: answer only for a format you write, for a model you
+    can write it for, and declare that you can (``model:hf_format`` for ``"hf"``), so the
+    checkpoint plugin refuses the setting before launch where no plugin would answer.
+
+    :param engine: the run's engine; its model state by name is ``engine.layout_free_state()``
+        (capability ``engine:layout_free_state``, which the checkpoint plugin checks).
+    :param hook: the active plugins' hooks (e.g. to build the model on the meta device).
+    :return: the directory written (on every rank), or None for a format you do not write.
     """
 
 

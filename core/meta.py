@@ -119,7 +119,7 @@ def init_by_name(model: nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not p.is_meta:
-                model.init_parameter(name, p, parameter_generator(seed, name))
+                getattr(model, "init_parameter")(name, p, parameter_generator(seed, name))
 
 
 Box = tuple[slice, ...]  # full[box]: one slice(start, stop) per dimension, steps of 1
@@ -183,7 +183,7 @@ class ParameterInit:
         time)."""
         cut: FullSlice | None = getattr(param, "slice_of_full", None)
         if self.read is not None and (cut is None or cut.box is not None):
-            outer = whole(param.shape) if cut is None else cut.box
+            outer = whole(param.shape) if cut is None or cut.box is None else cut.box
             value = self.read(name, outer if box is None else compose(outer, box))
             return value.to(param.dtype)
         if cut is None:

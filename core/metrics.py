@@ -16,7 +16,6 @@ from omegaconf import DictConfig
 from plait.topology import Topology
 from plait.types import StepOutput
 
-
 # Dense bf16 peak FLOP/s of one device, by the name CUDA reports (vendor data sheets).
 PEAK_BF16_FLOPS = {
     "H200": 989e12,

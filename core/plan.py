@@ -46,6 +46,7 @@ from plait.plugin_manager import (
     make_plugin_manager,
     offered_by,
 )
+from plait.renames import rename_overrides, renamed_settings
 from plait.topology import ParallelDims, Roles, describe_nodes, elastic_grad_accum_steps
 from plait.types import ALL_DEVICES, ALWAYS, PlanError
 
@@ -155,10 +156,12 @@ def unknown_option(error: MissingConfigException) -> PlanError | None:
 
 def compose_config(overrides: Iterable[str], pm: PlaitPluginManager) -> DictConfig:
     """Compose ``plait.conf/config.yaml`` with the user's overrides, as Hydra's compose API does
-    (no output directory, no logging set-up, no ``hydra`` node)."""
+    (no output directory, no logging set-up, no ``hydra`` node); renamed settings are read by
+    their new names (:mod:`plait.renames`)."""
+    overrides = rename_overrides(overrides, renamed_settings(pm))
     with hydra_app(pm) as hydra:
         try:
-            cfg = hydra.compose_config(CONFIG_NAME, list(overrides), run_mode=RunMode.RUN,
+            cfg = hydra.compose_config(CONFIG_NAME, overrides, run_mode=RunMode.RUN,
                                        from_shell=False, with_log_configuration=False)
         except MissingConfigException as e:
             raise unknown_option(e) or e from None
@@ -195,7 +198,7 @@ def plan_config(cfg: DictConfig, objects: Iterable[Any] = (),
     except ValueError as e:
         nodes = None
         plan.problems.append(str(e))
-    if not plan.problems:
+    if not plan.problems and nodes is not None:
         try:
             world_size = planned_world_size(cfg, nodes)
             plan.roles = Roles.resolve(pm.hook.plait_assign_roles(cfg=cfg, world_size=world_size),
@@ -205,7 +208,7 @@ def plan_config(cfg: DictConfig, objects: Iterable[Any] = (),
         except ValueError as e:
             plan.problems.append(str(e))
     plan.problems += core_problems(cfg, nodes, plan.dims, run_name_given)
-    if plan.dims is not None:
+    if plan.dims is not None and plan.roles is not None:
         plan.problems += elastic_problems(cfg, plan.dims, plan.roles)
     plan.problems += unselected_choices(pm, available, cfg)
     plan.problems += check_conflicts(pm)
@@ -317,7 +320,7 @@ def unselected_choices(
 ) -> list[str]:
     """A required decision nobody makes: name the setting and the values that would work."""
     problems = []
-    made = deciders(pm)
+    made = deciders(pm, bridged=True)  # a deprecated hook decides the hook replacing it
     for hook, setting in REQUIRED_DECISIONS.items():
         if made.get(hook):
             continue
@@ -394,7 +397,7 @@ def format_plan(plan: Plan) -> str:
     if plan.dims is not None:
         d = plan.dims
         per_node = cfg.launcher.nproc_per_node
-        trainers = "" if plan.roles.single else " trainers"
+        trainers = "" if plan.roles is None or plan.roles.single else " trainers"
         experts = f" (dp = edp {d.edp} x ep {d.ep})" if d.ep > 1 else ""
         cp = f" x cp {d.cp}" if d.cp > 1 else ""
         lines.append(f"mesh: world_size={d.world_size}{trainers} = pp {d.pp} x dp {d.dp}{cp} x "
@@ -409,7 +412,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"comm: {spec.algorithm}, compression {spec.compression}, bucket {bucket}")
     lines.append(f"device={cfg.device} precision={cfg.precision} run.dir={cfg.run.dir}")
     lines.append("decisions:")
-    for hook, names in sorted(deciders(plan.pm).items()):
+    for hook, names in sorted(deciders(plan.pm, bridged=True).items()):
         if not names and getattr(plan.pm.hook, hook).spec.warn_on_impl:
             continue  # a deprecated hook no plugin implements
         lines.append(f"  {hook:28s} {', '.join(names) if names else '(core default)'}")

@@ -17,11 +17,10 @@ import importlib
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import pluggy
 from omegaconf import DictConfig, OmegaConf
-
 from pluggy._hooks import varnames  # pluggy's own reading of a hookimpl's arguments
 
 from plait import HOOKSPEC_VERSION, PROJECT_NAME, __version__, hookspecs
@@ -102,7 +101,7 @@ def import_plugin(path: str) -> Any:
 def declaration_of(pm: pluggy.PluginManager, plugin: Any, fallback_name: str) -> PluginInfo:
     for impl in pm.hook.plait_declare.get_hookimpls():
         if impl.plugin is plugin:
-            return impl.function()
+            return cast(PluginInfo, impl.function())
     return PluginInfo(name=fallback_name)
 
 
@@ -209,8 +208,18 @@ def keep_selected(pm: PlaitPluginManager, cfg: DictConfig) -> PlaitPluginManager
     return pm
 
 
-def deciders(pm: pluggy.PluginManager) -> dict[str, list[str]]:
-    """For each ``firstresult`` hook, the plugins that implement it (wrappers do not decide)."""
+# A deprecated hook and the hook that replaces it. A plugin written for the old spec that
+# implements only the old hook decides the new one: it makes a plan's required decision (a comm
+# plugin selected by comm.name with only plait_comm_hook is the run's comm choice) and its call
+# is adapted by the plugins that declare they can (engine:comm_hook: DDP wraps the DDP comm hook
+# as a GradReducer).
+REPLACED_BY = {"plait_comm_hook": "plait_grad_reducer"}
+
+
+def deciders(pm: pluggy.PluginManager, bridged: bool = False) -> dict[str, list[str]]:
+    """For each ``firstresult`` hook, the plugins that implement it (wrappers do not decide).
+    ``bridged``: a replacing hook no plugin implements is decided by the implementers of the
+    deprecated hook it replaces (:data:`REPLACED_BY`)."""
     result = {}
     for name in dir(pm.hook):
         caller = getattr(pm.hook, name)
@@ -220,6 +229,10 @@ def deciders(pm: pluggy.PluginManager) -> dict[str, list[str]]:
             continue
         impls = [i for i in caller.get_hookimpls() if not (i.hookwrapper or i.wrapper)]
         result[name] = [i.plugin_name for i in reversed(impls)]
+    if bridged:
+        for old, new in REPLACED_BY.items():
+            if not result.get(new):
+                result[new] = result.get(old, [])
     return result
 
 

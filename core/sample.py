@@ -40,7 +40,8 @@ def parse(args: list[str]) -> tuple[str, SampleSettings]:
     """The checkpoint path and the settings (``key=value``; the prompt is taken verbatim, with
     ``\\n`` and ``\\t`` as a newline and a tab)."""
     types = {f.name: f.type for f in fields(SampleSettings)}
-    paths, values = [], {}
+    paths: list[str] = []
+    values: dict[str, object] = {}
     for arg in args:
         key, eq, value = arg.partition("=")
         if not eq or key not in types:
@@ -56,7 +57,7 @@ def parse(args: list[str]) -> tuple[str, SampleSettings]:
             raise ValueError(f"{key}={value} is not a number: {USAGE}") from None
     if len(paths) != 1:
         raise ValueError(USAGE)
-    settings = SampleSettings(**values)
+    settings = SampleSettings(**values)  # type: ignore[arg-type]  # each parsed to its type
     problems = range_problems("", settings.__dict__, RANGES)
     if problems:
         raise ValueError("; ".join(problems))
@@ -71,10 +72,12 @@ def continue_ids(model: torch.nn.Module, ids: list[int], settings: SampleSetting
     greedy = settings.temperature == 0
     if hasattr(model, "generate"):  # transformers' GenerationMixin
         torch.manual_seed(settings.seed)
-        options = {"do_sample": not greedy, "max_new_tokens": settings.max_new_tokens}
+        options: dict[str, object] = {"do_sample": not greedy,
+                                      "max_new_tokens": settings.max_new_tokens}
         if not greedy:
             options.update(temperature=settings.temperature, top_k=settings.top_k or 0)
-        return model.generate(x, attention_mask=torch.ones_like(x), **options)[0].tolist()
+        generate = getattr(model, "generate")
+        return generate(x, attention_mask=torch.ones_like(x), **options)[0].tolist()
     context = getattr(model, "block_size", None)
     for _ in range(settings.max_new_tokens):
         logits = model(x if context is None else x[:, -context:])[:, -1, :].float()

@@ -134,7 +134,7 @@ def read_wandb_run(run_dir: str | Path) -> dict[str, Any]:
             continue
         pending += chunk
         if kind in (1, 4):  # FULL or LAST chunk: a whole record
-            record = pb.Record()
+            record = pb.Record()  # type: ignore[attr-defined]  # generated protobuf
             record.ParseFromString(pending)
             pending = b""
             _collect(record, run)

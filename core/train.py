@@ -37,7 +37,8 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
         cfg, assign_roles=lambda world_size: hook.plait_assign_roles(cfg=cfg, world_size=world_size))
     seed_everything(cfg.seed)
     if topology.role != TRAINER:
-        return run_role(cfg, pm, topology)
+        run_role(cfg, pm, topology)
+        return None
     train_data = hook.plait_build_dataset(cfg=cfg, topology=topology, split="train")
     loader = hook.plait_shard_data(cfg=cfg, dataset=train_data, topology=topology)
     val_data = None

@@ -39,6 +39,10 @@ class PluginInfo:
     ``"tp"``, ``"pp"``, ``"ep"``: needed while that axis is larger than 1) or :data:`ALWAYS` to the
     capabilities some active plugin must provide. ``docs/architecture.md`` lists the built-in
     capability names; a third-party plugin may use them or coin its own.
+
+    ``renamed`` maps the names this plugin's settings had before a release moved them to their
+    names now (``{"fault.checkpoint_every": "checkpoint.every"}``): an override with an old name
+    keeps working, with a ``FutureWarning`` (:mod:`plait.renames`).
     """
 
     name: str
@@ -50,6 +54,7 @@ class PluginInfo:
     provides: frozenset[str] = frozenset()
     requires: Mapping[str, frozenset[str]] = field(default_factory=dict)
     description: str = ""
+    renamed: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass

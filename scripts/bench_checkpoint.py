@@ -7,7 +7,7 @@ One command, interleaved runs, CPU and gloo (started by ``plait.testing.spawn``)
 
 1. one process holds the GPT and its AdamW states (fp32: 12 bytes per parameter), and saves
    them ``--repeats`` times each way, alternately: ``dcp.save`` (what training blocks for with
-   ``fault.async_save=false``) and ``dcp.async_save`` with plait's CPU stager (training blocks
+   ``checkpoint.async_save=false``) and ``dcp.async_save`` with plait's CPU stager (training blocks
    only for the copy to CPU memory; ``write s`` is until the background write has finished);
    then loads the checkpoint back (same layout);
 2. two processes with tensor parallelism (tp=2) load that tp=1 checkpoint: the conversion
@@ -35,10 +35,10 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from plait.plugins.checkpoint import layout_free
+from plait.engine import layout_free
+from plait.engine.state_by_name import load_state_by_name, state_by_name
 from plait.plugins.checkpoint.background import cpu_stager
 from plait.plugins.models.gpt import GPT
-from plait.engine.state_by_name import load_state_by_name, state_by_name
 from plait.plugins.tensor_parallel.plan import TensorParallelPlan, apply_plan
 from plait.testing import spawn
 

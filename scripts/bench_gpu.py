@@ -38,7 +38,7 @@ def run_plait(args, root: Path) -> float:
     clock = root / "plait.clock"
     api.train([
         "model=gpt2_small", f"model.block_size={args.seq_len}", "precision=bf16", "device=cuda",
-        "launcher.nproc_per_node=1", "tracker=none", "fault.save_final=false",
+        "launcher.nproc_per_node=1", "tracker=none", "checkpoint.save_final=false",
         f"train.steps={args.steps}", f"train.batch_size={args.batch_size}",
         f"train.seq_len={args.seq_len}", f"strategy.compile={str(args.compile).lower()}",
         f"train.peak_flops={args.peak_tflops * 1e12}", "train.log_every=10",

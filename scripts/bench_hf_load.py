@@ -18,7 +18,7 @@ MLP 2048, 8 layers, 12 heads / 4 KV heads, vocabulary 16384: 75M parameters, 300
 
 and, with ``--saves``, how long saving stops a tp=2 x pp=2 run of 4 steps (``plait.testing.
 SaveClock``, the logging rank's time in ``plait_save_checkpoint`` at steps 2 and 4): a plait
-checkpoint (``fault.checkpoint_every=2``: model, optimizer states and the layout-free copy)
+checkpoint (``checkpoint.every=2``: model, optimizer states and the layout-free copy)
 against ``checkpoint.hf_every=2`` alone (Hugging Face safetensors of the weights).
 
 Per rank it measures, from the moment the model is asked for (``plait_build_model``; the
@@ -114,7 +114,7 @@ def plait_case(directory: Path, shards: Path, nproc: int, layout: list[str],
 
     run_training(run_dir, ["model=hf", f"model.path={directory}", "data=shards",
                            f"data.path={shards}", "train.steps=1", "train.batch_size=4",
-                           "train.seq_len=16", "fault.save_final=false",
+                           "train.seq_len=16", "checkpoint.save_final=false",
                            f"launcher.nproc_per_node={nproc}", *layout],
                  plugins=[LoadClock(LIBRARIES)])
     return [json.loads(p.read_text()) for p in sorted((run_dir / "load").glob("rank*.json"))]
@@ -177,8 +177,8 @@ def main() -> int:
     return 0
 
 
-SAVES = {"plait checkpoint": ["fault.checkpoint_every=2", "fault.save_final=false"],
-         "checkpoint.hf_every=2": ["checkpoint.hf_every=2", "fault.save_final=false"]}
+SAVES = {"plait checkpoint": ["checkpoint.every=2", "checkpoint.save_final=false"],
+         "checkpoint.hf_every=2": ["checkpoint.hf_every=2", "checkpoint.save_final=false"]}
 
 
 def print_saves(checkpoint: Path, shards: Path, root: Path, repeats: int) -> None:

@@ -125,7 +125,7 @@ def model_overrides(model: dict, n_layer: int | None = None) -> list[str]:
     return ["model=gpt_tiny", f"model.n_layer={n_layer or model['n_layer']}",
             f"model.n_embd={model['n_embd']}", f"model.n_head={model['n_head']}",
             f"model.block_size={model['seq_len']}", f"train.seq_len={model['seq_len']}",
-            f"train.batch_size={model['batch_size']}", "fault.save_final=false"]
+            f"train.batch_size={model['batch_size']}", "checkpoint.save_final=false"]
 
 
 def n_params(model: dict, n_layer: int | None = None) -> int:

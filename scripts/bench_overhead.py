@@ -34,7 +34,7 @@ def overrides(args, root: Path, name: str) -> list[str]:
             f"train.batch_size={args.batch_size}", f"train.seq_len={args.seq_len}",
             f"model.n_layer={args.n_layer}", f"model.n_embd={args.n_embd}",
             f"model.n_head={args.n_head}", f"model.block_size={args.seq_len}",
-            "fault.save_final=false", f"run.root={root}", f"run.name={name}"]
+            "checkpoint.save_final=false", f"run.root={root}", f"run.name={name}"]
 
 
 def run_plait(args, root: Path, name: str) -> float:
@@ -45,9 +45,10 @@ def run_plait(args, root: Path, name: str) -> float:
 
 def plain_worker(rank: int, args, port: int, clock: str, cfg: dict) -> None:
     """The loop a user would write by hand: DDP, AdamW, cosine LR, clipping, loss print."""
+    import numpy as np
+
     from plait.plugins.data import TokenWindows, cached_tokens, load_split, stdlib_sources
     from plait.plugins.models.gpt import GPT
-    import numpy as np
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available()

@@ -37,7 +37,7 @@ def run_once(root: Path, name: str, strategy: str, args) -> dict:
         f"model.n_layer={args.layers}", f"model.n_embd={args.embd}", f"model.n_head={args.heads}",
         f"model.block_size={args.seq}", f"train.seq_len={args.seq}",
         f"train.batch_size={args.batch}", f"train.steps={args.steps}", f"precision={args.precision}",
-        "train.log_every=1", "fault.save_final=false"], plugins=[MemoryProbe()])
+        "train.log_every=1", "checkpoint.save_final=false"], plugins=[MemoryProbe()])
     metrics = read_metrics(run)
     last = metrics[-1]
     return {"step_s": statistics.median(m["step_time_s/max"] for m in metrics[args.warmup:]),

@@ -34,7 +34,7 @@ def run(args, root: Path, name: str, factor: float) -> float:
                f"train.seq_len={args.seq_len}", f"model.n_layer={args.n_layer}",
                f"model.n_embd={args.n_embd}", f"model.n_head={args.n_head}",
                f"model.block_size={args.seq_len}", f"train.log_every={args.log_every}",
-               f"fault.straggler_factor={factor}", "fault.save_final=false",
+               f"fault.straggler_factor={factor}", "checkpoint.save_final=false",
                f"run.root={root}", f"run.name={name}"], plugins=[StepClock(str(clock))])
     return steps_per_s([float(t) for t in clock.read_text().split()], args.warmup)
 

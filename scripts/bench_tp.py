@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from plait.engine.norm import ShardGroups, clip_grad_norm_
 from plait.plugins.models.gpt import GPT
-from plait.engine.norm import clip_grad_norm_
 from plait.plugins.tensor_parallel.layers import VocabParallelCrossEntropy
 from plait.plugins.tensor_parallel.plan import TensorParallelPlan, apply_plan
 from plait.testing import spawn
@@ -86,7 +86,7 @@ def measure(rank: int, world: int, sp: bool, args: dict, out: str) -> None:
             dist.barrier()
         start = time.perf_counter()
         loss_fn(model(idx), targets).backward()
-        clip_grad_norm_(model.parameters(), 1.0, group, rank)
+        clip_grad_norm_(model.parameters(), 1.0, ShardGroups(tp=group, tp_rank=rank))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step >= 2:

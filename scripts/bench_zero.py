@@ -82,7 +82,7 @@ def model_overrides(args) -> list[str]:
     return ["model=gpt_tiny", f"model.n_layer={args.n_layer}", f"model.n_embd={args.n_embd}",
             f"model.n_head={args.n_head}", f"model.block_size={args.seq_len}",
             f"train.seq_len={args.seq_len}", f"train.batch_size={args.batch_size}",
-            f"train.grad_accum_steps={args.grad_accum}", "tracker=none", "fault.save_final=false",
+            f"train.grad_accum_steps={args.grad_accum}", "tracker=none", "checkpoint.save_final=false",
             f"launcher.nproc_per_node={args.world_size}", "optimizer.warmup_steps=2",
             f"train.log_every={args.warmup}"]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+import inhouse
 import pytest
 
 from plait.plugins.models.gpt import GPT
@@ -26,8 +27,6 @@ from plait.plugins.pipeline.split import build_stage_modules, split_stages
 from plait.plugins.zero.estimate import zero_formula
 from plait.testing import TEST_OVERRIDES, compose, read_metrics, run_training
 from plait.types import PlanError
-
-import inhouse
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import inhouse
 import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -12,8 +13,6 @@ from plait.plugins import checkpoint
 from plait.plugins.checkpoint import directory
 from plait.testing import compose, read_metrics, run_losses, run_training
 from plait.types import TrainState
-
-import inhouse
 
 RUN = ["train.steps=8", "optimizer.decay_steps=8", "fault.checkpoint_every=3",
        "launcher.nproc_per_node=2"]
@@ -82,9 +81,10 @@ def test_export_loads_into_the_plain_model_with_the_same_eval_loss(tmp_path):
     run_dir = run_training(tmp_path / "r", ["train.steps=3", "launcher.nproc_per_node=2",
                                             "train.eval_every=3", "train.eval_batches=2"])
     assert main(["export", str(run_dir), f"out={tmp_path / 'full.pt'}"]) == 0
+    import numpy as np
+
     from plait.plugins.data import TokenWindows, load_split, token_file
     from plait.plugins.models.gpt import GPT
-    import numpy as np
 
     cfg = compose([f"run.root={tmp_path}", "run.name=other", "train.seq_len=32"])
     model = GPT(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)

@@ -161,11 +161,11 @@ def _same_on_every_rank(tensor: torch.Tensor) -> None:
 
 def _algorithms_on_two_nodes(rank: int, world_size: int) -> None:
     import torch.distributed as dist
+    from inhouse import WireRecorder
     from torch.nn.parallel import DistributedDataParallel
 
-    from plait.plugins import comm as plugins
-    from inhouse import WireRecorder
     from plait.engine.buckets import FlatBucket
+    from plait.plugins import comm as plugins
     from plait.plugins.comm.hierarchical import hierarchical_all_reduce_
     from plait.plugins.comm.ring import ring_all_reduce_
     from plait.plugins.ddp import ddp_options, register_reducer

@@ -13,7 +13,6 @@ names (cp=2 x dp=2, x tp=2, x pp=2) are real ``plait train`` runs against one 1-
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 

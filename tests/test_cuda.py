@@ -5,10 +5,10 @@ The ``cuda`` tests run where GPUs are (``python -m pytest -m cuda``) and are ski
 reason elsewhere (see ``conftest.py``).
 """
 
+import inhouse
 import pytest
 import torch
 
-import inhouse
 from plait.plan import make_plan
 from plait.testing import run_losses
 

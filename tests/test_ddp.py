@@ -3,11 +3,10 @@
 import json
 import re
 
+import inhouse
 import pytest
 
 from plait.testing import read_metrics, run_losses
-
-import inhouse
 
 pytestmark = pytest.mark.slow
 

@@ -27,14 +27,19 @@ import sys
 import time
 from pathlib import Path
 
+import inhouse
 import pytest
 
 from plait.plugins.launch import launch_config
-from plait.testing import (TEST_OVERRIDES, compose, free_port, read_metrics, read_wandb_run,
-                           run_training)
+from plait.testing import (
+    TEST_OVERRIDES,
+    compose,
+    free_port,
+    read_metrics,
+    read_wandb_run,
+    run_training,
+)
 from plait.topology import ParallelDims, elastic_grad_accum_steps
-
-import inhouse
 
 ELASTIC = ["launcher.master_port=29500", "launcher.max_restarts=1", "run.name=r"]
 

@@ -5,12 +5,13 @@ write never leaves a checkpoint that loads wrong; a NaN on one rank skips the st
 import json
 import os
 import random
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import inhouse
 import pytest
 import torch
 
@@ -18,8 +19,6 @@ from plait.plugins import checkpoint
 from plait.plugins.checkpoint import directory
 from plait.testing import TEST_OVERRIDES, compose, read_metrics, run_losses, run_training
 from plait.types import TrainState
-
-import inhouse
 
 STEPS = 8
 # Dropout on: every step draws from each rank's random generators, so a resume that does not

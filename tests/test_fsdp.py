@@ -25,8 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import inhouse
+import pytest
 from inhouse import RecordShards
 
 from plait.testing import TEST_OVERRIDES, compose, free_port, read_metrics, run_training
@@ -52,6 +52,9 @@ def assert_sharded(run: Path, ranks: int, mesh: list[int], mesh_dims: list[str])
         for name, p in held.items():
             assert p["dtensor"] and p["mesh"] == mesh and p["mesh_dims"] == mesh_dims, name
             assert p["placements"][-1] == "S(0)", name  # Shard(dim=0)
+            # HSDP: replicas along every other mesh dim, not shards (a shard over both dims
+            # would hold 1/4 and pass the size check below)
+            assert p["placements"][:-1] == ["R"] * (len(mesh) - 1), name  # Replicate()
             assert p["local"] <= -(-p["global"] // shard) < p["global"], name  # 1/shard of it
 
 

@@ -44,7 +44,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from hf_models import FAMILIES, corpus_files, family_config, write_checkpoint
 from inhouse import RecordFirstBatch, RecordHeld, RecordReads
 

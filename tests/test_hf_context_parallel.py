@@ -47,9 +47,8 @@ LAYERS, HEAD_DIM = 4, 16  # hf_models.SMALL: 4 layers, 4 heads of 16
 def config_of(family: str, **overrides):
     """``hf_models``' families, and Qwen3 (q/k norms before the rotary embedding) likewise."""
     if family == "qwen3":
-        from transformers import Qwen3Config
-
         from hf_models import SMALL
+        from transformers import Qwen3Config
 
         return Qwen3Config(**{**SMALL, "num_key_value_heads": 2, "head_dim": HEAD_DIM,
                               **overrides})

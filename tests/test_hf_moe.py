@@ -27,11 +27,10 @@ import json
 import os
 from pathlib import Path
 
+import inhouse
 import pytest
 import torch
 import torch.nn.functional as F
-
-import inhouse
 from hf_models import MOE_FAMILIES, write_moe_checkpoint
 
 from plait.cli import main
@@ -301,8 +300,8 @@ def test_the_ep2_checkpoint_and_export_hold_every_expert_once(family, trained, e
     it gives the logits of the one-process run after the same 20 steps."""
     from transformers import AutoModelForCausalLM
 
-    from plait.export import consolidate
     from plait.engine.layout_free import saved_shapes
+    from plait.export import consolidate
 
     run_dir = trained(family, "ep2")
     saved = sorted((run_dir / "checkpoints").glob("step_*"))[-1]

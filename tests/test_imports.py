@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).parents[1]
 _spec = importlib.util.spec_from_file_location("check_imports",

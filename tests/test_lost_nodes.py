@@ -32,12 +32,11 @@ import sys
 import time
 from pathlib import Path
 
+import inhouse
 import pytest
 
 from plait.plugins.report import report
 from plait.testing import TEST_OVERRIDES, read_metrics, run_training
-
-import inhouse
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 import netns_cluster  # noqa: E402

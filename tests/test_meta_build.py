@@ -18,8 +18,8 @@ import pytest
 import torch
 from inhouse import RecordInitialWeights
 
-from plait.plugins.models.gpt import GPT
 from plait.engine.tensor_shards import merge_tensors
+from plait.plugins.models.gpt import GPT
 from plait.plugins.tensor_parallel.plan import TensorParallelPlan, shard_spec
 from plait.testing import ImportFirst, MemoryProbe, run_training
 

@@ -21,20 +21,20 @@ import math
 import os
 from types import SimpleNamespace
 
+import inhouse
 import pytest
 import torch
 
-import inhouse
 from plait.cli import main
+from plait.engine.layout_free import saved_shapes
 from plait.meta import ParameterInit, build_model, materialize, meta_model
 from plait.plan import format_plan, make_plan
 from plait.plugin_manager import keep_selected, make_plugin_manager
-from plait.plugins.planner.cost import Layout, Workload, cost
-from plait.plugins.planner.search import enumerate_layouts
-from plait.engine.layout_free import saved_shapes
 from plait.plugins.expert_parallel import plait_apply_expert_parallel
 from plait.plugins.models.gpt import GPT, MLP
 from plait.plugins.models.moe import MoE, load_balancing_loss, route, z_loss
+from plait.plugins.planner.cost import Layout, Workload, cost
+from plait.plugins.planner.search import enumerate_layouts
 from plait.testing import compose, read_metrics, read_wandb_run, run_training
 from plait.types import StrategyCost
 

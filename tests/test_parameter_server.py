@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import inhouse
 import pytest
 import torch
 
@@ -20,8 +21,6 @@ from plait.plan import format_plan, make_plan
 from plait.plugins.parameter_server.sharding import shard_by_bytes
 from plait.testing import TEST_OVERRIDES, SlowRank, read_metrics, run_training, spawn
 from plait.topology import Roles
-
-import inhouse
 
 REL = 1e-5
 STEPS = ("train.steps=5",)

@@ -14,18 +14,17 @@ import copy
 import json
 import re
 
+import inhouse
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from inhouse import TracePipelineActions
 
 from plait.plan import make_plan
 from plait.plugins.models.gpt import GPT
 from plait.plugins.pipeline.split import build_stage_modules, n_params, split_stages
 from plait.testing import read_metrics, run_training
-
-import inhouse
-from inhouse import TracePipelineActions
 
 TOLERANCE = 2e-5  # relative, fp32
 BF16_TOLERANCE = 2e-2  # relative per-step loss, bf16 against fp32 (as test_ddp's mixed precision)

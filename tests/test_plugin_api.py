@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from plait import HOOKSPEC_VERSION, plugin_manager
-from plait.plan import make_plan
+from plait.plan import format_plan, make_plan
 from plait.plugin_manager import make_plugin_manager
 from plait.testing import read_metrics, run_training
 
@@ -133,6 +133,47 @@ def test_a_strategy_that_cannot_take_the_comm_hook_refuses_it(first_spec_site):
     problems = "\n".join(make_plan(["strategy=zero1", "tracker=none"]).problems)
     assert ("plugin 'first_spec_comm_hook' implements plait_comm_hook (a torch DDP comm hook), "
             "which only strategy=ddp takes, not strategy=zero1") in problems
+
+
+@pytest.fixture
+def selected_comm_hook_site(tmp_path, monkeypatch):
+    """A hook spec 1.0 comm plugin selected by ``comm.name=inhouse_fp16``, implementing only the
+    deprecated ``plait_comm_hook``, installed by entry point as a new user would."""
+    site = tmp_path / "site"
+    install(site, "first_spec_selected_comm_hook")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("FIRST_SPEC_CALLS", str(tmp_path / "calls"))
+    return tmp_path
+
+
+@pytest.mark.filterwarnings("ignore:plait_comm_hook is deprecated:FutureWarning")
+def test_a_deprecated_hook_counts_as_its_replacement_for_selection(selected_comm_hook_site):
+    """``comm.name=inhouse_fp16`` selects a plugin that decides ``plait_grad_reducer`` through
+    the deprecated hook it replaces; DDP adapts the call (``engine:comm_hook``), a strategy that
+    cannot is refused by that capability."""
+    plan = make_plan(["tracker=none", "comm.name=inhouse_fp16"])
+    assert plan.problems == []
+    assert "plait_grad_reducer           first_spec_selected_comm_hook" in format_plan(plan)
+    problems = "\n".join(make_plan(["tracker=none", "comm.name=inhouse_fp16",
+                                    "strategy=zero1"]).problems)
+    assert "plugin 'first_spec_selected_comm_hook' implements plait_comm_hook" in problems
+    assert "selects no plugin that decides" not in problems
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:plait_comm_hook is deprecated:FutureWarning")
+def test_the_selected_deprecated_comm_hook_trains_like_the_built_in_fp16_compression(
+        selected_comm_hook_site):
+    overrides = ["train.steps=4", "train.log_every=2"]
+    mine = read_metrics(run_training(selected_comm_hook_site / "mine",
+                                     [*overrides, "comm.name=inhouse_fp16"]))
+    for rank in (0, 1):  # once per bucket per step
+        calls = Path(f"{selected_comm_hook_site / 'calls'}.{rank}").read_text().split()
+        assert calls and all(calls.count(index) == 4 for index in set(calls))
+    builtin = read_metrics(run_training(selected_comm_hook_site / "builtin",
+                                        [*overrides, "comm.compression=fp16"]))
+    assert [m["loss"] for m in mine] == pytest.approx([m["loss"] for m in builtin], rel=1e-6)
 
 
 class LayoutFreeWithoutLoad:

@@ -1,5 +1,6 @@
 """Plugin discovery, selection, conflicts and capabilities (no worker processes)."""
 
+import inhouse
 import pluggy
 import pytest
 
@@ -9,8 +10,6 @@ from plait.plan import make_plan
 from plait.plugin_manager import deciders, keep_selected, make_plugin_manager
 from plait.testing import compose
 from plait.types import PlanError
-
-import inhouse
 
 BUILT_INS = {"adamw", "allreduce", "checkpoint", "console", "data", "ddp", "gpt",
              "local_launcher", "metrics_file", "models", "sharding", "wandb"}

@@ -68,11 +68,11 @@ CASES = [
       "of optimizer.betas in [0, 1)", "set optimizer.eps >= 0"]),
     ("optimizer.betas=[0.9]", ["optimizer.betas=[0.9] needs two numbers (beta1, beta2)"]),
     # checkpoint, pipeline, local launcher, W&B: each plugin checks its own
-    ("fault.checkpoint_every=-1 fault.keep_last=-1 pipeline.microbatches=0 "
+    ("checkpoint.every=-1 checkpoint.keep_last=-1 pipeline.microbatches=0 "
      "pipeline.virtual_stages=0 launcher.node_rank=-1 launcher.master_port=70000 "
      "launcher.max_restarts=-1 launcher.start_method=thread tracker=wandb tracker.mode=loud",
-     ["set fault.checkpoint_every >= 0 (0: only at the end)",
-      "set fault.keep_last >= 0 (0 keeps all)", "set pipeline.microbatches >= 1",
+     ["set checkpoint.every >= 0 (0: only at the end)",
+      "set checkpoint.keep_last >= 0 (0 keeps all)", "set pipeline.microbatches >= 1",
       "set pipeline.virtual_stages >= 1", "set launcher.node_rank >= 0",
       "set launcher.master_port in [0, 65535]", "set launcher.max_restarts >= 0",
       "launcher.start_method=thread: choose one of forkserver, spawn",
@@ -89,21 +89,21 @@ CASES = [
     ("fault.straggler_action=exclude fault.straggler_factor=0",
      ["fault.straggler_action=exclude takes the straggler's node out of an elastic job, but "
       "launcher.nnodes=1 is fixed: give a range (e.g. launcher.nnodes=1:2)",
-      "but fault.checkpoint_every=0 writes one only at the end: set fault.checkpoint_every=N",
+      "but checkpoint.every=0 writes one only at the end: set checkpoint.every=N",
       "fault.straggler_action=exclude with fault.straggler_factor=0 (the detector off)"]),
     # replication: node-local checkpoints and their peers
-    ("fault.replicas=-1", ["fault.replicas=-1 is out of range: set fault.replicas >= 0"]),
-    ("fault.replicas=1", ["fault.replicas=1 keeps each node's checkpoint part on peer nodes' own "
-                          "disks, but without fault.local_dir every node writes into the shared",
-                          "set fault.local_dir=<a directory on each node's own disk>",
-                          "fault.replicas=1 with 1 node(s): a node's part is kept on "
-                          "fault.replicas other nodes, so it must be below the node count: set "
-                          "fault.replicas=0 (launcher.nnodes=1 has no peer node)"]),
-    ("launcher.nnodes=2 launcher.master_port=29500 fault.local_dir={tmp}/local fault.replicas=2",
-     ["fault.replicas=2 with 2 node(s)", "set fault.replicas=1"]),
-    ("fault.local_dir={tmp}/local fault.async_save=true",
-     ["fault.async_save=true cannot write node-local checkpoints (fault.local_dir): set "
-      "fault.async_save=false, or unset fault.local_dir"]),
+    ("checkpoint.replicas=-1", ["checkpoint.replicas=-1 is out of range: set checkpoint.replicas >= 0"]),
+    ("checkpoint.replicas=1", ["checkpoint.replicas=1 keeps each node's checkpoint part on peer nodes' own "
+                          "disks, but without checkpoint.local_dir every node writes into the shared",
+                          "set checkpoint.local_dir=<a directory on each node's own disk>",
+                          "checkpoint.replicas=1 with 1 node(s): a node's part is kept on "
+                          "checkpoint.replicas other nodes, so it must be below the node count: set "
+                          "checkpoint.replicas=0 (launcher.nnodes=1 has no peer node)"]),
+    ("launcher.nnodes=2 launcher.master_port=29500 checkpoint.local_dir={tmp}/local checkpoint.replicas=2",
+     ["checkpoint.replicas=2 with 2 node(s)", "set checkpoint.replicas=1"]),
+    ("checkpoint.local_dir={tmp}/local checkpoint.async_save=true",
+     ["checkpoint.async_save=true cannot write node-local checkpoints (checkpoint.local_dir): set "
+      "checkpoint.async_save=false, or unset checkpoint.local_dir"]),
     ("launcher.node_rank=1", ["launcher.node_rank=1 with launcher.nnodes=1: give each node its "
                               "rank, 0 to 0"]),
     ("launcher.nnodes=2 run.name=r", ["launcher.nnodes=2 needs launcher.master_port=<port>"]),
@@ -190,8 +190,10 @@ CASES = [
      ["parallel.ep=2: LlamaForCausalLM (model.path={tmp}/llama) has no base_model_ep_plan in its "
       "config, so it has no mixture-of-experts layers to spread: set parallel.ep=1"]),
     ("checkpoint.hf_every=5", ["checkpoint.hf_every=5 writes Hugging Face's format, which needs a "
-                               "transformers model (model=hf, llama_tiny), not model._target_="
-                               "plait.plugins.models.gpt.GPT: set checkpoint.hf_every=0"]),
+                               "transformers model (model._target_=plait.plugins.hf.model."
+                               "build_hf or model._target_=plait.plugins.hf.llama.build_llama), "
+                               "not model._target_=plait.plugins.models.gpt.GPT: set "
+                               "checkpoint.hf_every=0"]),
     # DeepSpeed's own checks of the zero_optimization section
     ("strategy=zero2 strategy.deepspeed.zero_optimization.reduce_bucket_size=-1",
      ["strategy.deepspeed.zero_optimization.reduce_bucket_size=-1 is refused by DeepSpeed "

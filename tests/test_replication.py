@@ -52,8 +52,8 @@ def test_the_newest_checkpoint_whose_parts_survive_is_restored_from_the_replicas
     plan = replication.plan_restore(held, nnodes=2, replicas=1)
     assert plan.name == STEP3
     assert plan.lost_newer == [f"node 1's part of checkpoint {STEP6} is lost: no node holds it "
-                               "or a replica of it (fault.replicas=1; a node's part survives "
-                               "the loss of its disk only with fault.replicas >= 1)"]
+                               "or a replica of it (checkpoint.replicas=1; a node's part survives "
+                               "the loss of its disk only with checkpoint.replicas >= 1)"]
     assert replication.plan_restore({0: {}, 1: {}}, nnodes=2, replicas=0) is None
 
 

@@ -21,9 +21,9 @@ import json
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+import stragglers
 
 from plait import api
 from plait.cli import main
@@ -31,8 +31,6 @@ from plait.plugins.fault.straggler import compute_by_rank, slowdowns
 from plait.plugins.report import report
 from plait.plugins.report.compare import relative_difference
 from plait.testing import TEST_OVERRIDES, read_metrics, read_wandb_run, run_training
-
-import stragglers
 
 STEPS = 100
 RUN = [*TEST_OVERRIDES, f"train.steps={STEPS}", f"optimizer.decay_steps={STEPS}",
@@ -185,7 +183,7 @@ window.addEventListener("load", () => {
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (Debian's package; scripts/setup.sh "
+@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (Debian's package; scripts/test.sh "
                                              "installs it where root and apt are available)")
 def test_the_report_opens_in_a_headless_browser_with_every_figure_drawn(sweep, tmp_path):
     report([str(sweep)], str(tmp_path / "report.html"))

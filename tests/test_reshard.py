@@ -6,14 +6,13 @@ over too."""
 import json
 from pathlib import Path
 
+import inhouse
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from plait.cli import main
 from plait.testing import read_metrics, run_training
-
-import inhouse
 
 # The issue asks for a save at step 10 and 10 more steps; 4 + 4 show the same (the conversion
 # happens once, at the resume) in less CI time.
@@ -238,5 +237,5 @@ def test_a_layout_free_checkpoint_of_another_model_is_refused(tmp_path, capsys):
 
 def test_async_save_with_a_strategy_that_cannot_write_it_is_refused(tmp_path, capsys):
     err = refusal(tmp_path, capsys, ["fault.async_save=true", "strategy=local_sgd"])
-    assert ("fault.async_save=true: strategy=local_sgd cannot write the layout-free (DCP) "
+    assert ("checkpoint.async_save=true: strategy=local_sgd cannot write the layout-free (DCP) "
             "state") in err

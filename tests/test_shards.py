@@ -17,12 +17,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import inhouse
 import numpy as np
 import pytest
+import slowfs
 from omegaconf import OmegaConf
 
-import inhouse
-import slowfs
 from plait.cli import main
 from plait.plan import make_plan
 from plait.plugins.data import stdlib_sources

@@ -1,5 +1,5 @@
 """A real SLURM on this machine: Debian's slurm-wlm and munge, one controller and one node daemon
-on localhost, started by the fixture (installed by scripts/setup.sh where root and apt-get are
+on localhost, started by the fixture (installed by scripts/test.sh where root and apt-get are
 available, never by a test; skipped, with the reason, where they are absent or cannot run).
 ``plait train launcher=slurm`` submits through Hydra's submitit launcher; ``plait train`` in the
 batch step of an sbatch script starts its own workers."""
@@ -27,11 +27,11 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 
 
 def slurm_missing() -> str | None:
-    """Why SLURM cannot run here, or None. The tests install nothing: ``scripts/setup.sh``
+    """Why SLURM cannot run here, or None. The tests install nothing: ``scripts/test.sh``
     installs slurm-wlm and munge where root and apt-get are available."""
     missing = [d for d in DAEMONS if not (shutil.which(d) or Path(f"/usr/sbin/{d}").exists())]
     if missing:
-        return (f"{', '.join(missing)} not installed (scripts/setup.sh installs slurm-wlm and "
+        return (f"{', '.join(missing)} not installed (scripts/test.sh installs slurm-wlm and "
                 "munge where it runs as root with apt-get)")
     return None
 

@@ -17,9 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-from inhouse import (CommCounter, CountCollectives, RecordLayout, assert_layout,
-                     whole_model_shapes)
+from inhouse import CommCounter, CountCollectives, RecordLayout, assert_layout, whole_model_shapes
 
 from plait.plugins.models.gpt import GPT, Block
 from plait.plugins.tensor_parallel.layers import VocabParallelCrossEntropy, split_tensor
@@ -30,9 +28,9 @@ from plait.plugins.tensor_parallel.plan import (
     shard_spec,
 )
 from plait.testing import compose, read_metrics, run_losses, spawn
+from plait.types import PlanError
 
 GPT_PLAN = TensorParallelPlan(GPT.tensor_parallel_plan)
-from plait.types import PlanError
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed (strategy=zero1) on CPU
 

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import yaml
+from inhouse import OptimizerSettingsAfterLoad
 from omegaconf import OmegaConf
 
 from plait import api
@@ -20,8 +21,6 @@ from plait.cli import main
 from plait.plugins.tune.pbt import Member, PBTSweeper
 from plait.plugins.tune.search_space import parse
 from plait.testing import TEST_OVERRIDES, read_metrics, read_wandb_run
-
-from inhouse import OptimizerSettingsAfterLoad
 
 SMALL = [o for o in TEST_OVERRIDES if not o.startswith("train.steps=")]
 SMALL += ["train.seq_len=16", "train.batch_size=4", "optimizer.warmup_steps=1",

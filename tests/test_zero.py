@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+import inhouse
 import pytest
 import torch
 from hydra.utils import instantiate
@@ -24,8 +25,8 @@ from plait import cli, hookimpl
 from plait.export import export
 from plait.plan import make_plan
 from plait.plugin_manager import keep_selected, make_plugin_manager
-from plait.plugins.zero import config as zero_config
 from plait.plugins.planner.estimate import strategy_cost
+from plait.plugins.zero import config as zero_config
 from plait.plugins.zero.config import engine_config
 from plait.plugins.zero.estimate import (
     measure_activation_bytes,
@@ -37,8 +38,6 @@ from plait.topology import ParallelDims
 from plait.train import cross_entropy, evaluate
 from plait.types import PlanError, PluginInfo
 from plait.worker import show_each_warning_once
-
-import inhouse
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

@@ -30,8 +30,8 @@ def is_expert(p: torch.Tensor) -> bool:
 
 
 def mark_expert(p: torch.nn.Parameter, ep: int) -> None:
-    p.allreduce = False
-    p.group_name = f"ep_size_{ep}"
+    setattr(p, "allreduce", False)  # DeepSpeed's marks: attributes torch does not declare
+    setattr(p, "group_name", f"ep_size_{ep}")
 
 
 def expert_names(model: torch.nn.Module) -> list[str]:

@@ -90,7 +90,8 @@ def local_state(engine, topology, full: dict) -> dict:
         return full
     rank, size = topology.tp_rank, topology.dims.tp
     return _map_entries(full, placements,
-                        lambda t, placement: split_tensor(t, *placement, rank, size))
+                        lambda t, placement: split_tensor(t, placement[0], placement[1], rank,
+                                                          size))
 
 
 def save(engine, topology, directory: Path, group, stager=None):
@@ -142,10 +143,12 @@ def read_model(checkpoint: Path) -> dict[str, torch.Tensor]:
     (``plait export``, ``plait sample``). The entries DCP's metadata lists under ``model.`` are
     allocated and ``dcp.load`` fills them; the optimizer's are not read."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = dcp.FileSystemReader(str(checkpoint / DIRECTORY))
     stored = reader.read_metadata().state_dict_metadata
     model = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in stored.items() if key.startswith("model.") and hasattr(meta, "size")}
+             for key, meta in stored.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     dcp.load({"model": model}, storage_reader=reader, no_dist=True)
     return {name: value.float() for name, value in model.items()}

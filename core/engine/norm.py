@@ -77,13 +77,14 @@ def local_part(grad: torch.Tensor) -> torch.Tensor:
 def grad_norm(params: list[torch.Tensor], groups: ShardGroups) -> torch.Tensor:
     """``||g||`` over every part of every parameter (the module docstring's sum): a collective
     on every rank of ``groups``."""
-    device = params[0].grad.device if params else torch.device("cpu")
+    grads = [(p, p.grad) for p in params if p.grad is not None]
+    device = grads[0][1].device if grads else torch.device("cpu")
     squares = torch.zeros((), device=device, dtype=torch.float32)
     experts = torch.zeros((), device=device, dtype=torch.float32)
-    for p in params:
+    for p, grad in grads:
         if is_tensor_parallel(p) or groups.tp_rank == 0:
             target = experts if groups.ep is not None and is_expert(p) else squares
-            target += local_part(p.grad).float().pow(2).sum()
+            target += local_part(grad).float().pow(2).sum()
     if groups.shard is not None:
         dist.all_reduce(squares, group=groups.shard)
     if groups.ep is not None:
@@ -104,8 +105,8 @@ def clip_grads_(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor)
     if math.isinf(max_norm):
         return
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in params:
-        local_part(p.grad).mul_(coefficient.to(p.grad.device))
+    for grad in (p.grad for p in params if p.grad is not None):
+        local_part(grad).mul_(coefficient.to(grad.device))
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,

@@ -100,8 +100,9 @@ class TorchEngine:
         self.loss_fn = loss_fn
         self.autocast_precision = cfg.precision if autocast_forward else "fp32"
         self.max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
-        self.check_step = (functools.partial(hook.plait_check_step, cfg=cfg, topology=topology)
-                           if hook is not None else lambda **_: [])
+        self.check_step: Callable[..., list] = (
+            functools.partial(hook.plait_check_step, cfg=cfg, topology=topology)
+            if hook is not None else lambda **_: [])
         self.shard_groups = shard_groups if shard_groups is not None else ShardGroups.of(topology)
         self.loss_group = topology.group(loss_group)
         self.loss_size = dist.get_world_size(self.loss_group)

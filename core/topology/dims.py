@@ -31,7 +31,7 @@ class ParallelDims:
     world_size: int
     nnodes: int = 1
     cp: int = 1
-    nodes: NodeRange | None = None
+    nodes: NodeRange = None  # type: ignore[assignment]  # nnodes:nnodes (__post_init__)
     grad_accum_steps: int = 1
     ep: int = 1  # expert parallelism, within dp: dp = edp x ep
 

@@ -8,7 +8,6 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-
 LAUNCHER_ENV = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 

@@ -59,7 +59,7 @@ class Topology(DeprecatedGroupNames):
     node_rank: int
     local_world_size: int
     node_of: list[int]  # the node rank of every global rank, as the launcher assigned it
-    roles: Roles | None = None  # None: every rank is a trainer
+    roles: Roles = None  # type: ignore[assignment]  # None: every rank a trainer (__post_init__)
     # The core's and shared plugins' collectives run over these (None: the default group, as in
     # a plain run). trainer_group: start-up and checkpoints; step_group: per-step figures.
     trainer_group: dist.ProcessGroup | None = None
@@ -146,7 +146,7 @@ class Topology(DeprecatedGroupNames):
             return self._replica_group()
         return self.mesh[name].get_group()
 
-    def _replica_group(self) -> dist.ProcessGroup:
+    def _replica_group(self) -> dist.ProcessGroup | None:
         """The pp x tp ranks that hold one model replica (this rank's dp and cp index): the
         "model-parallel" group of Megatron and of DeepSpeed's ``PipelineParallelGrid``, over which
         a global gradient norm is reduced. Made once (a collective: every rank calls it, in the

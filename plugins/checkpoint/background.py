@@ -1,4 +1,4 @@
-"""``fault.async_save=true``: the checkpoint's layout-free state is copied to CPU memory while
+"""``checkpoint.async_save=true``: the checkpoint's layout-free state is copied to CPU memory while
 training waits, then written by a background thread (``torch.distributed.checkpoint.async_save``);
 the checkpoint is published (``complete.json``, the rename, ``latest``) only after every rank's
 write has finished. A crash before that leaves the previous checkpoint as ``latest``, and the
@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 from concurrent.futures import Future
 from typing import Callable
-
 
 
 def cpu_stager():

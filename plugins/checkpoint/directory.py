@@ -1,8 +1,8 @@
 """The checkpoint directory: where checkpoints live, which of them are complete, and how one
 is published atomically.
 
-Layout under ``run.dir/checkpoints`` (or, with ``fault.local_dir``, under each node's own
-``<fault.local_dir>/<run.name>/node<k>``)::
+Layout under ``run.dir/checkpoints`` (or, with ``checkpoint.local_dir``, under each node's own
+``<checkpoint.local_dir>/<run.name>/node<k>``)::
 
     step_00000040/            one directory per checkpoint: engine files, trainer_state.json,
                               layout.json, rng_rank<r>.pt, and complete.json (written last)
@@ -32,13 +32,13 @@ LAYOUT = "layout.json"
 
 
 def node_root(cfg, node: int) -> Path:
-    """Where node ``node`` keeps its checkpoints (on its own disk) with ``fault.local_dir``."""
-    return Path(cfg.fault.local_dir) / cfg.run.name / f"node{node}"
+    """Where node ``node`` keeps its checkpoints (on its own disk) with ``checkpoint.local_dir``."""
+    return Path(cfg.checkpoint.local_dir) / cfg.run.name / f"node{node}"
 
 
 def checkpoint_root(cfg, node: int | None = None) -> Path:
     """Where checkpoints are written: the run directory's, or node ``node``'s own."""
-    if cfg.fault.local_dir is None:
+    if cfg.checkpoint.local_dir is None:
         return Path(cfg.run.dir) / "checkpoints"
     return node_root(cfg, node)
 
@@ -46,7 +46,7 @@ def checkpoint_root(cfg, node: int | None = None) -> Path:
 def visible_roots(cfg) -> list[Path]:
     """The checkpoint roots this machine sees before launch (node-local: every node root on
     it, for the checks that need no processes)."""
-    if cfg.fault.local_dir is None:
+    if cfg.checkpoint.local_dir is None:
         return [checkpoint_root(cfg)]
     return sorted(node_root(cfg, 0).parent.glob("node*"))
 
@@ -54,7 +54,7 @@ def visible_roots(cfg) -> list[Path]:
 def newest_visible(cfg) -> Path | None:
     """The newest complete checkpoint on this machine; node-local: one that holds the run's own
     files (node 0's part: ``layout.json``, ``trainer_state.json``)."""
-    if cfg.fault.local_dir is None:
+    if cfg.checkpoint.local_dir is None:
         return latest_checkpoint(checkpoint_root(cfg), quiet=True)
     found = [c for root in visible_roots(cfg) if (c := latest_checkpoint(root, quiet=True))
              and (c / TRAINER_STATE).exists()]
@@ -104,7 +104,7 @@ def resolve_resume(cfg, resume: str | None) -> Path | None:
     newest complete checkpoint). A restarted process (torch elastic, a SLURM requeue) always
     continues from this run's own newest checkpoint when there is one.
     """
-    own = newest_visible(cfg) if cfg.fault.local_dir else latest_checkpoint(checkpoint_root(cfg))
+    own = newest_visible(cfg) if cfg.checkpoint.local_dir else latest_checkpoint(checkpoint_root(cfg))
     if resume in (AUTO, LATEST) or (restarted() and own is not None):
         return own
     if resume is None:

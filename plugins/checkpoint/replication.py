@@ -1,8 +1,8 @@
-"""Node-local checkpoints (``fault.local_dir``) and their replicas on peer nodes
-(``fault.replicas=R``): losing a node, disk and all, loses no checkpoint.
+"""Node-local checkpoints (``checkpoint.local_dir``) and their replicas on peer nodes
+(``checkpoint.replicas=R``): losing a node, disk and all, loses no checkpoint.
 
 Each node writes its ranks' files of a checkpoint under its own root,
-``<fault.local_dir>/<run.name>/node<k>/`` (the node rank is in the path, so "nodes" sharing one
+``<checkpoint.local_dir>/<run.name>/node<k>/`` (the node rank is in the path, so "nodes" sharing one
 machine keep apart). The files a node's ranks wrote are that node's *part*; the parts' names
 never collide (engine files are named by rank or by mesh position), so the union of all parts
 is the checkpoint a shared directory would hold. Once its part is fsynced, a node's first
@@ -122,8 +122,8 @@ def lost_parts(name: str, held: dict[int, dict], replicas: int) -> str | None:
         return None
     which = ", ".join(f"node {p}'s" for p in lost)
     return (f"{which} part of checkpoint {name} is lost: no node holds it or a replica of it "
-            f"(fault.replicas={replicas}; a node's part survives the loss of its disk only with "
-            "fault.replicas >= 1)")
+            f"(checkpoint.replicas={replicas}; a node's part survives the loss of its disk only with "
+            "checkpoint.replicas >= 1)")
 
 
 def plan_restore(held: dict[int, dict[str, dict[int, dict]]], nnodes: int,
@@ -250,7 +250,7 @@ def restore(cfg, topology) -> Path | None:
     dist.all_gather_object(every, mine, group=group)
     held = {topology.node_of[rank]: h for rank, h in zip(topology.trainer_ranks, every)
             if h is not None}
-    plan = plan_restore(held, topology.dims.nnodes, cfg.fault.replicas)
+    plan = plan_restore(held, topology.dims.nnodes, cfg.checkpoint.replicas)
     if plan is None:
         return None
     if leader:

@@ -2,7 +2,7 @@
 finds its checkpoint and reads it back (the engine's own files, or the layout-free copy at
 another layout). The directory rules are ``directory.py``'s, the random state ``rng.py``'s.
 
-At most one background write (``fault.async_save``) is in flight per worker process; ``background``
+At most one background write (``checkpoint.async_save``) is in flight per worker process; ``background``
 holds it from one save to the next.
 """
 
@@ -75,7 +75,7 @@ def needs_conversion(saved: dict | None, layout: dict) -> bool:
 def checkpoint_to_load(cfg, topology) -> Path | None:
     """The checkpoint this rank loads (every trainer calls this: with node-local checkpoints,
     the nodes agree on it and fetch the parts they lack first)."""
-    if cfg.fault.local_dir is None:
+    if cfg.checkpoint.local_dir is None:
         return resolve_resume(cfg, cfg.resume)
     own = None
     if cfg.resume in (AUTO, LATEST) or restarted():
@@ -129,12 +129,12 @@ def fork(state: TrainState, path: Path) -> TrainState:
 
 
 def save_if_due(cfg, engine, state, topology, final: bool, reshardable: bool) -> Path | None:
-    """The checkpoint after ``state.step`` when one is due (every ``fault.checkpoint_every``
+    """The checkpoint after ``state.step`` when one is due (every ``checkpoint.every``
     steps, and the final one); its directory, or None."""
     if not (topology.roles.lockstep or topology.is_logging_rank):
         return None  # at its own pace: the first trainer's engine saves the run's state
-    every = cfg.fault.checkpoint_every
-    due = (final and cfg.fault.save_final) or (every > 0 and state.step % every == 0)
+    every = cfg.checkpoint.every
+    due = (final and cfg.checkpoint.save_final) or (every > 0 and state.step % every == 0)
     complete = save(cfg, engine, state, topology, reshardable) if due else None
     if final:
         background.wait()  # the run ends with its last checkpoint published
@@ -143,16 +143,16 @@ def save_if_due(cfg, engine, state, topology, final: bool, reshardable: bool) ->
 
 def save(cfg, engine, state, topology, reshardable: bool) -> Path:
     """Every rank writes its part into ``.step_<n>.partial``; rank 0 publishes it when all
-    parts are durable: now, or with ``fault.async_save`` when the background write is done.
-    With ``fault.local_dir`` each node writes into its own root and publishes its own
+    parts are durable: now, or with ``checkpoint.async_save`` when the background write is done.
+    With ``checkpoint.local_dir`` each node writes into its own root and publishes its own
     directory once every node's part and replicas are durable. ``reshardable``: the strategy
     declared ``engine:layout_free_state``, so a layout-free copy is written too."""
     background.wait()  # the previous write is published before its .partial could be removed
-    node_local = cfg.fault.local_dir is not None
+    node_local = cfg.checkpoint.local_dir is not None
     root = checkpoint_root(cfg, topology.node_rank)
     name = f"step_{state.step:08d}"
     partial, complete = root / f".{name}.partial", root / name
-    in_background = cfg.fault.async_save and reshardable
+    in_background = cfg.checkpoint.async_save and reshardable
     # an engine whose own format cannot hold this layout (ZeRO with experts) writes only the
     # layout-free copy, from which a resume at any layout loads
     engine_files = not in_background and getattr(engine, "saves_engine_files", True)
@@ -179,7 +179,7 @@ def save(cfg, engine, state, topology, reshardable: bool) -> Path:
                 fsync_path(file)
         write_run_files()
         publish(root, partial, name)
-        prune(root, cfg.fault.keep_last)
+        prune(root, cfg.checkpoint.keep_last)
 
     publisher = publish_on_rank0 if topology.is_logging_rank else None
     if in_background:
@@ -197,11 +197,11 @@ def save(cfg, engine, state, topology, reshardable: bool) -> Path:
     if node_local:
         if topology.is_logging_rank:  # node 0's part holds the run's own files
             write_run_files()
-        replication.replicate(partial, name, topology, cfg.fault.replicas)
+        replication.replicate(partial, name, topology, cfg.checkpoint.replicas)
         barrier(topology)  # every node's part and replicas are durable: each node publishes
         if topology.local_trainer_rank == 0:
             publish(root, partial, name)
-            prune(root, cfg.fault.keep_last)
+            prune(root, cfg.checkpoint.keep_last)
     elif publisher is not None:
         publisher()
     barrier(topology)

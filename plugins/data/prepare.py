@@ -30,9 +30,16 @@ import numpy as np
 from omegaconf import MISSING, OmegaConf
 
 from plait.plugins.data import index as fmt
-from plait.plugins.data.tokenizer import (BPE, BYTES, TOKENIZER_JSON, ByteTokenizer,
-                                          from_spec, load_model_tokenizer, load_tokenizer_file,
-                                          train_bpe)
+from plait.plugins.data.tokenizer import (
+    BPE,
+    BYTES,
+    TOKENIZER_JSON,
+    ByteTokenizer,
+    from_spec,
+    load_model_tokenizer,
+    load_tokenizer_file,
+    train_bpe,
+)
 
 CHUNK_BYTES = 1 << 20  # input bytes per tokenization task
 PROGRESS = "progress.npz"

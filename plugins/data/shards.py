@@ -29,8 +29,12 @@ from plait.config import AT_LEAST_1, POSITIVE, Range, range_problems
 from plait.meta import meta_model
 from plait.plugins.data.blend import BlendedDataset
 from plait.plugins.data.index import ShardIndex, ShardIndexError, read_index
-from plait.plugins.data.shard_dataset import (ShardDataset, make_reader, split_documents,
-                                              window_starts)
+from plait.plugins.data.shard_dataset import (
+    ShardDataset,
+    make_reader,
+    split_documents,
+    window_starts,
+)
 from plait.plugins.data.sharding import LoaderSettings
 from plait.types import PluginInfo
 

@@ -77,8 +77,8 @@ def plait_apply_expert_parallel(cfg, model, topology) -> None:
     dims = topology.dims
     if dims.ep == 1 or not layers:
         return
-    from plait.plugins.expert_parallel.dispatch import AllToAllDispatcher, AllToAllMeter
     from plait.engine.experts import mark_expert
+    from plait.plugins.expert_parallel.dispatch import AllToAllDispatcher, AllToAllMeter
 
     meter = AllToAllMeter()
     for layer in layers:

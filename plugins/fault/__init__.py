@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from plait import hookimpl
 from plait.config import AT_LEAST_1, Range, range_problems
+from plait.plugins.fault.config import FaultToleranceConfig
 from plait.types import PluginInfo
 
 RANGES = {"max_bad_steps": AT_LEAST_1, "spike_factor": Range(0, meaning="0: off")}
@@ -60,6 +61,11 @@ class StepGuard:
         return PluginInfo(name="step_guard", selected_by={"fault.name": "checkpoint"},
                           description="skip non-finite steps and loss spikes on every rank, roll "
                                       "back after fault.max_bad_steps, count restarts")
+
+    @hookimpl
+    def plait_register_configs(self, config_store) -> None:
+        """The fault plugins' schema (``config.py``), stored once, by this one of them."""
+        config_store.store(group="fault", name="base_fault_tolerance", node=FaultToleranceConfig)
 
     @hookimpl
     def plait_validate(self, cfg) -> list[str]:

@@ -34,6 +34,7 @@ from collections import deque
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from plait import hookimpl
 from plait.config import AT_LEAST_1, Range, range_problems
@@ -94,10 +95,13 @@ class StragglerDetector:
                     f"fault.straggler_action=exclude takes the straggler's node out of an "
                     f"elastic job, but launcher.nnodes={cfg.launcher.nnodes} is fixed: give a "
                     "range (e.g. launcher.nnodes=1:2), or set fault.straggler_action=warn")
-            if fault.checkpoint_every == 0:
+            # the exclusion happens at a periodic checkpoint: the checkpoint group's setting
+            # (None where another plugin than the checkpoint plugin is selected for it)
+            every = OmegaConf.select(cfg, "checkpoint.every", default=None)
+            if every == 0:
                 problems.append("fault.straggler_action=exclude re-forms the group from the "
-                                "checkpoint after the verdict, but fault.checkpoint_every=0 "
-                                "writes one only at the end: set fault.checkpoint_every=N")
+                                "checkpoint after the verdict, but checkpoint.every=0 "
+                                "writes one only at the end: set checkpoint.every=N")
             if fault.straggler_factor == 0:
                 problems.append("fault.straggler_action=exclude with fault.straggler_factor=0 "
                                 "(the detector off): set fault.straggler_factor > 1")

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from plait.engine.stages import PipelineStageModules
 from plait.host_memory import return_freed_memory
 from plait.meta import ParameterInit
-from plait.engine.stages import PipelineStageModules
 
 # carried over the parameters fully_shard replaces: tensor-parallel shards' and experts' marks
 TENSOR_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride",

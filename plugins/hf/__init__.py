@@ -54,8 +54,9 @@ class HFModelConfig(ModelConfig):
 def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="hf", selected_by={"model._target_": TARGET},
-        provides=frozenset({"model:tensor_parallel_plan", "model:activation_checkpointing_plan",
-                            "model:experts", "model:context_parallel", BUILD_CHECKS}),
+        provides=frozenset({"model:hf_format", "model:tensor_parallel_plan",
+                            "model:activation_checkpointing_plan", "model:experts",
+                            "model:context_parallel", BUILD_CHECKS}),
         description="transformers causal LMs from a local directory, read slice by slice")
 
 

@@ -39,8 +39,13 @@ import re
 import torch
 import torch.nn as nn
 
-from plait.plugins.models.moe import (LocalDispatcher, MoEStats, Routing, routed_output,
-                                      router_losses_and_stats)
+from plait.plugins.models.moe import (
+    LocalDispatcher,
+    MoEStats,
+    Routing,
+    routed_output,
+    router_losses_and_stats,
+)
 
 SERVED_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock")
 EP_STYLES = ("grouped_gemm", "ep_dispatch_experts")  # expert weights by expert; their dispatch

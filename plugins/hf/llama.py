@@ -65,7 +65,7 @@ def build_llama(vocab_size: int = 256, block_size: int = 64, hidden_size: int = 
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(name="llama", selected_by={"model._target_": LlamaModelConfig._target_},
-                      provides=frozenset({"model:tensor_parallel_plan",
+                      provides=frozenset({"model:hf_format", "model:tensor_parallel_plan",
                                           "model:activation_checkpointing_plan",
                                           "model:context_parallel"}),
                       description="transformers' Llama built from settings (model=hf's model)")

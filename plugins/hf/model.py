@@ -156,8 +156,7 @@ def checkpoint_names(model: nn.Module, checkpoint: CheckpointFiles) -> dict[str,
     the conversion mapping's renames and the base-model prefix. Keys a converter must transform
     (fuse, split) are left out, so the model's parameter is missing and refused."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (WeightConverter, WeightRenaming,
-                                                 rename_source_key)
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     with as_transformers_class(model):
         transforms = get_model_conversion_mapping(model)

@@ -20,8 +20,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from plait.plugins.hf.checkpoint_files import (FLOAT_DTYPES, INDEX, SINGLE, read_header,
-                                               write_safetensors)
+from plait.plugins.hf.checkpoint_files import (
+    FLOAT_DTYPES,
+    INDEX,
+    SINGLE,
+    read_header,
+    write_safetensors,
+)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
 SKIPPED = {INDEX, "pytorch_model.bin.index.json", "config.json"}

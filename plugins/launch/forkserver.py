@@ -30,8 +30,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
-from multiprocessing import reduction
 from importlib.metadata import entry_points
+from multiprocessing import reduction
 from typing import Any, Callable
 
 # The environment the server started with: a forked worker's variables that differ from it were

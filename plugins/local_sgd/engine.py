@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
-    HierarchicalModelAverager)
+    HierarchicalModelAverager,
+)
 from torch.distributed.optim import PostLocalSGDOptimizer
 
 from plait.engine.hyperparameters import set_lr

@@ -58,10 +58,9 @@ import torch.distributed as dist
 from plait.config import job_last_step
 from plait.engine import norm
 from plait.engine.hyperparameters import set_lr
+from plait.plugins.parameter_server import SERVER
 from plait.plugins.parameter_server.sharding import flat, shards_of, unflatten_into
 from plait.plugins.parameter_server.store import inbox, job_store, publish, saved_key
-
-from plait.plugins.parameter_server import SERVER
 
 BYE = 1  # the tag of a worker's goodbye (pushes and replies travel on tag 0)
 WHOLE_RUN = timedelta(days=365)  # how long a goodbye may take: the worker's whole run

@@ -31,8 +31,7 @@ from plait.engine.step import accumulate, mean_over
 from plait.plugins.parameter_server import SERVER
 from plait.plugins.parameter_server.server import BYE
 from plait.plugins.parameter_server.sharding import flat, shards_of, unflatten_into
-from plait.plugins.parameter_server.store import (inbox, job_store, publish, read_figures,
-                                                  saved_key)
+from plait.plugins.parameter_server.store import inbox, job_store, publish, read_figures, saved_key
 from plait.types import Batch, StepOutput, model_inputs
 
 

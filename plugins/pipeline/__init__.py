@@ -39,6 +39,7 @@ from plait import hookimpl
 from plait.config import AT_LEAST_1, BYTES_PER_VALUE, PipelineConfig, range_problems
 from plait.engine.stages import PipelineStageModules
 from plait.meta import meta_model
+from plait.plugin_manager import offered_by, provided
 from plait.plugins.pipeline.schedules import (
     SCHEDULES,
     schedule_problems,
@@ -54,7 +55,6 @@ from plait.plugins.pipeline.split import (
     part_modules,
     split_stages,
 )
-from plait.plugin_manager import offered_by, provided
 from plait.types import (
     AxisCost,
     LossScaledEngine,

@@ -25,8 +25,8 @@ import torch
 
 from plait import hookimpl
 from plait.config import node_range
-from plait.metrics import device_peak_flops
 from plait.meta import meta_model
+from plait.metrics import device_peak_flops
 from plait.plan import compose_config
 from plait.plugin_manager import make_plugin_manager
 from plait.plugins.planner.estimate import estimated_strategies

@@ -17,6 +17,7 @@ from plait.meta import meta_model, parameters_per_rank
 from plait.plan import make_plan
 from plait.types import StrategyCost
 
+
 def gib(n: float) -> str:
     value, unit = (n / 2**30, "GiB") if n >= 2**30 else (n / 2**20, "MiB")
     return f"{value:10.3f} {unit}  ({int(n):,} B)"

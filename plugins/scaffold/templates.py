@@ -404,7 +404,7 @@ from plait.testing import run_losses
 
 
 def test_trains_like_one_process(tmp_path):
-    steps = ["train.steps=3", "fault.save_final=false"]
+    steps = ["train.steps=3", "checkpoint.save_final=false"]
     one = run_losses(tmp_path / "one", [*steps, "launcher.nproc_per_node=1"])
     mine = run_losses(tmp_path / "mine", [*steps, "strategy={name}",
                                           "launcher.nproc_per_node=2"])

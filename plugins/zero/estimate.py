@@ -39,6 +39,7 @@ from plait.plugins.zero.config import STAGES
 from plait.plugins.zero.sizing import working_memory_settings
 from plait.types import StrategyCost
 
+
 @dataclass(frozen=True)
 class ModelStates:
     """Bytes per rank, split as the ZeRO paper splits them."""
