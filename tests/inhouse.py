@@ -748,7 +748,7 @@ class GradScalerAfterLoad:
 
 
 class HoldWriteThenKill:
-    """For ``fault.async_save``, in the first attempt only: the background write of step
+    """For ``checkpoint.async_save``, in the first attempt only: the background write of step
     ``held_step``'s checkpoint is held (a sleep injected into DCP's file writer on rank 0, so
     the kill surely lands inside the write), and rank 0 SIGKILLs itself at the end of step
     ``kill_step``, while that write is still running."""

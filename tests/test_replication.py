@@ -1,4 +1,4 @@
-"""Replication (``fault.local_dir``, ``fault.replicas``): a 2-node job keeps each node's part of a
+"""Replication (``checkpoint.local_dir``, ``checkpoint.replicas``): a 2-node job keeps each node's part of a
 checkpoint on the other node too; node 1 is SIGKILLed, agent and worker, its checkpoint
 directory deleted, and the re-run of the same commands (a SLURM requeue) resumes from node 0's
 replica with the uninterrupted losses and final weights.
@@ -6,7 +6,7 @@ replica with the uninterrupted losses and final weights.
 The two "nodes" are two torch elastic agents on this host (``plait train launcher.nnodes=2
 launcher.node_rank=k``, one worker each), meeting at a c10d rendezvous on 127.0.0.1. A fair
 stand-in for two machines here: a node reads and writes only its own root
-(``<fault.local_dir>/<run>/node<k>``), so deleting node 1's root is losing its disk, and every
+(``<checkpoint.local_dir>/<run>/node<k>``), so deleting node 1's root is losing its disk, and every
 byte of a replica travels between the nodes' processes over torch.distributed (gloo over TCP),
 as between machines. Network namespaces would add separate addresses, not separate disks (they
 share the file system), so they would prove nothing more here and cost a second set-up.
@@ -60,7 +60,7 @@ def test_the_newest_checkpoint_whose_parts_survive_is_restored_from_the_replicas
 def test_without_replicas_a_lost_disk_is_named_not_resumed_around():
     held = {0: {STEP3: part(0)}, 1: {}}
     with pytest.raises(replication.PartLost, match=f"node 1's part of checkpoint {STEP3} is lost: "
-                       r"no node holds it or a replica of it \(fault.replicas=0"):
+                       r"no node holds it or a replica of it \(checkpoint.replicas=0"):
         replication.plan_restore(held, nnodes=2, replicas=0)
 
 

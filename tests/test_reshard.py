@@ -162,7 +162,7 @@ def test_fp16_loss_scale_carries_over_from_zero2_to_a_ddp_pipeline(tmp_path, mon
 @pytest.mark.slow
 def test_zero0_in_bf16_resumes_from_its_layout_free_copy_exactly(tmp_path):
     """ZeRO stage 0 in bf16: DeepSpeed's ``FP16_UnfusedOptimizer`` keeps the fp32 masters and Adam
-    steps those (no universal checkpoint covers stage 0). With ``fault.async_save`` only the
+    steps those (no universal checkpoint covers stage 0). With ``checkpoint.async_save`` only the
     layout-free copy is written, so a job stopped after step 2 resumes from the masters and
     moments in it: steps 3 and 4 log the uninterrupted run's losses, exactly."""
     run = ["train.steps=4", "optimizer.decay_steps=4", "fault.checkpoint_every=2",
