@@ -190,8 +190,8 @@ def plait_strategy_cost(cfg: DictConfig, strategy: str, model: torch.nn.Module,
 
 @hookspec
 def plait_axis_cost(cfg: DictConfig, axis: str, model: torch.nn.Module, dims: ParallelDims,
-                    micro_batch_size: int, microbatches: int, recompute: str
-                    ) -> AxisCost | None:
+                    seq_len: int, micro_batch_size: int, microbatches: int,
+                    bytes_per_value: int, recompute: str) -> AxisCost | None:
     """Estimate what one rank's share of parallel ``axis`` costs per optimizer step (since hook
     spec 1.5): the bytes it sends over that axis, and for pipeline stages how many
     micro-batches' activations a rank holds at once.
@@ -202,11 +202,12 @@ def plait_axis_cost(cfg: DictConfig, axis: str, model: torch.nn.Module, dims: Pa
     takes the first answer. Answer only for the axis your plugin carries out, and only while
     your plugin is the one ``cfg`` selects for it, None otherwise.
 
-    :param cfg: the run's config (``train.seq_len``, ``precision``, and your own group's
-        settings).
+    :param cfg: the run's config (your own group's settings).
     :param model: the unsplit model, on the meta device.
     :param dims: the layout being estimated.
+    :param seq_len: tokens per sequence (all of them: a rank holds ``seq_len / cp``).
     :param micro_batch_size: sequences per micro-batch on one rank.
+    :param bytes_per_value: bytes of an activation element in the run's precision.
     :param microbatches: micro-batches per optimizer step (the pipeline's under ``pp > 1``).
     :param recompute: ``train.activation_checkpointing`` of the layout (none, full, selective).
     :return: a :class:`plait.types.AxisCost`.

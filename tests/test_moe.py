@@ -33,7 +33,7 @@ from plait.plugin_manager import keep_selected, make_plugin_manager
 from plait.plugins.expert_parallel import plait_apply_expert_parallel
 from plait.plugins.models.gpt import GPT, MLP
 from plait.plugins.models.moe import MoE, load_balancing_loss, route, z_loss
-from plait.plugins.planner.cost import Layout, Workload, cost
+from plait.plugins.planner.cost import Layout, Workload, cost, plugin_axis_cost
 from plait.plugins.planner.search import enumerate_layouts
 from plait.testing import compose, read_metrics, read_wandb_run, run_training
 from plait.types import StrategyCost
@@ -213,7 +213,8 @@ def test_the_plan_shows_the_expert_groups_and_the_planner_searches_ep():
     assert eps == {(4, 1), (4, 2), (2, 1), (2, 2), (1, 1)}  # ep divides dp and the 6 experts
     model = meta_model(plan.pm.hook, plan.cfg)
     work = Workload(model, 8, 32, "fp32", 1e12, 1e9,
-                    lambda *layout: StrategyCost(params=0, grads=0, optimizer=0))
+                    lambda *layout: StrategyCost(params=0, grads=0, optimizer=0),
+                    plugin_axis_cost(plan.pm.hook, plan.cfg, model, 32, "fp32"))
     one, two = (cost(Layout("ddp", 4, 1, 1, 2, 1, "none", ep), work) for ep in (1, 2))
     # 2 layers x 4 x 1/2 x top 2 x 2 x 32 x 64 x 4 bytes, one micro-batch of 2 sequences
     assert (two.comm_s - one.comm_s) * 1e9 == pytest.approx(2 * 4 * 0.5 * 2 * 2 * 32 * 64 * 4)

@@ -159,7 +159,7 @@ def problems(*overrides: str) -> str:
     (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.layers=layers"],
      "pipeline.layers=layers: GPT (the model) has no child 'layers'"),
     (["parallel.pp=2", "pipeline.microbatches=2", "model=llama_tiny", "pipeline.balance=time"],
-     "pipeline.balance=time times each layer alone, which model._target_=plait.plugins.models."
+     "pipeline.balance=time times each layer alone, which model._target_=plait.plugins.hf."
      "llama.build_llama's layers cannot run"),
 ])
 def test_impossible_pipeline_plans_are_refused_before_launch(overrides, message):

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait import hookimpl
-from plait.config import BYTES_PER_VALUE, ContextParallelConfig
+from plait.config import ContextParallelConfig
 from plait.meta import meta_model
 from plait.plugins.context_parallel.apply import (
     BACKENDS,
@@ -147,7 +147,8 @@ def plait_log_metrics(metrics) -> None:
 
 
 @hookimpl
-def plait_axis_cost(cfg, axis, model, dims, micro_batch_size, microbatches) -> AxisCost | None:
+def plait_axis_cost(cfg, axis, model, dims, seq_len, micro_batch_size, microbatches,
+                    bytes_per_value) -> AxisCost | None:
     """What context parallelism sends per step (``plait plan --search``): the attention
     exchange of ``context_parallel.backend`` per layer, forward and backward
     (:func:`~plait.plugins.context_parallel.apply.exchange_bytes`), over the layers of a
@@ -155,6 +156,6 @@ def plait_axis_cost(cfg, axis, model, dims, micro_batch_size, microbatches) -> A
     if axis != "cp" or cfg.context_parallel.name != "plait":
         return None
     h, n_layer = getattr(model, "n_embd", 0), getattr(model, "n_layer", 0)
-    per_layer = exchange_bytes(cfg.context_parallel.backend, cfg.train.seq_len, micro_batch_size,
-                               h // dims.tp, dims.cp, BYTES_PER_VALUE[cfg.precision])
+    per_layer = exchange_bytes(cfg.context_parallel.backend, seq_len, micro_batch_size,
+                               h // dims.tp, dims.cp, bytes_per_value)
     return AxisCost(per_layer * n_layer / dims.pp * microbatches)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait import hookimpl
-from plait.config import BYTES_PER_VALUE, ExpertParallelConfig
+from plait.config import ExpertParallelConfig
 from plait.types import AxisCost, PluginInfo
 
 
@@ -105,7 +105,8 @@ def plait_build_engine(model, topology):
 
 
 @hookimpl
-def plait_axis_cost(cfg, axis, model, dims, micro_batch_size, microbatches) -> AxisCost | None:
+def plait_axis_cost(cfg, axis, model, dims, seq_len, micro_batch_size, microbatches,
+                    bytes_per_value) -> AxisCost | None:
     """What expert parallelism sends per step (``plait plan --search``): a mixture of experts'
     all-to-all, tokens out and back in forward and their gradients in backward, ``4(ep-1)/ep``
     of ``k·s/cp·b·h·v`` bytes per MoE layer of a stage (``k`` = top_k choices per token)."""
@@ -115,7 +116,7 @@ def plait_axis_cost(cfg, axis, model, dims, micro_batch_size, microbatches) -> A
     if not moe:
         return AxisCost(0.0)
     ep = dims.ep
-    activation_msg = cfg.train.seq_len // dims.cp * micro_batch_size \
-        * getattr(model, "n_embd", 0) * BYTES_PER_VALUE[cfg.precision]
+    activation_msg = seq_len // dims.cp * micro_batch_size \
+        * getattr(model, "n_embd", 0) * bytes_per_value
     return AxisCost(4 * (ep - 1) / ep * moe[0].top_k * activation_msg * len(moe) / dims.pp
                     * microbatches)

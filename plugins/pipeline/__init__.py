@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from plait import hookimpl
-from plait.config import AT_LEAST_1, BYTES_PER_VALUE, PipelineConfig, range_problems
+from plait.config import AT_LEAST_1, PipelineConfig, range_problems
 from plait.engine.stages import PipelineStageModules
 from plait.meta import meta_model
 from plait.plugin_manager import offered_by, provided
@@ -286,15 +286,16 @@ def plait_build_engine(cfg, loss_fn, grad_reducer, topology, hook):
 
 
 @hookimpl
-def plait_axis_cost(cfg, axis, model, dims, micro_batch_size, microbatches) -> AxisCost | None:
+def plait_axis_cost(cfg, axis, model, dims, seq_len, micro_batch_size, microbatches,
+                    bytes_per_value) -> AxisCost | None:
     """What pipeline stages cost per step (``plait plan --search``): a stage sends its
     activations forward and their gradients backward, ``2·s/cp·b·h·v`` bytes per micro-batch;
     the first stage holds the activations of ``min(m, pp)`` micro-batches under 1F1B-like
     schedules, all ``m`` under GPipe."""
     if axis != "pp" or cfg.pipeline.name != "torch":
         return None
-    activation_msg = cfg.train.seq_len // dims.cp * micro_batch_size \
-        * getattr(model, "n_embd", 0) * BYTES_PER_VALUE[cfg.precision]
+    activation_msg = seq_len // dims.cp * micro_batch_size \
+        * getattr(model, "n_embd", 0) * bytes_per_value
     in_flight = (microbatches if cfg.pipeline.schedule == "gpipe"
                  else min(microbatches, dims.pp))
     return AxisCost(2 * activation_msg * microbatches, in_flight=in_flight)

@@ -31,7 +31,7 @@ from plait.plan import compose_config
 from plait.plugin_manager import make_plugin_manager
 from plait.plugins.planner.estimate import estimated_strategies
 from plait.topology import ParallelDims
-from plait.types import AxisCost, PluginInfo
+from plait.types import PluginInfo
 
 DEFAULT_BANDWIDTH_GBS = 50.0  # GB/s per rank: one 400 Gb/s InfiniBand link per GPU
 
@@ -89,7 +89,7 @@ def peak_flops(cfg) -> float:
 
 def search_layouts(argv: list[str]):
     """Run the search ``argv`` asks for: ``(result, printed table, overrides, args, cfg)``."""
-    from plait.plugins.planner.cost import Layout, Workload
+    from plait.plugins.planner.cost import Workload, plugin_axis_cost
     from plait.plugins.planner.search import search, split_overrides
     from plait.plugins.planner.table import format_search
 
@@ -114,17 +114,7 @@ def search_layouts(argv: list[str]):
                             nnodes=nnodes, nodes=nodes, ep=ep)
         return pm.hook.plait_strategy_cost(cfg=cfg, strategy=strategy, model=model, dims=dims)
 
-    def axis_cost(axis: str, layout: Layout) -> AxisCost:
-        dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                            world_size=layout.dp * layout.cp * layout.tp * layout.pp,
-                            nnodes=nnodes, nodes=nodes, ep=layout.ep)
-        found = pm.hook.plait_axis_cost(cfg=cfg, axis=axis, model=model, dims=dims,
-                                        micro_batch_size=layout.micro_batch_size,
-                                        microbatches=layout.microbatches,
-                                        recompute=layout.activation_checkpointing)
-        # no plugin estimates it: 0, and the plan every candidate gets names the gap
-        return next((cost for cost in found if cost is not None), AxisCost(0.0))
-
+    axis_cost = plugin_axis_cost(pm.hook, cfg, model, cfg.train.seq_len, cfg.precision, nodes)
     work = Workload(model, cfg.train.batch_size, cfg.train.seq_len, cfg.precision,
                     peak_flops(cfg), args.bandwidth_gbs * 1e9, strategy_cost, axis_cost)
     top = args.top and max(args.top, args.confirm)

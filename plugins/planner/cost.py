@@ -66,6 +66,7 @@ import torch
 
 from plait.config import BYTES_PER_VALUE
 from plait.metrics import flops_per_token
+from plait.topology import ParallelDims
 from plait.types import AxisCost, StrategyCost
 
 AXES = ("tp", "pp", "cp", "ep")  # the axes other than dp, each estimated by its own plugin
@@ -129,6 +130,25 @@ class Workload:
     strategy_cost: Callable[[str, int, int, int, int, int], StrategyCost]
     # (axis, layout) -> what the axis's plugin estimates for one rank (plait_axis_cost)
     axis_cost: Callable[[str, Layout], AxisCost]
+
+
+def plugin_axis_cost(hook, cfg, model: torch.nn.Module, seq_len: int, precision: str,
+                     nodes=None) -> Callable[[str, Layout], AxisCost]:
+    """``(axis, layout) -> AxisCost``: what the active plugins answer to ``plait_axis_cost``
+    (the first answer; 0 where none answers, and the plan every candidate gets names the gap).
+    ``nodes``: ``launcher.nnodes`` parsed, carried by each layout's dims."""
+    def axis_cost(axis: str, layout: Layout) -> AxisCost:
+        world = layout.dp * layout.cp * layout.tp * layout.pp
+        dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+                            world_size=world, nnodes=nodes.max if nodes else 1, nodes=nodes)
+        found = hook.plait_axis_cost(cfg=cfg, axis=axis, model=model, dims=dims, seq_len=seq_len,
+                                     micro_batch_size=layout.micro_batch_size,
+                                     microbatches=layout.microbatches,
+                                     bytes_per_value=BYTES_PER_VALUE[precision],
+                                     recompute=layout.activation_checkpointing)
+        return next((answer for answer in found if answer is not None), AxisCost(0.0))
+
+    return axis_cost
 
 
 def cost(layout: Layout, work: Workload) -> Cost:

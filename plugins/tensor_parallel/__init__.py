@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait import hookimpl
-from plait.config import BYTES_PER_VALUE, TensorParallelConfig
+from plait.config import TensorParallelConfig
 from plait.meta import meta_model
 from plait.plugins.tensor_parallel.plan import apply_plan, merge_shards, plan_for, plan_problems
 from plait.types import AxisCost, PluginInfo
@@ -103,8 +103,8 @@ def plait_merge_tensor_parallel_shards(cfg, shards, model) -> dict | None:
 
 
 @hookimpl
-def plait_axis_cost(cfg, axis, model, dims, micro_batch_size, microbatches,
-                    recompute) -> AxisCost | None:
+def plait_axis_cost(cfg, axis, model, dims, seq_len, micro_batch_size, microbatches,
+                    bytes_per_value, recompute) -> AxisCost | None:
     """What tensor parallelism sends per step (``plait plan --search``): ``k`` all-reduces of a
     rank's activations per layer, 2 in forward and 2 in backward (6 when full recompute repeats
     the forward's), each ``2(tp-1)/tp`` of ``s/cp·b·h·v`` bytes; 0 without the model's ``h`` and
@@ -112,8 +112,8 @@ def plait_axis_cost(cfg, axis, model, dims, micro_batch_size, microbatches,
     if axis != "tp" or cfg.tensor_parallel.name != "megatron":
         return None
     tp, h = dims.tp, getattr(model, "n_embd", 0)
-    activation_msg = cfg.train.seq_len // dims.cp * micro_batch_size * h \
-        * BYTES_PER_VALUE[cfg.precision]
+    activation_msg = seq_len // dims.cp * micro_batch_size * h \
+        * bytes_per_value
     all_reduces = 6 if recompute == "full" else 4
     return AxisCost(all_reduces * 2 * (tp - 1) / tp * activation_msg
                     * getattr(model, "n_layer", 0) / dims.pp * microbatches)
