@@ -157,8 +157,9 @@ def plait_validate(cfg: DictConfig, dims: ParallelDims, hook: HookRelay) -> list
 
 
 @hookspec
-def plait_backend_config(cfg: DictConfig, dims: ParallelDims,
-                         hook: HookRelay) -> dict[str, Any] | None:
+def plait_backend_config(
+    cfg: DictConfig, dims: ParallelDims, hook: HookRelay
+) -> dict[str, Any] | None:
     """Return the configuration this plugin generates for a backend, for ``plait plan`` to show.
 
     :param hook: the active plugins' hooks, as for ``plait_validate`` (e.g. ask
@@ -169,8 +170,9 @@ def plait_backend_config(cfg: DictConfig, dims: ParallelDims,
 
 
 @hookspec(firstresult=True)
-def plait_strategy_cost(cfg: DictConfig, strategy: str, model: torch.nn.Module,
-                        dims: ParallelDims) -> StrategyCost | None:
+def plait_strategy_cost(
+    cfg: DictConfig, strategy: str, model: torch.nn.Module, dims: ParallelDims
+) -> StrategyCost | None:
     """Estimate one rank of ``strategy``: its model-state and buffer bytes, and its
     data-parallel traffic per step.
 
@@ -189,9 +191,17 @@ def plait_strategy_cost(cfg: DictConfig, strategy: str, model: torch.nn.Module,
 
 
 @hookspec
-def plait_axis_cost(cfg: DictConfig, axis: str, model: torch.nn.Module, dims: ParallelDims,
-                    seq_len: int, micro_batch_size: int, microbatches: int,
-                    bytes_per_value: int, recompute: str) -> AxisCost | None:
+def plait_axis_cost(
+    cfg: DictConfig,
+    axis: str,
+    model: torch.nn.Module,
+    dims: ParallelDims,
+    seq_len: int,
+    micro_batch_size: int,
+    microbatches: int,
+    bytes_per_value: int,
+    recompute: str,
+) -> AxisCost | None:
     """Estimate what one rank's share of parallel ``axis`` costs per optimizer step (since hook
     spec 1.5): the bytes it sends over that axis, and for pipeline stages how many
     micro-batches' activations a rank holds at once.
@@ -216,7 +226,10 @@ def plait_axis_cost(cfg: DictConfig, axis: str, model: torch.nn.Module, dims: Pa
 
 @hookspec(firstresult=True)
 def plait_launch(
-    cfg: DictConfig, entrypoint: Callable[..., Any], args: tuple, hook: HookRelay,
+    cfg: DictConfig,
+    entrypoint: Callable[..., Any],
+    args: tuple,
+    hook: HookRelay,
     dims: ParallelDims,
 ) -> dict[int, Any] | None:
     """Start the worker processes and wait for them.
@@ -424,9 +437,7 @@ def plait_build_loss(
 
 
 @hookspec(firstresult=True)
-def plait_build_optimizer(
-    cfg: DictConfig, model: torch.nn.Module
-) -> torch.optim.Optimizer | None:
+def plait_build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer | None:
     """Build the optimizer over the (already split) model's parameters.
 
     Stops at the first non-None result.
@@ -496,8 +507,9 @@ def plait_build_engine(
 
 
 @hookspec
-def plait_check_step(cfg: DictConfig, loss: torch.Tensor, grad_norm: torch.Tensor,
-                     topology: Topology) -> bool | None:
+def plait_check_step(
+    cfg: DictConfig, loss: torch.Tensor, grad_norm: torch.Tensor, topology: Topology
+) -> bool | None:
     """Decide whether this optimizer step may update the model; called by the engine on every
     rank, after backward (and the gradient reduction) and before the optimizer step.
 
@@ -518,8 +530,9 @@ def plait_check_step(cfg: DictConfig, loss: torch.Tensor, grad_norm: torch.Tenso
 
 
 @hookspec(firstresult=True)
-def plait_load_checkpoint(cfg: DictConfig, engine: Engine, topology: Topology,
-                          hook: HookRelay) -> TrainState | None:
+def plait_load_checkpoint(
+    cfg: DictConfig, engine: Engine, topology: Topology, hook: HookRelay
+) -> TrainState | None:
     """Resume from ``cfg.resume`` (``latest`` or a path) if set; called on every rank.
 
     Stops at the first non-None result.
@@ -533,7 +546,11 @@ def plait_load_checkpoint(cfg: DictConfig, engine: Engine, topology: Topology,
 
 @hookspec(firstresult=True)
 def plait_save_checkpoint(
-    cfg: DictConfig, engine: Engine, state: TrainState, topology: Topology, final: bool,
+    cfg: DictConfig,
+    engine: Engine,
+    state: TrainState,
+    topology: Topology,
+    final: bool,
     hook: HookRelay,
 ) -> Path | None:
     """Save a checkpoint if one is due after ``state.step``; called on every rank after each step.
@@ -550,7 +567,12 @@ def plait_save_checkpoint(
 
 @hookspec(firstresult=True)
 def plait_save_model_copy(
-    cfg: DictConfig, engine: Engine, topology: Topology, step: int, format: str, hook: HookRelay,
+    cfg: DictConfig,
+    engine: Engine,
+    topology: Topology,
+    step: int,
+    format: str,
+    hook: HookRelay,
 ) -> Path | None:
     """Write the model being trained in another ``format`` than plait's checkpoints (since hook
     spec 1.5), e.g. ``"hf"``: Hugging Face's, for ``from_pretrained``; called on every rank by
@@ -576,7 +598,9 @@ def plait_find_checkpoint(cfg: DictConfig, path: str) -> Path | None:
 
 
 @hookspec(firstresult=True)
-def plait_read_model_shards(cfg: DictConfig, checkpoint: Path) -> dict[tuple[int, int], dict] | None:
+def plait_read_model_shards(
+    cfg: DictConfig, checkpoint: Path
+) -> dict[tuple[int, int], dict] | None:
     """Read a checkpoint's model weights offline (one process, no process group), fp32.
 
     Stops at the first non-None result; the strategy that wrote the checkpoint answers.
@@ -598,8 +622,9 @@ def plait_merge_tensor_parallel_shards(
 
 
 @hookspec(firstresult=True)
-def plait_export_model(cfg: DictConfig, state_dict: dict, model: torch.nn.Module, format: str,
-                       out: Path) -> Path | None:
+def plait_export_model(
+    cfg: DictConfig, state_dict: dict, model: torch.nn.Module, format: str, out: Path
+) -> Path | None:
     """Write a checkpoint's unsplit model in ``format`` (``plait export <run> format=<format>
     out=<dir>``; since hook spec 1.4); the default format (``pt``, a ``torch.save`` of the state
     dict) is the core's.
@@ -629,12 +654,18 @@ def plait_on_run_start(cfg: DictConfig, state: TrainState, topology: Topology) -
     """
 
 
-@hookspec(warn_on_impl_args={"metrics": FutureWarning(
-    "plait_on_step_end's argument metrics is deprecated since hook spec 1.2 and goes in 2.0: "
-    "read output (output.loss, output.grad_norm, output.metrics: the engine's figures), or "
-    "implement plait_log_metrics(step, metrics) for every logged metric")})
-def plait_on_step_end(step: int, output: StepOutput, state: TrainState,
-                      metrics: dict[str, float]) -> None:
+@hookspec(
+    warn_on_impl_args={
+        "metrics": FutureWarning(
+            "plait_on_step_end's argument metrics is deprecated since hook spec 1.2 and goes in 2.0: "
+            "read output (output.loss, output.grad_norm, output.metrics: the engine's figures), or "
+            "implement plait_log_metrics(step, metrics) for every logged metric"
+        )
+    }
+)
+def plait_on_step_end(
+    step: int, output: StepOutput, state: TrainState, metrics: dict[str, float]
+) -> None:
     """Every optimizer step has finished: ``output`` is what the engine reported (the global
     mean loss, the global gradient norm, engine figures). No collective happened for it, so this
     is the cheap per-step point, e.g. for early stopping or a profiler's step marker.

@@ -40,7 +40,9 @@ class PluginRecord:
     info: PluginInfo
 
     def hooks(self, pm: pluggy.PluginManager) -> list[str]:
-        return sorted(c.name for c in pm.get_hookcallers(self.plugin) or [] if c.name != "plait_declare")
+        return sorted(
+            c.name for c in pm.get_hookcallers(self.plugin) or [] if c.name != "plait_declare"
+        )
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,9 @@ class PlaitPluginManager(pluggy.PluginManager):
             key = (name, str(warning.message))
             if key not in _WARNED:
                 _WARNED.add(key)
-                warnings.warn_explicit(warning.message, warning.category, warning.filename,
-                                       warning.lineno)
+                warnings.warn_explicit(
+                    warning.message, warning.category, warning.filename, warning.lineno
+                )
         self.records[name] = PluginRecord(name, plugin, source, declaration_of(self, plugin, name))
 
     def unregister_plugin(self, name: str) -> None:
@@ -131,8 +134,11 @@ def make_plugin_manager(
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
             reason = load_entry_point(pm, ep, f"entry point ({dist})")
             if reason:
-                pm.broken[ep.name] = BrokenPlugin(ep.name, f"entry point ({dist}: {ep.name} = "
-                                                  f"{ep.value})", f"{reason}; {written_for(ep)}")
+                pm.broken[ep.name] = BrokenPlugin(
+                    ep.name,
+                    f"entry point ({dist}: {ep.name} = {ep.value})",
+                    f"{reason}; {written_for(ep)}",
+                )
     pm.check_pending()
     return pm
 
@@ -163,31 +169,48 @@ def hook_problem(pm: pluggy.PluginManager, plugin: Any) -> str | None:
         function = getattr(plugin, attr)
         caller = getattr(pm.hook, attr, None)
         if caller is None or caller.spec is None:
-            return (f"it implements {attr}, which is not in plait's hook spec "
-                    f"{HOOKSPEC_VERSION}; see docs/plugins.md for the hooks there are")
+            return (
+                f"it implements {attr}, which is not in plait's hook spec "
+                f"{HOOKSPEC_VERSION}; see docs/plugins.md for the hooks there are"
+            )
         spec_args = caller.spec.argnames
         unknown = [a for a in varnames(function)[0] if a not in spec_args]
         if unknown:
-            return (f"its {attr} takes {', '.join(map(repr, unknown))}, which hook spec "
-                    f"{HOOKSPEC_VERSION} does not have; {attr} has ({', '.join(spec_args)})")
+            return (
+                f"its {attr} takes {', '.join(map(repr, unknown))}, which hook spec "
+                f"{HOOKSPEC_VERSION} does not have; {attr} has ({', '.join(spec_args)})"
+            )
     return None
 
 
 def written_for(ep: Any) -> str:
     """The plait versions a plugin's distribution declares it was written for."""
-    wanted = [r for r in (ep.dist.requires or []) if r.split(";")[0].strip().startswith(PROJECT_NAME)
-              and r[len(PROJECT_NAME):len(PROJECT_NAME) + 1] in " <>=!~(["] if ep.dist else []
+    wanted = (
+        [
+            r
+            for r in (ep.dist.requires or [])
+            if r.split(";")[0].strip().startswith(PROJECT_NAME)
+            and r[len(PROJECT_NAME) : len(PROJECT_NAME) + 1] in " <>=!~(["
+        ]
+        if ep.dist
+        else []
+    )
     have = f"this is plait {__version__} (hook spec {HOOKSPEC_VERSION})"
     if wanted:
         return f"it was written for {', '.join(wanted)}; {have}"
-    return (f"it declares no plait version, so it was probably written for a plait other than "
-            f"{__version__}; {have}")
+    return (
+        f"it declares no plait version, so it was probably written for a plait other than "
+        f"{__version__}; {have}"
+    )
 
 
 def broken_problems(pm: PlaitPluginManager) -> list[str]:
     """One refusal per broken plugin, naming it and the fix."""
-    return [f"{b.message()}. Fix or uninstall its distribution, or keep it out with "
-            f"{BLOCK_ENV}={b.name}" for b in pm.broken.values()]
+    return [
+        f"{b.message()}. Fix or uninstall its distribution, or keep it out with "
+        f"{BLOCK_ENV}={b.name}"
+        for b in pm.broken.values()
+    ]
 
 
 def is_selected(info: PluginInfo, cfg: DictConfig) -> bool:
@@ -271,6 +294,7 @@ def selection(info: PluginInfo) -> str:
     """The setting that turns a plugin on, as a user types it: ``strategy=zero0|zero1|zero2``
     (a group's ``name`` as the group's option), ``tensor_parallel=megatron``; "" for a plugin
     that is always on."""
+
     def typed(key: str, value: Any) -> str:
         values = value if isinstance(value, (list, tuple, set, frozenset)) else (value,)
         return f"{key.removesuffix('.name')}={'|'.join(map(str, values))}"
@@ -283,6 +307,9 @@ def offered_by(capability: str, pm: PlaitPluginManager | None = None) -> str:
     (``strategy=ddp or strategy=zero0|zero1|zero2|zero3``), for refusals that suggest another
     choice without naming plugins in code; "another plugin" when none is installed."""
     pm = pm or make_plugin_manager()
-    options = [selection(r.info) or r.info.name for r in pm.records.values()
-               if capability in r.info.provides]
+    options = [
+        selection(r.info) or r.info.name
+        for r in pm.records.values()
+        if capability in r.info.provides
+    ]
     return " or ".join(options) if options else f"a plugin that provides {capability!r}"

@@ -18,14 +18,14 @@ from typing import Any, Iterable, Mapping
 
 from plait import HOOKSPEC_VERSION
 
-OVERRIDE = re.compile(r"^(?P<prefix>~|\+\+|\+)?(?P<key>[\w.]+)(?P<rest>@[\w.]*)?(?P<value>=.*)?$",
-                      re.S)
+OVERRIDE = re.compile(
+    r"^(?P<prefix>~|\+\+|\+)?(?P<key>[\w.]+)(?P<rest>@[\w.]*)?(?P<value>=.*)?$", re.S
+)
 
 
 def renamed_settings(pm: Any) -> dict[str, str]:
     """Every installed plugin's ``PluginInfo.renamed``: old setting name to new."""
-    return {old: new for record in pm.records.values()
-            for old, new in record.info.renamed.items()}
+    return {old: new for record in pm.records.values() for old, new in record.info.renamed.items()}
 
 
 def rename_overrides(overrides: Iterable[str], renamed: Mapping[str, str]) -> list[str]:
@@ -34,9 +34,12 @@ def rename_overrides(overrides: Iterable[str], renamed: Mapping[str, str]) -> li
     result = []
     for override in overrides:
         if override in renamed:  # a renamed option of a group: checkpoint=hf
-            warnings.warn(f"{override} is deprecated since hook spec {HOOKSPEC_VERSION} and goes "
-                          f"in the next minor version: use {renamed[override]}", FutureWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"{override} is deprecated since hook spec {HOOKSPEC_VERSION} and goes "
+                f"in the next minor version: use {renamed[override]}",
+                FutureWarning,
+                stacklevel=2,
+            )
             result.append(renamed[override])
             continue
         match = OVERRIDE.match(override)
@@ -44,9 +47,12 @@ def rename_overrides(overrides: Iterable[str], renamed: Mapping[str, str]) -> li
             result.append(override)
             continue
         new = renamed[match["key"]]
-        warnings.warn(f"{match['key']} is deprecated since hook spec {HOOKSPEC_VERSION} and goes "
-                      f"in the next minor version: use {new} (here {match['key']}"
-                      f"{match['value'] or ''} is read as {new}{match['value'] or ''})",
-                      FutureWarning, stacklevel=2)
+        warnings.warn(
+            f"{match['key']} is deprecated since hook spec {HOOKSPEC_VERSION} and goes "
+            f"in the next minor version: use {new} (here {match['key']}"
+            f"{match['value'] or ''} is read as {new}{match['value'] or ''})",
+            FutureWarning,
+            stacklevel=2,
+        )
         result.append(f"{match['prefix'] or ''}{new}{match['rest'] or ''}{match['value'] or ''}")
     return result

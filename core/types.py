@@ -92,15 +92,27 @@ class TrainState:
     metrics: dict[str, float] = field(default_factory=dict)  # last logged value of each metric
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data,
-                "tracker_run_id": self.tracker_run_id, "run_name": self.run_name,
-                "parent": self.parent, "metrics": self.metrics}
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "data": self.data,
+            "tracker_run_id": self.tracker_run_id,
+            "run_name": self.run_name,
+            "parent": self.parent,
+            "metrics": self.metrics,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TrainState:
-        return cls(step=d["step"], tokens_seen=d["tokens_seen"], data=dict(d["data"]),
-                   tracker_run_id=d.get("tracker_run_id"), run_name=d.get("run_name"),
-                   parent=d.get("parent"), metrics=dict(d.get("metrics") or {}))
+        return cls(
+            step=d["step"],
+            tokens_seen=d["tokens_seen"],
+            data=dict(d["data"]),
+            tracker_run_id=d.get("tracker_run_id"),
+            run_name=d.get("run_name"),
+            parent=d.get("parent"),
+            metrics=dict(d.get("metrics") or {}),
+        )
 
 
 @dataclass(frozen=True)
@@ -206,8 +218,9 @@ class GradReducer(Protocol):
 
     spec: CommSpec
 
-    def reduce(self, bucket: GradBucket,
-               group: dist.ProcessGroup) -> torch.futures.Future[torch.Tensor]:
+    def reduce(
+        self, bucket: GradBucket, group: dist.ProcessGroup
+    ) -> torch.futures.Future[torch.Tensor]:
         """Start averaging ``bucket.buffer()`` over ``group``; the future's value is the averaged
         flat buffer (the bucket's own buffer, written in place)."""
 
@@ -313,8 +326,11 @@ ENGINE_SURFACES: dict[str, type] = {"engine:layout_free_state": LayoutFreeStateE
 checks them.)"""
 
 
-def engine_problems(engine: Any, declared: Iterable[tuple[str, PluginInfo]],
-                    surfaces: Mapping[str, type] = ENGINE_SURFACES) -> list[str]:
+def engine_problems(
+    engine: Any,
+    declared: Iterable[tuple[str, PluginInfo]],
+    surfaces: Mapping[str, type] = ENGINE_SURFACES,
+) -> list[str]:
     """The surfaces ``engine`` lacks of those its plugins declare: ``declared`` holds
     ``(capability, declaring plugin)`` pairs; one problem per missing surface, naming the plugin
     and the methods or attributes it lacks."""
@@ -323,12 +339,16 @@ def engine_problems(engine: Any, declared: Iterable[tuple[str, PluginInfo]],
         surface = surfaces.get(capability)
         if surface is None or isinstance(engine, surface):
             continue
-        members = {*vars(surface).get("__annotations__", {}),
-                   *(name for name, value in vars(surface).items() if callable(value))}
+        members = {
+            *vars(surface).get("__annotations__", {}),
+            *(name for name, value in vars(surface).items() if callable(value)),
+        }
         missing = sorted(m for m in members if not m.startswith("_") and not hasattr(engine, m))
-        problems.append(f"plugin {info.name!r} declares {capability!r}, but its engine "
-                        f"{type(engine).__name__} lacks {', '.join(missing)}: "
-                        f"implement {surface.__name__} (plait.types) or drop the capability")
+        problems.append(
+            f"plugin {info.name!r} declares {capability!r}, but its engine "
+            f"{type(engine).__name__} lacks {', '.join(missing)}: "
+            f"implement {surface.__name__} (plait.types) or drop the capability"
+        )
     return problems
 
 

@@ -61,13 +61,26 @@ class Engine:
 def build(rank: int, world: int, args: dict) -> tuple[Engine, SimpleNamespace]:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(0)
-    model = GPT(vocab_size=args["vocab"], block_size=64, n_layer=args["layers"],
-                n_head=args["heads"], n_embd=args["embd"], bias=False)
+    model = GPT(
+        vocab_size=args["vocab"],
+        block_size=64,
+        n_layer=args["layers"],
+        n_head=args["heads"],
+        n_embd=args["embd"],
+        bias=False,
+    )
     if world > 1:
-        apply_plan(model, TensorParallelPlan(styles=dict(model.tensor_parallel_plan)),
-                   dist.group.WORLD, rank, world, sequence_parallel=False)
-    topology = SimpleNamespace(dims=SimpleNamespace(tp=world), tp_rank=rank,
-                               group=lambda name: dist.group.WORLD)
+        apply_plan(
+            model,
+            TensorParallelPlan(styles=dict(model.tensor_parallel_plan)),
+            dist.group.WORLD,
+            rank,
+            world,
+            sequence_parallel=False,
+        )
+    topology = SimpleNamespace(
+        dims=SimpleNamespace(tp=world), tp_rank=rank, group=lambda name: dist.group.WORLD
+    )
     return Engine(model), topology
 
 
@@ -95,14 +108,14 @@ def save_and_load(rank: int, world: int, args: dict, tmp: str, out: str) -> None
         stager.close()
     load = timed(lambda: layout_free.load(engine, topology, Path(tmp, "s0"), group))
     n_params = sum(p.numel() for p in engine.model.parameters())
-    Path(out).write_text(json.dumps({"sync": sync, "block": block, "write": write,
-                                     "load": load, "params": n_params}))
+    Path(out).write_text(
+        json.dumps({"sync": sync, "block": block, "write": write, "load": load, "params": n_params})
+    )
 
 
 def reshard(rank: int, world: int, args: dict, tmp: str, out: str) -> None:
     engine, topology = build(rank, world, args)
-    seconds = timed(lambda: layout_free.load(engine, topology, Path(tmp, "s0"),
-                                             dist.group.WORLD))
+    seconds = timed(lambda: layout_free.load(engine, topology, Path(tmp, "s0"), dist.group.WORLD))
     if rank == 0:
         Path(out).write_text(json.dumps({"reshard": seconds}))
 
@@ -125,16 +138,22 @@ def main() -> None:
         r |= json.loads(Path(tmp, "reshard.json").read_text())
         size = sum(f.stat().st_size for f in Path(tmp, "s0").rglob("*") if f.is_file())
     med = {k: statistics.median(r[k]) for k in ("sync", "block", "write")}
-    print(f"GPT layers={args['layers']} embd={args['embd']} vocab={args['vocab']}: "
-          f"{r['params'] / 1e6:.1f}M parameters, checkpoint {size / 2**30:.2f} GiB "
-          f"(fp32 model + AdamW), median of {args['repeats']} interleaved saves each way")
+    print(
+        f"GPT layers={args['layers']} embd={args['embd']} vocab={args['vocab']}: "
+        f"{r['params'] / 1e6:.1f}M parameters, checkpoint {size / 2**30:.2f} GiB "
+        f"(fp32 model + AdamW), median of {args['repeats']} interleaved saves each way"
+    )
     print(f"{'sync save (blocks)':28s} {med['sync']:8.2f} s")
-    print(f"{'async save: blocks for':28s} {med['block']:8.2f} s   "
-          f"x{med['block'] / med['sync']:.3f} of sync (target <= 0.25)")
+    print(
+        f"{'async save: blocks for':28s} {med['block']:8.2f} s   "
+        f"x{med['block'] / med['sync']:.3f} of sync (target <= 0.25)"
+    )
     print(f"{'async save: written after':28s} {med['write']:8.2f} s")
     print(f"{'load (same layout, tp=1)':28s} {r['load']:8.2f} s")
-    print(f"{'reshard load (tp=1 -> tp=2)':28s} {r['reshard']:8.2f} s   "
-          f"x{r['reshard'] / r['load']:.2f} of load")
+    print(
+        f"{'reshard load (tp=1 -> tp=2)':28s} {r['reshard']:8.2f} s   "
+        f"x{r['reshard'] / r['load']:.2f} of load"
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,9 @@ def lint_imports(view: Path) -> subprocess.CompletedProcess:
     """import-linter over the package in ``view``, with pyproject.toml's contracts."""
     command = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
     env = {**os.environ, "PYTHONPATH": f"{view}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run([command, "--no-cache"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [command, "--no-cache"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def main() -> int:

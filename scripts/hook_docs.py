@@ -87,38 +87,59 @@ answering the same one are refused before launch. See the README for a complete 
 
 def render() -> str:
     parts = [INTRO]
-    specs = [(n, f) for n, f in inspect.getmembers(hookspecs, inspect.isfunction)
-             if n.startswith("plait_")]
+    specs = [
+        (n, f)
+        for n, f in inspect.getmembers(hookspecs, inspect.isfunction)
+        if n.startswith("plait_")
+    ]
     for name, fn in sorted(specs, key=lambda item: item[1].__code__.co_firstlineno):
         opts = getattr(fn, "plait_spec", {})
         kind = " *(firstresult)*" if opts.get("firstresult") else ""
-        parts.append(f"## `{name}`{kind}\n\n```python\ndef {name}{inspect.signature(fn)}\n```\n\n"
-                     f"{inspect.cleandoc(fn.__doc__ or '')}\n")
+        parts.append(
+            f"## `{name}`{kind}\n\n```python\ndef {name}{inspect.signature(fn)}\n```\n\n"
+            f"{inspect.cleandoc(fn.__doc__ or '')}\n"
+        )
     return "\n".join(parts)
 
 
 def signatures() -> dict[str, list[str]]:
     """Every hook's name and argument names, as the spec has them now."""
-    return {n: list(inspect.signature(f).parameters)
-            for n, f in inspect.getmembers(hookspecs, inspect.isfunction) if n.startswith("plait_")}
+    return {
+        n: list(inspect.signature(f).parameters)
+        for n, f in inspect.getmembers(hookspecs, inspect.isfunction)
+        if n.startswith("plait_")
+    }
 
 
 def record() -> None:
     old = json.loads(SIGNATURES.read_text()) if SIGNATURES.exists() else {}
-    SIGNATURES.write_text(json.dumps({"version": HOOKSPEC_VERSION, "hooks": signatures(),
-                                      "deprecations": old.get("deprecations", {})},
-                                     indent=1, sort_keys=True) + "\n")
+    SIGNATURES.write_text(
+        json.dumps(
+            {
+                "version": HOOKSPEC_VERSION,
+                "hooks": signatures(),
+                "deprecations": old.get("deprecations", {}),
+            },
+            indent=1,
+            sort_keys=True,
+        )
+        + "\n"
+    )
 
 
 def release() -> int:
     """The spec as released, written once: 1 (and nothing written) when the file exists."""
     target = RELEASED / f"{HOOKSPEC_VERSION}.json"
     if target.exists():
-        print(f"{target} exists: a released hook spec is never rewritten; bump HOOKSPEC_VERSION",
-              file=sys.stderr)
+        print(
+            f"{target} exists: a released hook spec is never rewritten; bump HOOKSPEC_VERSION",
+            file=sys.stderr,
+        )
         return 1
-    target.write_text(json.dumps({"version": HOOKSPEC_VERSION, "hooks": signatures()}, indent=1,
-                                 sort_keys=True) + "\n")
+    target.write_text(
+        json.dumps({"version": HOOKSPEC_VERSION, "hooks": signatures()}, indent=1, sort_keys=True)
+        + "\n"
+    )
     return 0
 
 

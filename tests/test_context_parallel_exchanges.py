@@ -31,8 +31,9 @@ class CollectiveRecorder:
     NAMES = ("batch_isend_irecv", "all_to_all", "all_gather", "all_gather_into_tensor")
 
     def __init__(self):
-        self.counts = dict.fromkeys(("sends", "send_bytes", "all_to_all", "all_to_all_bytes",
-                                     "all_gather"), 0)
+        self.counts = dict.fromkeys(
+            ("sends", "send_bytes", "all_to_all", "all_to_all_bytes", "all_gather"), 0
+        )
         self.originals = {name: getattr(dist, name) for name in self.NAMES}
 
     def __enter__(self):
@@ -48,14 +49,16 @@ class CollectiveRecorder:
         def all_to_all(outputs, inputs, group=None, **kwargs):
             counts["all_to_all"] += 1
             mine = dist.get_rank(group)
-            counts["all_to_all_bytes"] += sum(t.numel() * t.element_size()
-                                              for i, t in enumerate(inputs) if i != mine)
+            counts["all_to_all_bytes"] += sum(
+                t.numel() * t.element_size() for i, t in enumerate(inputs) if i != mine
+            )
             return originals["all_to_all"](outputs, inputs, group=group, **kwargs)
 
         def gathering(name):
             def gather(*args, **kwargs):
                 counts["all_gather"] += 1
                 return originals[name](*args, **kwargs)
+
             return gather
 
         originals_isend = dist.isend
@@ -80,11 +83,13 @@ def _exchanges(rank: int, world: int, out: str) -> None:
         mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
         with CollectiveRecorder() as wire:
             if backend == "ring":
-                attended = RingAttention.apply(*mine, None, layout, dist.group.WORLD, 8 ** -0.5,
-                                               ExchangeStats())
+                attended = RingAttention.apply(
+                    *mine, None, layout, dist.group.WORLD, 8**-0.5, ExchangeStats()
+                )
             else:
-                attended = ulysses_attention(CoreAttention(0.0), *mine, None, dist.group.WORLD,
-                                             ExchangeStats())
+                attended = ulysses_attention(
+                    CoreAttention(0.0), *mine, None, dist.group.WORLD, ExchangeStats()
+                )
             attended.backward(grad[:, :, index])
         kv = 2 * mine[0].numel() * mine[0].element_size()  # this rank's keys and values
         results[backend] = {**wire.counts, "kv": kv}
@@ -129,6 +134,11 @@ def test_the_plugins_ring_layout_balances_causal_attention(size):
     pairs = []
     for rank in range(size):
         layout = layout_for("ring", seq, size, rank)
-        pairs.append(sum(tile.pairs(layout.chunk_len) for owner in range(size)
-                         for tile in plan_tiles(layout, owner, None)))
+        pairs.append(
+            sum(
+                tile.pairs(layout.chunk_len)
+                for owner in range(size)
+                for tile in plan_tiles(layout, owner, None)
+            )
+        )
     assert min(pairs) > 0 and max(pairs) / min(pairs) <= 1.10, pairs

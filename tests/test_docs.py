@@ -50,7 +50,8 @@ def test_the_architecture_package_table_lists_every_plugin_package_and_entry_poi
     documented = documented_packages()
     assert set(documented) == packages, (
         f"docs/architecture.md lacks {sorted(packages - set(documented))}, lists "
-        f"{sorted(set(documented) - packages)} that plugins/ does not have")
+        f"{sorted(set(documented) - packages)} that plugins/ does not have"
+    )
     assert documented == entry_points_by_package()
 
 

@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
-_spec = importlib.util.spec_from_file_location("check_imports",
-                                               ROOT / "scripts" / "check_imports.py")
+_spec = importlib.util.spec_from_file_location(
+    "check_imports", ROOT / "scripts" / "check_imports.py"
+)
 check_imports = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check_imports)
 
@@ -22,8 +23,13 @@ def tool(name: str) -> str:
 
 
 def test_ruff_finds_nothing_to_lint():
-    done = subprocess.run([tool("ruff"), "check", "--no-cache", "."], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [tool("ruff"), "check", "--no-cache", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -33,8 +39,20 @@ def test_mypy_finds_no_type_error_in_the_core_and_the_engine_library(tmp_path):
     silently (``[tool.mypy]``)."""
     view = check_imports.package_view(tmp_path / "view")
     core = sorted(str(p.relative_to(view)) for p in (view / "plait").glob("*.py"))
-    done = subprocess.run([tool("mypy"), "--config-file", str(ROOT / "pyproject.toml"),
-                           "--cache-dir", str(tmp_path / "cache"), *core, "plait/engine",
-                           "plait/topology"], cwd=view, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [
+            tool("mypy"),
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            *core,
+            "plait/engine",
+            "plait/topology",
+        ],
+        cwd=view,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr

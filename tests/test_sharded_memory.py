@@ -19,9 +19,18 @@ import pytest
 
 from plait.testing import MemoryProbe, read_metrics, run_training
 
-COMMON = ["model.n_layer=4", "model.n_embd=512", "model.n_head=8", "train.steps=2",
-          "train.batch_size=4", "train.seq_len=32", "launcher.nproc_per_node=2",
-          "precision=fp32", "checkpoint.save_final=false", "train.log_every=1"]
+COMMON = [
+    "model.n_layer=4",
+    "model.n_embd=512",
+    "model.n_head=8",
+    "train.steps=2",
+    "train.batch_size=4",
+    "train.seq_len=32",
+    "launcher.nproc_per_node=2",
+    "precision=fp32",
+    "checkpoint.save_final=false",
+    "train.log_every=1",
+]
 
 
 def model_memory(run) -> float:
@@ -39,9 +48,12 @@ def ddp_memory(tmp_path_factory) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
 def test_sharded_strategies_cost_a_rank_less_than_ddp(tmp_path, ddp_memory, strategy):
-    run = run_training(tmp_path / strategy, [*COMMON, f"strategy={strategy}"],
-                       plugins=[MemoryProbe()])
+    run = run_training(
+        tmp_path / strategy, [*COMMON, f"strategy={strategy}"], plugins=[MemoryProbe()]
+    )
     ratio = model_memory(run) / ddp_memory
-    print(f"{strategy}: {model_memory(run) / 2**20:.0f} MiB, ddp {ddp_memory / 2**20:.0f} MiB, "
-          f"ratio {ratio:.2f}")
+    print(
+        f"{strategy}: {model_memory(run) / 2**20:.0f} MiB, ddp {ddp_memory / 2**20:.0f} MiB, "
+        f"ratio {ratio:.2f}"
+    )
     assert ratio < 0.9, f"strategy={strategy} costs {ratio:.2f}x DDP's memory per rank"

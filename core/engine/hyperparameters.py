@@ -35,7 +35,9 @@ def keep_hyperparameters(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     kept = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     yield
     if len(kept) != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint's optimizer has {len(optimizer.param_groups)} param "
-                         f"groups, this run's {len(kept)}: it was written for another optimizer")
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(optimizer.param_groups)} param "
+            f"groups, this run's {len(kept)}: it was written for another optimizer"
+        )
     for group, settings in zip(optimizer.param_groups, kept):
         group.update(settings)

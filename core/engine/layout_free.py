@@ -45,9 +45,11 @@ SHARD_ATTRS = ("partition_dim", "partition_stride")
 def tensor_parallel_placements(engine) -> dict[str, tuple[int, int]]:
     """``{fqn: (dim, parts)}`` of the engine's tensor-parallel shards, under every name of a
     shared (tied) parameter."""
-    return {name: (p.partition_dim, p.partition_stride)
-            for name, p in engine.model.named_parameters(remove_duplicate=False)
-            if getattr(p, "tensor_model_parallel", False)}
+    return {
+        name: (p.partition_dim, p.partition_stride)
+        for name, p in engine.model.named_parameters(remove_duplicate=False)
+        if getattr(p, "tensor_model_parallel", False)
+    }
 
 
 def _map_entries(state: dict, placements: dict[str, tuple[int, int]], fn) -> dict:
@@ -60,7 +62,8 @@ def _map_entries(state: dict, placements: dict[str, tuple[int, int]], fn) -> dic
     for name, entries in state["optim"].items():
         out["optim"][name] = {
             key: fn(v, placements[name]) if name in placements and v.dim() > 0 else v
-            for key, v in entries.items()}
+            for key, v in entries.items()
+        }
     return out
 
 
@@ -79,8 +82,9 @@ def full_state(engine, topology) -> dict:
     state = engine.layout_free_state()
     if not placements:
         return state
-    return _map_entries(state, placements,
-                        lambda local, placement: gather_shard(local, placement, topology))
+    return _map_entries(
+        state, placements, lambda local, placement: gather_shard(local, placement, topology)
+    )
 
 
 def local_state(engine, topology, full: dict) -> dict:
@@ -89,9 +93,11 @@ def local_state(engine, topology, full: dict) -> dict:
     if not placements:
         return full
     rank, size = topology.tp_rank, topology.dims.tp
-    return _map_entries(full, placements,
-                        lambda t, placement: split_tensor(t, placement[0], placement[1], rank,
-                                                          size))
+    return _map_entries(
+        full,
+        placements,
+        lambda t, placement: split_tensor(t, placement[0], placement[1], rank, size),
+    )
 
 
 def save(engine, topology, directory: Path, group, stager=None):
@@ -105,8 +111,7 @@ def save(engine, topology, directory: Path, group, stager=None):
     if stager is None:
         dcp.save(state, checkpoint_id=target, process_group=group)
         return None
-    response = dcp.async_save(state, checkpoint_id=target, process_group=group,
-                              async_stager=stager)
+    response = dcp.async_save(state, checkpoint_id=target, process_group=group, async_stager=stager)
     return getattr(response, "upload_completion", response)
 
 
@@ -118,8 +123,9 @@ def load(engine, topology, directory: Path, group) -> None:
     template = full_state(engine, topology)
     reader = dcp.FileSystemReader(str(directory / DIRECTORY))
     stored = reader.read_metadata().state_dict_metadata
-    scaler = {k: v for k, v in template.pop("loss_scale", {}).items()
-              if f"loss_scale.{k}" in stored}  # what the saving run's scaler wrote, if any
+    scaler = {
+        k: v for k, v in template.pop("loss_scale", {}).items() if f"loss_scale.{k}" in stored
+    }  # what the saving run's scaler wrote, if any
     if scaler:
         template["loss_scale"] = scaler
     dcp.load(template, storage_reader=reader, process_group=group)
@@ -132,9 +138,11 @@ def saved_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     import torch.distributed.checkpoint as dcp
 
     metadata = dcp.FileSystemReader(str(directory / DIRECTORY)).read_metadata()
-    return {key.removeprefix("model."): tuple(meta.size)
-            for key, meta in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and hasattr(meta, "size")}
+    return {
+        key.removeprefix("model."): tuple(meta.size)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(meta, "size")
+    }
 
 
 def read_model(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -147,8 +155,10 @@ def read_model(checkpoint: Path) -> dict[str, torch.Tensor]:
 
     reader = dcp.FileSystemReader(str(checkpoint / DIRECTORY))
     stored = reader.read_metadata().state_dict_metadata
-    model = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in stored.items()
-             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    model = {
+        key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in stored.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
     dcp.load({"model": model}, storage_reader=reader, no_dist=True)
     return {name: value.float() for name, value in model.items()}

@@ -53,15 +53,23 @@ class ShardGroups:
     ep: dist.ProcessGroup | None = None
 
     @classmethod
-    def of(cls, topology, shard: dist.ProcessGroup | None = None,
-           expert_shard: dist.ProcessGroup | None = None) -> ShardGroups:
+    def of(
+        cls,
+        topology,
+        shard: dist.ProcessGroup | None = None,
+        expert_shard: dist.ProcessGroup | None = None,
+    ) -> ShardGroups:
         """The model-parallel axes of ``topology`` that are in use (tp, pp, ep), with the
         data-parallel shard groups of an engine that shards over dp (FSDP's)."""
         dims = topology.dims
-        return cls(shard=shard, expert_shard=expert_shard,
-                   tp=topology.group("tp") if dims.tp > 1 else None, tp_rank=topology.tp_rank,
-                   pp=topology.group("pp") if dims.pp > 1 else None,
-                   ep=topology.group("ep") if dims.ep > 1 else None)
+        return cls(
+            shard=shard,
+            expert_shard=expert_shard,
+            tp=topology.group("tp") if dims.tp > 1 else None,
+            tp_rank=topology.tp_rank,
+            pp=topology.group("pp") if dims.pp > 1 else None,
+            ep=topology.group("ep") if dims.ep > 1 else None,
+        )
 
     @property
     def none(self) -> bool:
@@ -109,8 +117,9 @@ def clip_grads_(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor)
         local_part(grad).mul_(coefficient.to(grad.device))
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
-                    groups: ShardGroups = ShardGroups()) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, groups: ShardGroups = ShardGroups()
+) -> torch.Tensor:
     """Clip gradients in place to a global L2 norm of ``max_norm`` (``math.inf``: measure only);
     return the norm before clipping. With every gradient whole on this rank this is
     ``torch.nn.utils.clip_grad_norm_``. Every rank of ``groups`` must call it."""

@@ -17,12 +17,16 @@ def state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     return {"model": model_state, "optim": optim_state["state"]}
 
 
-def load_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                       state: dict) -> None:
+def load_state_by_name(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
+) -> None:
     """The optimizer keeps its own param groups (learning rate, schedule position)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     _, current = get_state_dict(model, optimizer)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optim"],
-                                     "param_groups": current["param_groups"]})
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict={"state": state["optim"], "param_groups": current["param_groups"]},
+    )

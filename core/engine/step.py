@@ -34,9 +34,12 @@ from plait.engine.precision import autocast, grad_scaler
 from plait.types import Batch, StepOutput, model_inputs
 
 
-def accumulate(micro_batches: list[Batch], loss_of: Callable[[Batch], torch.Tensor],
-               backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
-               sync: Callable[[bool], ContextManager] | None = None) -> torch.Tensor:
+def accumulate(
+    micro_batches: list[Batch],
+    loss_of: Callable[[Batch], torch.Tensor],
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+    sync: Callable[[bool], ContextManager] | None = None,
+) -> torch.Tensor:
     """Backward of each micro-batch's loss divided by their number, so the summed gradients are
     those of the mean loss; ``sync(last)`` is entered around each micro-batch (gradient
     synchronisation on the last one only). Returns this rank's mean loss, detached."""
@@ -50,8 +53,9 @@ def accumulate(micro_batches: list[Batch], loss_of: Callable[[Batch], torch.Tens
     return total / n
 
 
-def mean_over(value: torch.Tensor, group: dist.ProcessGroup | None, size: int
-              ) -> Callable[[], float]:
+def mean_over(
+    value: torch.Tensor, group: dist.ProcessGroup | None, size: int
+) -> Callable[[], float]:
     """Start averaging ``value`` (in place) over the ``size`` ranks of ``group``; call the result
     to wait for the float. Asynchronous, so the reduction overlaps the optimizer step. (A sum,
     then a division: gloo has no average.)"""
@@ -66,8 +70,9 @@ def mean_over(value: torch.Tensor, group: dist.ProcessGroup | None, size: int
     return wait
 
 
-def ask_guard(check_step: Callable[..., list], loss: torch.Tensor, grad_norm: torch.Tensor,
-              loss_scaled: bool) -> bool:
+def ask_guard(
+    check_step: Callable[..., list], loss: torch.Tensor, grad_norm: torch.Tensor, loss_scaled: bool
+) -> bool:
     """The step guards' answer (``plait_check_step``, agreed over the trainers): True skips the
     step on every rank. Under fp16 (``loss_scaled``) the guards judge the loss alone: a gradient
     overflow is the loss scaler's to skip, routinely in the first steps."""
@@ -90,10 +95,20 @@ class TorchEngine:
     engine whose replicas step on their own, without a collective per step (local SGD).
     """
 
-    def __init__(self, cfg, topology, hook, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, loss_fn: Callable, *,
-                 shard_groups: ShardGroups | None = None, loss_scaling: bool = True,
-                 autocast_forward: bool = True, loss_group: str = "dp_cp"):
+    def __init__(
+        self,
+        cfg,
+        topology,
+        hook,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable,
+        *,
+        shard_groups: ShardGroups | None = None,
+        loss_scaling: bool = True,
+        autocast_forward: bool = True,
+        loss_group: str = "dp_cp",
+    ):
         self.device = topology.device
         self.model = self.wrapped = model
         self.optimizer = optimizer
@@ -102,7 +117,9 @@ class TorchEngine:
         self.max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
         self.check_step: Callable[..., list] = (
             functools.partial(hook.plait_check_step, cfg=cfg, topology=topology)
-            if hook is not None else lambda **_: [])
+            if hook is not None
+            else lambda **_: []
+        )
         self.shard_groups = shard_groups if shard_groups is not None else ShardGroups.of(topology)
         self.loss_group = topology.group(loss_group)
         self.loss_size = dist.get_world_size(self.loss_group)
@@ -136,8 +153,7 @@ class TorchEngine:
         local_loss = accumulate(micro_batches, self.loss_of, self.backward, self.sync)
         loss = mean_over(local_loss.clone(), self.loss_group, self.loss_size)
         grad_norm, skipped, metrics = self.finish_step(local_loss)
-        return StepOutput(loss=loss(), grad_norm=float(grad_norm), skipped=skipped,
-                          metrics=metrics)
+        return StepOutput(loss=loss(), grad_norm=float(grad_norm), skipped=skipped, metrics=metrics)
 
     def finish_step(self, local_loss: torch.Tensor) -> tuple[torch.Tensor, bool, dict]:
         """After the backward: reduce, unscale, clip by the global norm, ask the guard, step.

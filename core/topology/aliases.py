@@ -29,8 +29,12 @@ def warn_renamed(old: str) -> None:
     """Warn once per process that ``topology.<old>()`` is deprecated, naming its replacement."""
     if old not in _WARNED:
         _WARNED.add(old)
-        warnings.warn(f"topology.{old}() is deprecated since hook spec 1.5 and goes in 2.0: use "
-                      f"topology.{ALIASES[old]}", FutureWarning, stacklevel=3)
+        warnings.warn(
+            f"topology.{old}() is deprecated since hook spec 1.5 and goes in 2.0: use "
+            f"topology.{ALIASES[old]}",
+            FutureWarning,
+            stacklevel=3,
+        )
 
 
 class DeprecatedGroupNames:

@@ -26,8 +26,9 @@ def describe_nodes(dims: ParallelDims, node_of: list[int], roles: Roles | None =
     everyone = describe_node_split(list(range(len(node_of))), node_of)
     lines = [f"nodes: {dims.nnodes}, ranks by node {everyone}"]
     if roles is not None and not roles.single:
-        lines.append("  roles: " + ", ".join(f"{role} {list(ranks)}"
-                                              for role, ranks in roles.ranks.items()))
+        lines.append(
+            "  roles: " + ", ".join(f"{role} {list(ranks)}" for role, ranks in roles.ranks.items())
+        )
     if dims.dp > 1:
         groups = mesh_groups(dims, "dp", roles.trainers if roles else None)
         intra, inter = node_enumeration(groups, node_of)
@@ -38,8 +39,10 @@ def describe_nodes(dims: ParallelDims, node_of: list[int], roles: Roles | None =
             lines.append(f"  intra-node groups: {' '.join(map(str, intra))}")
             lines.append(f"  inter-node groups: {' '.join(map(str, inter))}")
         else:
-            lines.append("  no intra-/inter-node groups: each dp group lies on one node or has "
-                         "one rank per node")
+            lines.append(
+                "  no intra-/inter-node groups: each dp group lies on one node or has "
+                "one rank per node"
+            )
     return lines
 
 
@@ -47,9 +50,11 @@ def describe_rank(topology: Topology) -> str:
     """``rank 3/4 (node 1, local 1/2) pp=0/1 dp=1/2 tp=1/2 on cpu``: a rank's place."""
     d = topology.dims
     if topology.role != TRAINER:
-        return (f"{topology.role} rank {topology.rank}/{len(topology.node_of)} (node "
-                f"{topology.node_rank}, local {topology.local_rank}/{topology.local_world_size}) "
-                f"on {topology.device}")
+        return (
+            f"{topology.role} rank {topology.rank}/{len(topology.node_of)} (node "
+            f"{topology.node_rank}, local {topology.local_rank}/{topology.local_world_size}) "
+            f"on {topology.device}"
+        )
     return (
         f"rank {topology.rank}/{d.world_size} (node {topology.node_rank}, local "
         f"{topology.local_rank}/{topology.local_world_size}) pp={topology.pp_rank}/{d.pp} "

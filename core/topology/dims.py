@@ -52,15 +52,18 @@ class ParallelDims:
             raise ValueError(
                 f"parallel.ep={self.ep} is larger than the data-parallel world dp={self.dp}: "
                 "experts are spread over data-parallel ranks; set parallel.ep to a divisor of "
-                f"{self.dp}, or give data parallelism more ranks (launcher.nproc_per_node)")
+                f"{self.dp}, or give data parallelism more ranks (launcher.nproc_per_node)"
+            )
         if self.dp % self.ep:
             raise ValueError(
                 f"parallel.ep={self.ep} does not divide the data-parallel world dp={self.dp}: "
-                f"choose parallel.ep in {[e for e in range(1, self.dp + 1) if self.dp % e == 0]}")
+                f"choose parallel.ep in {[e for e in range(1, self.dp + 1) if self.dp % e == 0]}"
+            )
 
     @classmethod
-    def from_config(cls, cfg, world_size: int | None = None,
-                    nodes: NodeRange | None = None) -> ParallelDims:
+    def from_config(
+        cls, cfg, world_size: int | None = None, nodes: NodeRange | None = None
+    ) -> ParallelDims:
         """The layout ``cfg`` asks for at ``world_size`` (default: the launcher's, else
         ``launcher.nnodes x launcher.nproc_per_node``); ``nodes``: ``launcher.nnodes`` already
         parsed (else parsed here)."""
@@ -73,8 +76,10 @@ class ParallelDims:
         cp = getattr(cfg.parallel, "cp", 1)  # a config made for a topology alone may omit it
         dp = cfg.parallel.dp
         if dp < -1 or dp == 0:
-            raise ValueError(f"parallel.dp={dp} is out of range: set parallel.dp >= 1, or -1 for "
-                             "what parallel.cp, parallel.tp and parallel.pp leave of the world")
+            raise ValueError(
+                f"parallel.dp={dp} is out of range: set parallel.dp >= 1, or -1 for "
+                "what parallel.cp, parallel.tp and parallel.pp leave of the world"
+            )
         if dp == -1:
             if world_size % (cp * tp * pp):
                 factors = (f"cp({cp}) * " if cp > 1 else "") + f"tp({tp}) * pp({pp})"
@@ -84,9 +89,17 @@ class ParallelDims:
                     f"{settings}parallel.tp / parallel.pp or launcher.nproc_per_node"
                 )
             dp = world_size // (cp * tp * pp)
-        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, nnodes=nnodes, nodes=nodes, cp=cp,
-                   grad_accum_steps=configured_grad_accum_steps(cfg),
-                   ep=getattr(cfg.parallel, "ep", 1))
+        return cls(
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            world_size=world_size,
+            nnodes=nnodes,
+            nodes=nodes,
+            cp=cp,
+            grad_accum_steps=configured_grad_accum_steps(cfg),
+            ep=getattr(cfg.parallel, "ep", 1),
+        )
 
     @property
     def edp(self) -> int:

@@ -36,5 +36,6 @@ def elastic_grad_accum_steps(cfg, dims: ParallelDims, local_world_size: int) -> 
             f"grad_accum_steps={cfg.train.grad_accum_steps} x dp {full.dp} at {nodes.max} "
             f"nodes), so train.batch_size={cfg.train.batch_size} cannot be kept: set "
             f"train.grad_accum_steps to a multiple of {dims.dp // math.gcd(full.dp, dims.dp)} "
-            "(and train.batch_size to match), or narrow launcher.nnodes")
+            "(and train.batch_size to match), or narrow launcher.nnodes"
+        )
     return micro_batches // dims.dp

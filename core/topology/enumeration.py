@@ -28,13 +28,14 @@ def mesh_groups(dims: ParallelDims, axis: str, ranks: list[int] | None = None) -
     return mesh.movedim(dim, -1).reshape(-1, mesh.shape[dim]).tolist()
 
 
-def expert_groups(dims: ParallelDims, ranks: list[int] | None = None
-                  ) -> tuple[list[list[int]], list[list[int]]]:
+def expert_groups(
+    dims: ParallelDims, ranks: list[int] | None = None
+) -> tuple[list[list[int]], list[list[int]]]:
     """The expert-parallel and expert-data-parallel groups (global ranks): each dp group cut into
     runs of ``ep`` consecutive dp ranks, and the ranks at the same place in each run."""
     ep_groups, edp_groups = [], []
     for group in mesh_groups(dims, "dp", ranks):
-        runs = [group[i:i + dims.ep] for i in range(0, dims.dp, dims.ep)]
+        runs = [group[i : i + dims.ep] for i in range(0, dims.dp, dims.ep)]
         ep_groups += runs
         edp_groups += [list(peers) for peers in zip(*runs)]
     return ep_groups, edp_groups

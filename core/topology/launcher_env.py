@@ -21,9 +21,13 @@ def launcher_node_env(environ: dict[str, str]) -> tuple[int, int, int]:
     if missing:
         raise ValueError(
             f"{', '.join(missing)} not set: plait learns the nodes from the launcher; start the "
-            "workers with `plait train`, `torchrun` or `srun ... plait train`")
-    return (int(environ["GROUP_RANK"]), int(environ["LOCAL_RANK"]),
-            int(environ["LOCAL_WORLD_SIZE"]))
+            "workers with `plait train`, `torchrun` or `srun ... plait train`"
+        )
+    return (
+        int(environ["GROUP_RANK"]),
+        int(environ["LOCAL_RANK"]),
+        int(environ["LOCAL_WORLD_SIZE"]),
+    )
 
 
 def restart_safe_store(timeout: timedelta) -> dist.Store | None:
@@ -37,6 +41,7 @@ def restart_safe_store(timeout: timedelta) -> dist.Store | None:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
     return dist.PrefixStore(f"plait/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)

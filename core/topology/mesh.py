@@ -84,22 +84,33 @@ class Topology(DeprecatedGroupNames):
             if store is None:
                 dist.init_process_group(backend, timeout=timeout)
             else:
-                dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                        world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+                dist.init_process_group(
+                    backend,
+                    store=store,
+                    rank=int(os.environ["RANK"]),
+                    world_size=int(os.environ["WORLD_SIZE"]),
+                    timeout=timeout,
+                )
         world_size = dist.get_world_size()
         roles = Roles.resolve(assign_roles(world_size) if assign_roles else None, world_size)
         trainers = roles.trainers
         node_of = gather_node_ranks(node_rank, device)
         dims = ParallelDims.from_config(cfg, world_size=len(trainers))
         # an elastic job keeps train.batch_size at this size by accumulating more or less
-        dims = replace(dims, nnodes=len({node_of[r] for r in trainers}),
-                       grad_accum_steps=elastic_grad_accum_steps(cfg, dims, local_world_size))
+        dims = replace(
+            dims,
+            nnodes=len({node_of[r] for r in trainers}),
+            grad_accum_steps=elastic_grad_accum_steps(cfg, dims, local_world_size),
+        )
         groups = {}
         if roles.single:  # today's layout, untouched: the default group is the trainer group
             mesh = dist.init_device_mesh(device.type, mesh_shape(dims), mesh_dim_names=MESH_AXES)
         else:  # every rank takes part in creating each group, members or not
-            mesh = dist.DeviceMesh(device.type, torch.tensor(trainers).reshape(mesh_shape(dims)),
-                                   mesh_dim_names=MESH_AXES)
+            mesh = dist.DeviceMesh(
+                device.type,
+                torch.tensor(trainers).reshape(mesh_shape(dims)),
+                mesh_dim_names=MESH_AXES,
+            )
             groups["trainer_group"] = groups["step_group"] = dist.new_group(trainers)
         if not roles.lockstep:
             groups["step_group"] = dist.new_subgroups_by_enumeration([[r] for r in trainers])[0]
@@ -107,9 +118,18 @@ class Topology(DeprecatedGroupNames):
             ep_ranks, edp_ranks = expert_groups(dims, trainers)
             groups["ep_group"] = dist.new_subgroups_by_enumeration(ep_ranks)[0]
             groups["edp_group"] = dist.new_subgroups_by_enumeration(edp_ranks)[0]
-        return cls(dims=dims, device=device, mesh=mesh, rank=dist.get_rank(),
-                   local_rank=local_rank, node_rank=node_rank,
-                   local_world_size=local_world_size, node_of=node_of, roles=roles, **groups)
+        return cls(
+            dims=dims,
+            device=device,
+            mesh=mesh,
+            rank=dist.get_rank(),
+            local_rank=local_rank,
+            node_rank=node_rank,
+            local_world_size=local_world_size,
+            node_of=node_of,
+            roles=roles,
+            **groups,
+        )
 
     def __post_init__(self) -> None:
         if self.roles is None:
@@ -155,8 +175,8 @@ class Topology(DeprecatedGroupNames):
             d = self.dims
             mesh = torch.tensor(self.trainer_ranks).reshape(mesh_shape(d))
             self._groups["replica"] = dist.new_subgroups_by_enumeration(
-                [mesh[:, dp, cp].flatten().tolist()
-                 for dp in range(d.dp) for cp in range(d.cp)])[0]
+                [mesh[:, dp, cp].flatten().tolist() for dp in range(d.dp) for cp in range(d.cp)]
+            )[0]
         return self._groups["replica"]
 
     def axis_rank(self, axis: str) -> int:
@@ -171,9 +191,11 @@ class Topology(DeprecatedGroupNames):
             parts = split_by_node(mine, self.node_of) or []
             intra, inter = node_enumeration(groups, self.node_of)
             self._node_groups[axis] = NodeGroups(
-                nnodes=len(parts), local_size=len(parts[0]) if parts else 0,
+                nnodes=len(parts),
+                local_size=len(parts[0]) if parts else 0,
                 intra=dist.new_subgroups_by_enumeration(intra)[0] if intra else None,
-                inter=dist.new_subgroups_by_enumeration(inter)[0] if inter else None)
+                inter=dist.new_subgroups_by_enumeration(inter)[0] if inter else None,
+            )
         return self._node_groups[axis]
 
     def dp_cp_mesh(self) -> dist.DeviceMesh:
@@ -201,8 +223,9 @@ class Topology(DeprecatedGroupNames):
         key = f"role:{role}"
         if key not in self._groups:
             ranks = list(self.roles.ranks[role])
-            self._groups[key] = (dist.new_group(ranks, use_local_synchronization=True)
-                                 if len(ranks) > 1 else None)
+            self._groups[key] = (
+                dist.new_group(ranks, use_local_synchronization=True) if len(ranks) > 1 else None
+            )
         return self._groups[key]
 
     @property

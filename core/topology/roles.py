@@ -33,8 +33,10 @@ class Roles:
             return cls({TRAINER: tuple(range(world_size))})
         given = sorted(r for ranks in assigned.ranks.values() for r in ranks)
         if given != list(range(world_size)):
-            raise ValueError(f"roles {dict(assigned.ranks)} must give each of the {world_size} "
-                             "ranks exactly one role")
+            raise ValueError(
+                f"roles {dict(assigned.ranks)} must give each of the {world_size} "
+                "ranks exactly one role"
+            )
         if not assigned.ranks.get(TRAINER):
             raise ValueError(f"roles {dict(assigned.ranks)} leave no {TRAINER} rank")
         return assigned

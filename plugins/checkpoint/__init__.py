@@ -66,30 +66,43 @@ class PlaitCheckpointConfig(CheckpointConfig):
 
 
 # Where these settings were before hook spec 1.5 (fault.*), kept working through 1.6.
-RENAMED = {f"fault.{old}": f"checkpoint.{new}" for old, new in (
-    ("checkpoint_every", "every"), ("keep_last", "keep_last"), ("save_final", "save_final"),
-    ("async_save", "async_save"), ("local_dir", "local_dir"), ("replicas", "replicas"))}
+RENAMED = {
+    f"fault.{old}": f"checkpoint.{new}"
+    for old, new in (
+        ("checkpoint_every", "every"),
+        ("keep_last", "keep_last"),
+        ("save_final", "save_final"),
+        ("async_save", "async_save"),
+        ("local_dir", "local_dir"),
+        ("replicas", "replicas"),
+    )
+}
 RENAMED["checkpoint=hf"] = "checkpoint=default"  # the group's option (conf/checkpoint/hf.yaml)
 HF_FORMAT = "model:hf_format"
 
 
-RANGES = {"every": Range(0, meaning="0: only at the end"),
-          "keep_last": Range(0, meaning="0 keeps all"), "replicas": AT_LEAST_0,
-          "hf_every": Range(0, meaning="0: never")}
+RANGES = {
+    "every": Range(0, meaning="0: only at the end"),
+    "keep_last": Range(0, meaning="0 keeps all"),
+    "replicas": AT_LEAST_0,
+    "hf_every": Range(0, meaning="0: never"),
+}
 
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="checkpoint", selected_by={"checkpoint.name": "default"},
-                      renamed=RENAMED,
-                      description="atomic periodic checkpoints, resume, auto-resume on restart, "
-                                  "Hugging Face copies (checkpoint.hf_every)")
+    return PluginInfo(
+        name="checkpoint",
+        selected_by={"checkpoint.name": "default"},
+        renamed=RENAMED,
+        description="atomic periodic checkpoints, resume, auto-resume on restart, "
+        "Hugging Face copies (checkpoint.hf_every)",
+    )
 
 
 @hookimpl
 def plait_register_configs(config_store) -> None:
-    config_store.store(group="checkpoint", name="base_plait_checkpoint",
-                       node=PlaitCheckpointConfig)
+    config_store.store(group="checkpoint", name="base_plait_checkpoint", node=PlaitCheckpointConfig)
 
 
 @hookimpl
@@ -97,16 +110,20 @@ def plait_validate(cfg, dims, hook) -> list[str]:
     problems = range_problems("checkpoint", cfg.checkpoint, RANGES) + resume_problems(cfg)
     reshardable = RESHARDABLE in provided(hook)
     if cfg.checkpoint.async_save and not reshardable:
-        problems.append(f"checkpoint.async_save=true: strategy={cfg.strategy.name} cannot write "
-                        f"the layout-free (DCP) state that is saved in the background; use "
-                        f"{offered_by(RESHARDABLE)}, or checkpoint.async_save=false")
+        problems.append(
+            f"checkpoint.async_save=true: strategy={cfg.strategy.name} cannot write "
+            f"the layout-free (DCP) state that is saved in the background; use "
+            f"{offered_by(RESHARDABLE)}, or checkpoint.async_save=false"
+        )
     problems += hf_copy_problems(cfg, hook, reshardable)
     problems += storage_problems(cfg, dims, hook)
     if dims.elastic and not reshardable:
-        problems.append(f"launcher.nnodes={cfg.launcher.nnodes}: a job that changes size resumes "
-                        "its checkpoint at another dp, through the layout-free (DCP) copy, which "
-                        f"strategy={cfg.strategy.name} cannot write; use "
-                        f"{offered_by(RESHARDABLE)}, or a fixed launcher.nnodes")
+        problems.append(
+            f"launcher.nnodes={cfg.launcher.nnodes}: a job that changes size resumes "
+            "its checkpoint at another dp, through the layout-free (DCP) copy, which "
+            f"strategy={cfg.strategy.name} cannot write; use "
+            f"{offered_by(RESHARDABLE)}, or a fixed launcher.nnodes"
+        )
     if not problems:
         problems += reshard_problems(cfg, dims, hook, reshardable)
     return problems
@@ -117,8 +134,10 @@ def plait_backend_config(cfg, dims) -> dict:
     """``plait plan`` shows where each node's checkpoint part and its replicas live."""
     if cfg.checkpoint.local_dir is None:
         return {}
-    where = {"each node's own directory": str(node_root(cfg, 0).parent / "node<k>"),
-             **replication.placement(dims.nnodes, min(cfg.checkpoint.replicas, dims.nnodes - 1))}
+    where = {
+        "each node's own directory": str(node_root(cfg, 0).parent / "node<k>"),
+        **replication.placement(dims.nnodes, min(cfg.checkpoint.replicas, dims.nnodes - 1)),
+    }
     return {"checkpoint storage (checkpoint.local_dir, checkpoint.replicas)": where}
 
 
@@ -134,12 +153,14 @@ def plait_load_checkpoint(cfg, engine, topology, hook) -> TrainState | None:
 
 @hookimpl
 def plait_save_checkpoint(cfg, engine, state, topology, final, hook) -> Path | None:
-    written = save_if_due(cfg, engine, state, topology, final,
-                          reshardable=RESHARDABLE in provided(hook))
+    written = save_if_due(
+        cfg, engine, state, topology, final, reshardable=RESHARDABLE in provided(hook)
+    )
     every = cfg.checkpoint.hf_every
     if every and (state.step % every == 0 or final):
-        copy = hook.plait_save_model_copy(cfg=cfg, engine=engine, topology=topology,
-                                          step=state.step, format="hf", hook=hook)
+        copy = hook.plait_save_model_copy(
+            cfg=cfg, engine=engine, topology=topology, step=state.step, format="hf", hook=hook
+        )
         if topology.is_logging_rank:
             print(f"plait: wrote {copy} (Hugging Face format)", flush=True)
     return written
@@ -153,13 +174,17 @@ def hf_copy_problems(cfg, hook, reshardable: bool) -> list[str]:
         return []
     problems = []
     if HF_FORMAT not in provided(hook):
-        problems.append(f"checkpoint.hf_every={every} writes Hugging Face's format, which needs a "
-                        f"transformers model ({offered_by(HF_FORMAT)}), not model._target_="
-                        f"{cfg.model._target_}: set checkpoint.hf_every=0")
+        problems.append(
+            f"checkpoint.hf_every={every} writes Hugging Face's format, which needs a "
+            f"transformers model ({offered_by(HF_FORMAT)}), not model._target_="
+            f"{cfg.model._target_}: set checkpoint.hf_every=0"
+        )
     if not reshardable:
-        problems.append(f"checkpoint.hf_every={every}: strategy={cfg.strategy.name} cannot hand "
-                        f"over its model state by name ({RESHARDABLE}): use "
-                        f"{offered_by(RESHARDABLE)}, or set checkpoint.hf_every=0")
+        problems.append(
+            f"checkpoint.hf_every={every}: strategy={cfg.strategy.name} cannot hand "
+            f"over its model state by name ({RESHARDABLE}): use "
+            f"{offered_by(RESHARDABLE)}, or set checkpoint.hf_every=0"
+        )
     return problems
 
 
@@ -167,5 +192,8 @@ def hf_copy_problems(cfg, hook, reshardable: bool) -> list[str]:
 def plait_on_failure(cfg, error, state) -> None:
     last = newest_visible(cfg)
     where = f"last good checkpoint: {last}" if last else "no checkpoint was written"
-    print(f"plait: worker failed at step {state.step} ({type(error).__name__}: {error}); {where}",
-          file=sys.stderr, flush=True)
+    print(
+        f"plait: worker failed at step {state.step} ({type(error).__name__}: {error}); {where}",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -21,8 +21,14 @@ def cpu_stager():
     pinned or shared memory to cache, no non-blocking copy)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=False))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )
 
 
 class BackgroundWrites:
@@ -43,8 +49,12 @@ class BackgroundWrites:
                 if publish is not None:
                     publish()
             except BaseException as e:  # noqa: BLE001 -- handed to the waiter
-                print(f"plait: background checkpoint write failed ({e!r}); the previous "
-                      "checkpoint stays the latest", file=sys.stderr, flush=True)
+                print(
+                    f"plait: background checkpoint write failed ({e!r}); the previous "
+                    "checkpoint stays the latest",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 published.set_exception(e)
             else:
                 published.set_result(None)

@@ -56,8 +56,11 @@ def newest_visible(cfg) -> Path | None:
     files (node 0's part: ``layout.json``, ``trainer_state.json``)."""
     if cfg.checkpoint.local_dir is None:
         return latest_checkpoint(checkpoint_root(cfg), quiet=True)
-    found = [c for root in visible_roots(cfg) if (c := latest_checkpoint(root, quiet=True))
-             and (c / TRAINER_STATE).exists()]
+    found = [
+        c
+        for root in visible_roots(cfg)
+        if (c := latest_checkpoint(root, quiet=True)) and (c / TRAINER_STATE).exists()
+    ]
     return max(found, key=lambda path: path.name, default=None)
 
 
@@ -92,8 +95,9 @@ def latest_checkpoint(root: Path, quiet: bool = False) -> Path | None:
 
 def restarted() -> bool:
     """This process is a restart: by torch elastic (plait's launcher, torchrun) or SLURM."""
-    return any(int(os.environ.get(v, 0)) > 0
-               for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    return any(
+        int(os.environ.get(v, 0)) > 0 for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+    )
 
 
 def resolve_resume(cfg, resume: str | None) -> Path | None:
@@ -104,7 +108,9 @@ def resolve_resume(cfg, resume: str | None) -> Path | None:
     newest complete checkpoint). A restarted process (torch elastic, a SLURM requeue) always
     continues from this run's own newest checkpoint when there is one.
     """
-    own = newest_visible(cfg) if cfg.checkpoint.local_dir else latest_checkpoint(checkpoint_root(cfg))
+    own = (
+        newest_visible(cfg) if cfg.checkpoint.local_dir else latest_checkpoint(checkpoint_root(cfg))
+    )
     if resume in (AUTO, LATEST) or (restarted() and own is not None):
         return own
     if resume is None:
@@ -113,9 +119,11 @@ def resolve_resume(cfg, resume: str | None) -> Path | None:
     if (path / COMPLETE).exists() or (path / TRAINER_STATE).exists():
         problem = checkpoint_problem(path)
         if problem is not None:
-            raise ValueError(f"resume={resume}: not a complete checkpoint: {problem}; give "
-                             "another checkpoint, or the run directory for its newest "
-                             "complete one")
+            raise ValueError(
+                f"resume={resume}: not a complete checkpoint: {problem}; give "
+                "another checkpoint, or the run directory for its newest "
+                "complete one"
+            )
         return path
     for root in (path / "checkpoints", path):
         found = latest_checkpoint(root)
@@ -142,13 +150,19 @@ def publish(root: Path, partial: Path, name: str) -> Path:
     """Write the completion marker last, rename ``partial`` to ``name`` and point ``latest`` at
     it. ``latest`` names a complete checkpoint at every instant, even when ``name`` exists
     (the same step saved again after resuming from an older checkpoint)."""
-    files = {str(f.relative_to(partial)): f.stat().st_size
-             for f in sorted(partial.rglob("*")) if f.is_file()}
+    files = {
+        str(f.relative_to(partial)): f.stat().st_size
+        for f in sorted(partial.rglob("*"))
+        if f.is_file()
+    }
     atomic_write_text(partial / COMPLETE, json.dumps({"files": files}))
     complete = root / name
     if complete.exists():
-        others = [p for p in sorted(root.glob("step_*")) if p != complete
-                  and checkpoint_problem(p) is None]
+        others = [
+            p
+            for p in sorted(root.glob("step_*"))
+            if p != complete and checkpoint_problem(p) is None
+        ]
         if others:
             atomic_write_text(root / LATEST, others[-1].name)
         else:

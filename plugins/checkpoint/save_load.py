@@ -44,15 +44,23 @@ def barrier(topology) -> None:
 
 
 def current_layout(cfg, dims) -> dict:
-    return {"strategy": cfg.strategy.name, "dp": dims.dp, "cp": dims.cp, "tp": dims.tp,
-            "pp": dims.pp, "ep": dims.ep}
+    return {
+        "strategy": cfg.strategy.name,
+        "dp": dims.dp,
+        "cp": dims.cp,
+        "tp": dims.tp,
+        "pp": dims.pp,
+        "ep": dims.ep,
+    }
 
 
 def describe(layout: dict) -> str:
     cp = f" parallel.cp={layout['cp']}" if layout.get("cp", 1) > 1 else ""
     ep = f" parallel.ep={layout['ep']}" if layout.get("ep", 1) > 1 else ""
-    return (f"strategy={layout['strategy']} parallel.dp={layout['dp']}{cp} parallel.tp="
-            f"{layout['tp']} parallel.pp={layout['pp']}{ep}")
+    return (
+        f"strategy={layout['strategy']} parallel.dp={layout['dp']}{cp} parallel.tp="
+        f"{layout['tp']} parallel.pp={layout['pp']}{ep}"
+    )
 
 
 def saved_layout(path: Path) -> dict | None:
@@ -81,8 +89,10 @@ def checkpoint_to_load(cfg, topology) -> Path | None:
     if cfg.resume in (AUTO, LATEST) or restarted():
         own = replication.restore(cfg, topology)
     if own is None and cfg.resume == LATEST:
-        raise ValueError(f"resume=latest: no node holds a checkpoint of this run under "
-                         f"{node_root(cfg, 0).parent}; start with resume=auto")
+        raise ValueError(
+            f"resume=latest: no node holds a checkpoint of this run under "
+            f"{node_root(cfg, 0).parent}; start with resume=auto"
+        )
     if own is None and cfg.resume not in (None, AUTO):
         return resolve_resume(cfg, cfg.resume)  # another run's checkpoint
     return own
@@ -99,12 +109,17 @@ def load(cfg, engine, topology, reshardable: bool) -> TrainState | None:
     converted = needs_conversion(saved, layout)
     if converted:
         if not reshardable:  # refused before launch; a checkpoint that changed since
-            raise ValueError(f"resume: checkpoint {path} was written with {describe(saved)}; "
-                             f"strategy={cfg.strategy.name} cannot convert it: resume with "
-                             f"{describe(saved)}")
+            raise ValueError(
+                f"resume: checkpoint {path} was written with {describe(saved)}; "
+                f"strategy={cfg.strategy.name} cannot convert it: resume with "
+                f"{describe(saved)}"
+            )
         if topology.is_logging_rank:
-            print(f"plait: converting checkpoint {path} from {describe(saved)} to "
-                  f"{describe(layout)} (layout-free DCP copy)", flush=True)
+            print(
+                f"plait: converting checkpoint {path} from {describe(saved)} to "
+                f"{describe(layout)} (layout-free DCP copy)",
+                flush=True,
+            )
         layout_free.load(engine, topology, path, topology.trainer_group)
     else:
         engine.load_state(path)
@@ -122,8 +137,12 @@ def load(cfg, engine, topology, reshardable: bool) -> TrainState | None:
 def fork(state: TrainState, path: Path) -> TrainState:
     """Another run's checkpoint starts a new run: its weights, optimizer and data position are
     taken, its tracker run is not (the new run gets its own and names the other as parent)."""
-    state.parent = {"run_name": state.run_name, "tracker_run_id": state.tracker_run_id,
-                    "step": state.step, "checkpoint": str(path)}
+    state.parent = {
+        "run_name": state.run_name,
+        "tracker_run_id": state.tracker_run_id,
+        "step": state.step,
+        "checkpoint": str(path),
+    }
     state.tracker_run_id, state.run_name, state.metrics = None, None, {}
     return state
 
@@ -164,8 +183,11 @@ def save(cfg, engine, state, topology, reshardable: bool) -> Path:
     if engine_files:
         engine.save_state(partial)
     save_rng(partial, topology.rank)
-    record = {**current_layout(cfg, topology.dims), "engine_files": engine_files,
-              "layout_free": reshardable}
+    record = {
+        **current_layout(cfg, topology.dims),
+        "engine_files": engine_files,
+        "layout_free": reshardable,
+    }
     state.run_name = cfg.run.name  # a run resumed elsewhere (a PBT copy) names its source
     trainer_state = json.dumps(state.to_dict())
 
@@ -183,9 +205,12 @@ def save(cfg, engine, state, topology, reshardable: bool) -> Path:
 
     publisher = publish_on_rank0 if topology.is_logging_rank else None
     if in_background:
-        background.start(lambda stager: layout_free.save(
-            engine, topology, partial, topology.side_group("checkpoint writes"), stager),
-            publisher)
+        background.start(
+            lambda stager: layout_free.save(
+                engine, topology, partial, topology.side_group("checkpoint writes"), stager
+            ),
+            publisher,
+        )
         return complete
     if reshardable:
         layout_free.save(engine, topology, partial, topology.trainer_group)

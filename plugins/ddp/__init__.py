@@ -48,8 +48,9 @@ def reduce_bucket(state, bucket):
     return reducer.reduce(bucket, group)
 
 
-def register_reducer(ddp: DistributedDataParallel, reducer: GradReducer | None,
-                     group: dist.ProcessGroup) -> None:
+def register_reducer(
+    ddp: DistributedDataParallel, reducer: GradReducer | None, group: dist.ProcessGroup
+) -> None:
     """Make DDP average its buckets with ``reducer``.
 
     Where the reducer is the strategy's own all-reduce (``spec.native``), DDP's C++ paths do the
@@ -115,11 +116,12 @@ class DDPEngine(TorchEngine):
         if self.loss_size > 1:
             if self.ep > 1:
                 DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                    model, expert_names(model))
+                    model, expert_names(model)
+                )
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.wrapped = DistributedDataParallel(model, device_ids=device_ids,
-                                                   process_group=dp_group,
-                                                   **ddp_options(grad_reducer))
+            self.wrapped = DistributedDataParallel(
+                model, device_ids=device_ids, process_group=dp_group, **ddp_options(grad_reducer)
+            )
             register_reducer(self.wrapped, grad_reducer, dp_group)
         if cfg.strategy.compile:  # compiled around DDP, so DDP's graph splitting applies
             self.wrapped = torch.compile(self.wrapped)
@@ -134,14 +136,20 @@ class DDPEngine(TorchEngine):
 
     def save_state(self, directory: Path) -> None:
         if self.saves_checkpoint:
-            torch.save({"model": self.model.state_dict(),
-                        "optimizer": self.optimizer.state_dict(),
-                        "scaler": self.scaler.state_dict(),
-                        "skipped_steps": self.skipped_steps}, directory / self.checkpoint_name)
+            torch.save(
+                {
+                    "model": self.model.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "scaler": self.scaler.state_dict(),
+                    "skipped_steps": self.skipped_steps,
+                },
+                directory / self.checkpoint_name,
+            )
 
     def load_state(self, directory: Path) -> None:
-        state = torch.load(directory / self.checkpoint_name, map_location=self.device,
-                           weights_only=True)
+        state = torch.load(
+            directory / self.checkpoint_name, map_location=self.device, weights_only=True
+        )
         self.model.load_state_dict(state["model"])
         with keep_hyperparameters(self.optimizer):
             self.optimizer.load_state_dict(state["optimizer"])
@@ -155,8 +163,10 @@ class DDPEngine(TorchEngine):
         the loss scaler's state too (also the pipeline engine's, which uses this scaler)."""
         state = state_by_name(self.model, self.optimizer)
         if self.scaler.is_enabled():
-            state["loss_scale"] = {**grad_scaler_state(self.scaler),
-                                   "skipped_steps": torch.tensor(self.skipped_steps)}
+            state["loss_scale"] = {
+                **grad_scaler_state(self.scaler),
+                "skipped_steps": torch.tensor(self.skipped_steps),
+            }
         return state
 
     def load_layout_free_state(self, state: dict) -> None:
@@ -169,13 +179,23 @@ class DDPEngine(TorchEngine):
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(
-        name="ddp", selected_by={"strategy.name": "ddp"},
-        provides=frozenset({"engine:tensor_parallel", "engine:pipeline", "engine:split_backward",
-                            "engine:grad_reducer",
-                            "engine:grad_comm", "engine:layout_free_state",
-                            "engine:comm_hook", "engine:expert_parallel",
-                            "engine:context_parallel"}),
-        description="torch DistributedDataParallel")
+        name="ddp",
+        selected_by={"strategy.name": "ddp"},
+        provides=frozenset(
+            {
+                "engine:tensor_parallel",
+                "engine:pipeline",
+                "engine:split_backward",
+                "engine:grad_reducer",
+                "engine:grad_comm",
+                "engine:layout_free_state",
+                "engine:comm_hook",
+                "engine:expert_parallel",
+                "engine:context_parallel",
+            }
+        ),
+        description="torch DistributedDataParallel",
+    )
 
 
 @hookimpl
@@ -186,10 +206,12 @@ def plait_register_configs(config_store) -> None:
 @hookimpl
 def plait_validate(cfg, dims) -> list[str]:
     if cfg.precision == "fp16" and dims.tp > 1:
-        return [f"precision=fp16 with parallel.tp={dims.tp} and strategy=ddp: DDP's loss scaler "
-                "checks overflow per rank, so tensor-parallel ranks could skip different steps; "
-                "use precision=bf16 or fp32, or strategy=zero1 (DeepSpeed's scaler agrees "
-                "across ranks)"]
+        return [
+            f"precision=fp16 with parallel.tp={dims.tp} and strategy=ddp: DDP's loss scaler "
+            "checks overflow per rank, so tensor-parallel ranks could skip different steps; "
+            "use precision=bf16 or fp32, or strategy=zero1 (DeepSpeed's scaler agrees "
+            "across ranks)"
+        ]
     return []
 
 
@@ -206,9 +228,13 @@ def plait_strategy_cost(strategy, model, dims) -> StrategyCost | None:
         return None
     psi = sum(parameters_per_rank(model, dims))
     n = dims.dp_cp
-    return StrategyCost(params=4 * psi, grads=4 * psi, optimizer=8 * psi,
-                        buffers=4 * psi if n > 1 else 0,
-                        dp_bytes_per_step=2 * (n - 1) / n * psi * 4)
+    return StrategyCost(
+        params=4 * psi,
+        grads=4 * psi,
+        optimizer=8 * psi,
+        buffers=4 * psi if n > 1 else 0,
+        dp_bytes_per_step=2 * (n - 1) / n * psi * 4,
+    )
 
 
 @hookimpl

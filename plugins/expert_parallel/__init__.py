@@ -43,9 +43,11 @@ def moe_layers(model) -> list:
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(
-        name="expert_parallel", selected_by={"expert_parallel.name": "alltoall"},
+        name="expert_parallel",
+        selected_by={"expert_parallel.name": "alltoall"},
         requires={"ep": frozenset({"engine:expert_parallel", "model:experts"})},
-        description="expert parallelism (all-to-all token dispatch), MoE metrics")
+        description="expert parallelism (all-to-all token dispatch), MoE metrics",
+    )
 
 
 @hookimpl
@@ -61,10 +63,13 @@ def plait_backend_config(cfg, dims) -> dict:
     from plait.topology import expert_groups
 
     ep_groups, edp_groups = expert_groups(dims)
-    return {"expert parallelism (parallel.ep)": {
-        "experts per rank": f"model.n_experts / {dims.ep}",
-        "ep groups (exchange tokens)": [str(g) for g in ep_groups[:8]],
-        "edp groups (average expert gradients)": [str(g) for g in edp_groups[:8]]}}
+    return {
+        "expert parallelism (parallel.ep)": {
+            "experts per rank": f"model.n_experts / {dims.ep}",
+            "ep groups (exchange tokens)": [str(g) for g in ep_groups[:8]],
+            "edp groups (average expert gradients)": [str(g) for g in edp_groups[:8]],
+        }
+    }
 
 
 @hookimpl
@@ -82,8 +87,9 @@ def plait_apply_expert_parallel(cfg, model, topology) -> None:
 
     meter = AllToAllMeter()
     for layer in layers:
-        dispatcher = AllToAllDispatcher(topology.group("ep"), dims.ep,
-                                        topology.ep_rank, layer.n_experts, meter)
+        dispatcher = AllToAllDispatcher(
+            topology.group("ep"), dims.ep, topology.ep_rank, layer.n_experts, meter
+        )
         mine = {str(dispatcher.first + j) for j in range(dispatcher.local)}
         for key in [k for k in layer.experts.keys() if k not in mine]:
             del layer.experts[key]
@@ -105,8 +111,9 @@ def plait_build_engine(model, topology):
 
 
 @hookimpl
-def plait_axis_cost(cfg, axis, model, dims, seq_len, micro_batch_size, microbatches,
-                    bytes_per_value) -> AxisCost | None:
+def plait_axis_cost(
+    cfg, axis, model, dims, seq_len, micro_batch_size, microbatches, bytes_per_value
+) -> AxisCost | None:
     """What expert parallelism sends per step (``plait plan --search``): a mixture of experts'
     all-to-all, tokens out and back in forward and their gradients in backward, ``4(ep-1)/ep``
     of ``k·s/cp·b·h·v`` bytes per MoE layer of a stage (``k`` = top_k choices per token)."""
@@ -116,7 +123,9 @@ def plait_axis_cost(cfg, axis, model, dims, seq_len, micro_batch_size, microbatc
     if not moe:
         return AxisCost(0.0)
     ep = dims.ep
-    activation_msg = seq_len // dims.cp * micro_batch_size \
-        * getattr(model, "n_embd", 0) * bytes_per_value
-    return AxisCost(4 * (ep - 1) / ep * moe[0].top_k * activation_msg * len(moe) / dims.pp
-                    * microbatches)
+    activation_msg = (
+        seq_len // dims.cp * micro_batch_size * getattr(model, "n_embd", 0) * bytes_per_value
+    )
+    return AxisCost(
+        4 * (ep - 1) / ep * moe[0].top_k * activation_msg * len(moe) / dims.pp * microbatches
+    )

@@ -49,13 +49,24 @@ class FSDPEngine(TorchEngine):
         mesh = next(p for p in model.parameters()).device_mesh
         # the ranks a parameter's shards are spread over (not the HSDP replicas); experts are
         # sharded over their expert-data-parallel group
-        groups = ShardGroups.of(topology, shard=mesh.get_group(mesh.ndim - 1),
-                                expert_shard=topology.group("edp"))
-        super().__init__(cfg, topology, hook, model, optimizer, loss_fn, shard_groups=groups,
-                         loss_scaling=False, autocast_forward=False)
+        groups = ShardGroups.of(
+            topology, shard=mesh.get_group(mesh.ndim - 1), expert_shard=topology.group("edp")
+        )
+        super().__init__(
+            cfg,
+            topology,
+            hook,
+            model,
+            optimizer,
+            loss_fn,
+            shard_groups=groups,
+            loss_scaling=False,
+            autocast_forward=False,
+        )
         self.divide_experts = experts_divided_by_engine(topology)
-        self.checkpoint_name = (f"fsdp_pp{topology.pp_rank}_tp{topology.tp_rank}"
-                                f"_dp{topology.dp_cp_rank}.pt")
+        self.checkpoint_name = (
+            f"fsdp_pp{topology.pp_rank}_tp{topology.tp_rank}_dp{topology.dp_cp_rank}.pt"
+        )
 
     def sync(self, last: bool):
         self.model.set_requires_gradient_sync(last)
@@ -77,14 +88,20 @@ class FSDPEngine(TorchEngine):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        torch.save({"model": {k: v.to_local() for k, v in model_state.items()},
-                    "optimizer": _local(optim_state)}, directory / self.checkpoint_name)
+        torch.save(
+            {
+                "model": {k: v.to_local() for k, v in model_state.items()},
+                "optimizer": _local(optim_state),
+            },
+            directory / self.checkpoint_name,
+        )
 
     def load_state(self, directory: Path) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        saved = torch.load(directory / self.checkpoint_name, map_location=self.device,
-                           weights_only=True)
+        saved = torch.load(
+            directory / self.checkpoint_name, map_location=self.device, weights_only=True
+        )
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         with torch.no_grad():
             for name, value in model_state.items():
@@ -93,33 +110,44 @@ class FSDPEngine(TorchEngine):
         with keep_hyperparameters(self.optimizer):
             from torch.distributed.checkpoint.state_dict import set_state_dict
 
-            set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
-                           optim_state_dict=optim_state)
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=model_state,
+                optim_state_dict=optim_state,
+            )
 
     def layout_free_state(self) -> dict:
         """Full tensors by the unsplit names (the dp shards gathered; tensor-parallel shards stay
         this rank's): the form :mod:`plait.engine.layout_free` writes."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer,
-                                                  options=full_options())
+        model_state, optim_state = get_state_dict(
+            self.model, self.optimizer, options=full_options()
+        )
         return {"model": model_state, "optim": optim_state["state"]}
 
     def load_layout_free_state(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         _, current = get_state_dict(self.model, self.optimizer, options=full_options())
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict={"state": state["optim"],
-                                         "param_groups": current["param_groups"]},
-                       options=full_options())
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict={"state": state["optim"], "param_groups": current["param_groups"]},
+            options=full_options(),
+        )
 
 
 def _local(optim_state: dict) -> dict:
-    return {"state": {name: {k: v.to_local() if hasattr(v, "to_local") else v
-                             for k, v in entries.items()}
-                      for name, entries in optim_state["state"].items()},
-            "param_groups": optim_state["param_groups"]}
+    return {
+        "state": {
+            name: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in entries.items()}
+            for name, entries in optim_state["state"].items()
+        },
+        "param_groups": optim_state["param_groups"],
+    }
 
 
 def _copy_local(current: dict, saved: dict) -> None:

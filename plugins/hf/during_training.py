@@ -46,12 +46,14 @@ def gather_experts(state: dict[str, torch.Tensor], topology, model) -> dict[str,
     writer writes every expert once."""
     if topology.dims.ep == 1:
         return state
-    prefixes = tuple(f"{name}.experts." for name, m in model.named_modules()
-                     if getattr(m, "is_moe_layer", False))
+    prefixes = tuple(
+        f"{name}.experts." for name, m in model.named_modules() if getattr(m, "is_moe_layer", False)
+    )
     mine = {name: value for name, value in state.items() if name.startswith(prefixes)}
     gathered = [None] * topology.dims.ep
-    dist.all_gather_object(gathered, {n: v.cpu() for n, v in mine.items()},
-                           group=topology.group("ep"))
+    dist.all_gather_object(
+        gathered, {n: v.cpu() for n, v in mine.items()}, group=topology.group("ep")
+    )
     for experts in gathered:
         state.update(experts)
     return state
@@ -84,8 +86,9 @@ def save(cfg, engine, step: int, topology, model) -> Path:
         partial.mkdir(parents=True)
     barrier(topology)
     if topology.dp_rank == 0 and topology.tp_rank == 0:
-        write_safetensors(partial / stage_file(topology.pp_rank, pp),
-                          tensors_to_write(model, state))
+        write_safetensors(
+            partial / stage_file(topology.pp_rank, pp), tensors_to_write(model, state)
+        )
     del state
     barrier(topology)
     if topology.is_logging_rank:
@@ -106,9 +109,10 @@ class HFCheckpoints:
 
     @hookimpl
     def plait_declare(self) -> PluginInfo:
-        return PluginInfo(name="hf_checkpoint",
-                          description="Hugging Face copies during training "
-                                      "(plait_save_model_copy, format hf)")
+        return PluginInfo(
+            name="hf_checkpoint",
+            description="Hugging Face copies during training (plait_save_model_copy, format hf)",
+        )
 
     @hookimpl
     def plait_save_model_copy(self, cfg, engine, topology, step, format, hook) -> Path | None:

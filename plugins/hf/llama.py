@@ -37,14 +37,34 @@ class LlamaModelConfig(ModelConfig):
     tie_word_embeddings: bool = False
 
 
-RANGES = {**{size: AT_LEAST_1 for size in (
-    "vocab_size", "block_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads")}, "rms_norm_eps": POSITIVE}
+RANGES = {
+    **{
+        size: AT_LEAST_1
+        for size in (
+            "vocab_size",
+            "block_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+        )
+    },
+    "rms_norm_eps": POSITIVE,
+}
 
-def build_llama(vocab_size: int = 256, block_size: int = 64, hidden_size: int = 64,
-                intermediate_size: int = 128, num_hidden_layers: int = 2,
-                num_attention_heads: int = 4, num_key_value_heads: int = 2,
-                rms_norm_eps: float = 1e-5, tie_word_embeddings: bool = False) -> torch.nn.Module:
+
+def build_llama(
+    vocab_size: int = 256,
+    block_size: int = 64,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    rms_norm_eps: float = 1e-5,
+    tie_word_embeddings: bool = False,
+) -> torch.nn.Module:
     """A ``LlamaForCausalLM`` with plait's contract (``forward(ids)`` returns the logits),
     initialised by parameter name."""
     from transformers import LlamaConfig
@@ -52,11 +72,19 @@ def build_llama(vocab_size: int = 256, block_size: int = 64, hidden_size: int = 
     from plait.plugins.hf.model import hf_model
 
     config = LlamaConfig(
-        vocab_size=vocab_size, max_position_embeddings=block_size, hidden_size=hidden_size,
-        intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-        rms_norm_eps=rms_norm_eps, tie_word_embeddings=tie_word_embeddings,
-        attention_dropout=0.0, use_cache=False, bos_token_id=None, eos_token_id=None,
+        vocab_size=vocab_size,
+        max_position_embeddings=block_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        rms_norm_eps=rms_norm_eps,
+        tie_word_embeddings=tie_word_embeddings,
+        attention_dropout=0.0,
+        use_cache=False,
+        bos_token_id=None,
+        eos_token_id=None,
         pad_token_id=None,
     )
     return hf_model(config)
@@ -64,11 +92,19 @@ def build_llama(vocab_size: int = 256, block_size: int = 64, hidden_size: int = 
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="llama", selected_by={"model._target_": LlamaModelConfig._target_},
-                      provides=frozenset({"model:hf_format", "model:tensor_parallel_plan",
-                                          "model:activation_checkpointing_plan",
-                                          "model:context_parallel"}),
-                      description="transformers' Llama built from settings (model=hf's model)")
+    return PluginInfo(
+        name="llama",
+        selected_by={"model._target_": LlamaModelConfig._target_},
+        provides=frozenset(
+            {
+                "model:hf_format",
+                "model:tensor_parallel_plan",
+                "model:activation_checkpointing_plan",
+                "model:context_parallel",
+            }
+        ),
+        description="transformers' Llama built from settings (model=hf's model)",
+    )
 
 
 @hookimpl
@@ -79,22 +115,33 @@ def plait_register_configs(config_store) -> None:
 @hookimpl
 def plait_validate(cfg, dims) -> list[str]:
     if importlib.util.find_spec("transformers") is None:
-        return ["model=llama_tiny needs transformers: pip install -e \".[hf]\""]
+        return ['model=llama_tiny needs transformers: pip install -e ".[hf]"']
     m = cfg.model
     problems = range_problems("model", m, RANGES)
     if problems:
         return problems
     problems = context_problems(cfg, m.block_size)
     if m.hidden_size % m.num_attention_heads:
-        problems.append(f"model.hidden_size={m.hidden_size} is not divisible by "
-                        f"model.num_attention_heads={m.num_attention_heads}")
+        problems.append(
+            f"model.hidden_size={m.hidden_size} is not divisible by "
+            f"model.num_attention_heads={m.num_attention_heads}"
+        )
     if m.num_attention_heads % m.num_key_value_heads:
-        problems.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
-                        f"model.num_key_value_heads={m.num_key_value_heads}")
-    return problems + tensor_parallel_problems(cfg, dims.tp, {
-        "num_attention_heads": "attention heads", "num_key_value_heads": "KV heads",
-        "hidden_size": "hidden size", "intermediate_size": "MLP size",
-        "vocab_size": "vocabulary"})
+        problems.append(
+            f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+            f"model.num_key_value_heads={m.num_key_value_heads}"
+        )
+    return problems + tensor_parallel_problems(
+        cfg,
+        dims.tp,
+        {
+            "num_attention_heads": "attention heads",
+            "num_key_value_heads": "KV heads",
+            "hidden_size": "hidden size",
+            "intermediate_size": "MLP size",
+            "vocab_size": "vocabulary",
+        },
+    )
 
 
 @hookimpl

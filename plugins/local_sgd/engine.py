@@ -45,8 +45,16 @@ class LocalSGDEngine(TorchEngine):
     wrapped in torch's model averager."""
 
     def __init__(self, cfg, model, optimizer, loss_fn, topology):
-        super().__init__(cfg, topology, None, model.to(topology.device), optimizer, loss_fn,
-                         loss_scaling=False, loss_group="dp")
+        super().__init__(
+            cfg,
+            topology,
+            None,
+            model.to(topology.device),
+            optimizer,
+            loss_fn,
+            loss_scaling=False,
+            loss_group="dp",
+        )
         self.dp_group = self.loss_group
         self.checkpoint_name = f"replica_dp{topology.dp_rank}.pt"
         self.sync_every = cfg.strategy.sync_every
@@ -58,24 +66,28 @@ class LocalSGDEngine(TorchEngine):
         if cfg.strategy.node_sync_every:
             averager = self.hierarchical_averager(cfg.strategy.node_sync_every)
         else:
-            averager = PeriodicModelAverager(period=self.sync_every,
-                                             warmup_steps=self.sync_every - 1,
-                                             process_group=self.dp_group)
+            averager = PeriodicModelAverager(
+                period=self.sync_every,
+                warmup_steps=self.sync_every - 1,
+                process_group=self.dp_group,
+            )
         return PostLocalSGDOptimizer(optimizer, averager)
 
     def hierarchical_averager(self, node_sync_every: int) -> HierarchicalModelAverager:
         ranks = dist.get_process_group_ranks(self.dp_group)
         nodes = split_by_node(ranks, self.node_of)
         size = len(nodes[0]) if nodes else 0
-        if nodes is None or nodes != [ranks[i: i + size] for i in range(0, len(ranks), size)]:
+        if nodes is None or nodes != [ranks[i : i + size] for i in range(0, len(ranks), size)]:
             raise ValueError(
                 f"strategy.node_sync_every={node_sync_every} averages the replicas of each node, "
                 f"but the nodes hold unequal or interleaved shares of them ({nodes or ranks}): "
                 "launch the same launcher.nproc_per_node on every node, or set "
-                "strategy.node_sync_every=0")
+                "strategy.node_sync_every=0"
+            )
         averager = HierarchicalModelAverager(
             OrderedDict([(node_sync_every, size), (self.sync_every, len(ranks))]),
-            process_group=self.dp_group)
+            process_group=self.dp_group,
+        )
         averager.step = 1  # the step just taken when it is called (see the module docstring)
         return averager
 
@@ -92,14 +104,23 @@ class LocalSGDEngine(TorchEngine):
         local_loss = accumulate(micro_batches, self.loss_of)
         self.steps += 1
         grad_norm, _, _ = self.finish_step(local_loss)
-        loss = (mean_over(local_loss, self.dp_group, self.loss_size)() if self.averaged
-                else float(local_loss))
-        return StepOutput(loss=loss, grad_norm=float(grad_norm),
-                          metrics={"replicas_averaged": float(self.averaged)})
+        loss = (
+            mean_over(local_loss, self.dp_group, self.loss_size)()
+            if self.averaged
+            else float(local_loss)
+        )
+        return StepOutput(
+            loss=loss,
+            grad_norm=float(grad_norm),
+            metrics={"replicas_averaged": float(self.averaged)},
+        )
 
     def state(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "steps": self.steps}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "steps": self.steps,
+        }
 
     def load(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -115,5 +136,8 @@ class LocalSGDEngine(TorchEngine):
         torch.save(self.state(), directory / self.checkpoint_name)
 
     def load_state(self, directory: Path) -> None:
-        self.load(torch.load(directory / self.checkpoint_name, map_location=self.device,
-                             weights_only=True))
+        self.load(
+            torch.load(
+                directory / self.checkpoint_name, map_location=self.device, weights_only=True
+            )
+        )

@@ -59,8 +59,9 @@ class WorkerEngine:
         publish(self.store, f"worker{self.rank}", {"steps": 0, "samples_per_s": 0.0})
         self.replies = [flat(shard, 0, 0) for shard in self.shards]
         self.versions = [0] * len(self.servers)
-        self.grad_norm = self._receive([dist.irecv(r, src=s)
-                                        for r, s in zip(self.replies, self.servers)])
+        self.grad_norm = self._receive(
+            [dist.irecv(r, src=s) for r, s in zip(self.replies, self.servers)]
+        )
 
     def _receive(self, works) -> float:
         """Wait for the servers' replies, load them into the model; the reported grad norm."""
@@ -96,8 +97,11 @@ class WorkerEngine:
         if not self.sync and self.steps == self.last_step:
             self._say_goodbye()
         mean_loss = mean_over(mean, self.step_group, self.step_size)()
-        return StepOutput(loss=mean_loss, grad_norm=own_norm if own_norm is not None else server_norm,
-                          metrics=self._figures())
+        return StepOutput(
+            loss=mean_loss,
+            grad_norm=own_norm if own_norm is not None else server_norm,
+            metrics=self._figures(),
+        )
 
     def _say_goodbye(self) -> None:
         """async: this worker's pushes are over (its last one was served)."""
@@ -109,17 +113,22 @@ class WorkerEngine:
         worker's and server's figures (W&B: worker throughput, staleness histogram, load)."""
         wall = time.perf_counter() - self.started
         samples = (self.steps - self.first_step) * self.samples_per_step
-        publish(self.store, f"worker{self.rank}",
-                {"steps": self.steps, "samples_per_s": samples / wall})
+        publish(
+            self.store, f"worker{self.rank}", {"steps": self.steps, "samples_per_s": samples / wall}
+        )
         if not self.saves_checkpoint or self.steps % self.log_every:
             return {}
-        names = [f"worker{w}" for w in self.workers] + [f"server{s}" for s in range(len(self.servers))]
+        names = [f"worker{w}" for w in self.workers] + [
+            f"server{s}" for s in range(len(self.servers))
+        ]
         metrics = {}
         for name, figures in read_figures(self.store, names).items():
             for key, value in figures.items():
                 if key == "staleness":
                     for age, count in value.items():
-                        metrics[f"ps/staleness/{age}"] = metrics.get(f"ps/staleness/{age}", 0) + count
+                        metrics[f"ps/staleness/{age}"] = (
+                            metrics.get(f"ps/staleness/{age}", 0) + count
+                        )
                 else:
                     metrics[f"ps/{name}/{key}"] = float(value)
         return metrics
@@ -136,8 +145,9 @@ class WorkerEngine:
         the step) and the step count; every server writes its shard beside them."""
         if not self.saves_checkpoint:
             return
-        torch.save({"model": self.model.state_dict(), "steps": self.steps},
-                   directory / "model_pp0_tp0.pt")
+        torch.save(
+            {"model": self.model.state_dict(), "steps": self.steps}, directory / "model_pp0_tp0.pt"
+        )
         for i in range(len(self.servers)):
             self.store.queue_push(inbox(i), f"checkpoint {self.steps} {directory}")
         self.store.wait([saved_key(self.steps, i) for i in range(len(self.servers))])

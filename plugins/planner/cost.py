@@ -89,16 +89,23 @@ class Layout:
     def describe(self) -> str:
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         experts = f" ep{self.ep}" if self.ep > 1 else ""
-        return (f"{self.strategy} dp{self.dp}{cp} tp{self.tp} pp{self.pp}{experts} micro "
-                f"{self.micro_batch_size}x{self.microbatches} recompute "
-                f"{self.activation_checkpointing}")
+        return (
+            f"{self.strategy} dp{self.dp}{cp} tp{self.tp} pp{self.pp}{experts} micro "
+            f"{self.micro_batch_size}x{self.microbatches} recompute "
+            f"{self.activation_checkpointing}"
+        )
 
     def overrides(self) -> list[str]:
-        settings = [f"strategy={self.strategy}", f"parallel.dp={self.dp}",
-                    f"parallel.cp={self.cp}", f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
-                    f"parallel.ep={self.ep}",
-                    f"train.grad_accum_steps={self.microbatches}",
-                    f"train.activation_checkpointing={self.activation_checkpointing}"]
+        settings = [
+            f"strategy={self.strategy}",
+            f"parallel.dp={self.dp}",
+            f"parallel.cp={self.cp}",
+            f"parallel.tp={self.tp}",
+            f"parallel.pp={self.pp}",
+            f"parallel.ep={self.ep}",
+            f"train.grad_accum_steps={self.microbatches}",
+            f"train.activation_checkpointing={self.activation_checkpointing}",
+        ]
         if self.pp > 1:
             settings.append(f"pipeline.microbatches={self.microbatches}")
         return settings
@@ -132,20 +139,36 @@ class Workload:
     axis_cost: Callable[[str, Layout], AxisCost]
 
 
-def plugin_axis_cost(hook, cfg, model: torch.nn.Module, seq_len: int, precision: str,
-                     nodes=None) -> Callable[[str, Layout], AxisCost]:
+def plugin_axis_cost(
+    hook, cfg, model: torch.nn.Module, seq_len: int, precision: str, nodes=None
+) -> Callable[[str, Layout], AxisCost]:
     """``(axis, layout) -> AxisCost``: what the active plugins answer to ``plait_axis_cost``
     (the first answer; 0 where none answers, and the plan every candidate gets names the gap).
     ``nodes``: ``launcher.nnodes`` parsed, carried by each layout's dims."""
+
     def axis_cost(axis: str, layout: Layout) -> AxisCost:
         world = layout.dp * layout.cp * layout.tp * layout.pp
-        dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
-                            world_size=world, nnodes=nodes.max if nodes else 1, nodes=nodes)
-        found = hook.plait_axis_cost(cfg=cfg, axis=axis, model=model, dims=dims, seq_len=seq_len,
-                                     micro_batch_size=layout.micro_batch_size,
-                                     microbatches=layout.microbatches,
-                                     bytes_per_value=BYTES_PER_VALUE[precision],
-                                     recompute=layout.activation_checkpointing)
+        dims = ParallelDims(
+            dp=layout.dp,
+            tp=layout.tp,
+            pp=layout.pp,
+            cp=layout.cp,
+            ep=layout.ep,
+            world_size=world,
+            nnodes=nodes.max if nodes else 1,
+            nodes=nodes,
+        )
+        found = hook.plait_axis_cost(
+            cfg=cfg,
+            axis=axis,
+            model=model,
+            dims=dims,
+            seq_len=seq_len,
+            micro_batch_size=layout.micro_batch_size,
+            microbatches=layout.microbatches,
+            bytes_per_value=BYTES_PER_VALUE[precision],
+            recompute=layout.activation_checkpointing,
+        )
         return next((answer for answer in found if answer is not None), AxisCost(0.0))
 
     return axis_cost

@@ -4,7 +4,7 @@ Fields: name, package, dist, kind, plait_version, hookspec.
 """
 
 COMMON = {
-    "pyproject.toml": '''
+    "pyproject.toml": """
 [build-system]
 requires = ["setuptools>=61"]
 build-backend = "setuptools.build_meta"
@@ -21,8 +21,8 @@ dependencies = ["plait>={plait_version}"]
 
 [tool.setuptools]
 packages = ["{package}"]
-''',
-    "README.md": '''
+""",
+    "README.md": """
 # {dist}
 
 A plait {kind} plugin, registered through the `plait` entry-point group as `{name}`.
@@ -30,7 +30,7 @@ A plait {kind} plugin, registered through the `plait` entry-point group as `{nam
     pip install -e .
     plait plugins --check          # loads every installed plugin; exit 2 if one is broken
     python -m pytest tests         # trains the tiny GPT on 2 processes with this plugin
-''',
+""",
 }
 
 OBSERVER = {

@@ -40,22 +40,28 @@ def shard_box(shape: torch.Size, dim: int, rank: int, size: int) -> tuple[slice,
     """Where a plain split's shard (``parts=1``) sits in the full tensor: rows (or columns)
     ``[rank·n/size, (rank+1)·n/size)`` of ``dim``, all of every other dimension."""
     n = shape[dim] // size
-    return tuple(slice(rank * n, (rank + 1) * n) if d == dim else slice(0, length)
-                 for d, length in enumerate(shape))
+    return tuple(
+        slice(rank * n, (rank + 1) * n) if d == dim else slice(0, length)
+        for d, length in enumerate(shape)
+    )
 
 
-def shard_parameter(full: nn.Parameter, dim: int, parts: int, rank: int, size: int,
-                    memo: dict[int, nn.Parameter]) -> nn.Parameter:
+def shard_parameter(
+    full: nn.Parameter, dim: int, parts: int, rank: int, size: int, memo: dict[int, nn.Parameter]
+) -> nn.Parameter:
     """A new Parameter holding this rank's shard, tagged the Megatron way; a parameter shared
     by two modules (tied embeddings) is split once and stays shared."""
     if id(full) in memo:
         return memo[id(full)]
-    p = nn.Parameter(split_tensor(full.detach(), dim, parts, rank, size),
-                     requires_grad=full.requires_grad)
+    p = nn.Parameter(
+        split_tensor(full.detach(), dim, parts, rank, size), requires_grad=full.requires_grad
+    )
     if full.is_meta:  # the values come later, cut the same way from the full initial value
-        p.slice_of_full = FullSlice(full.shape, functools.partial(
-            split_tensor, dim=dim, parts=parts, rank=rank, size=size),
-            box=shard_box(full.shape, dim, rank, size) if parts == 1 else None)
+        p.slice_of_full = FullSlice(
+            full.shape,
+            functools.partial(split_tensor, dim=dim, parts=parts, rank=rank, size=size),
+            box=shard_box(full.shape, dim, rank, size) if parts == 1 else None,
+        )
     p.tensor_model_parallel = True
     p.partition_dim = dim
     p.partition_stride = parts
@@ -65,8 +71,10 @@ def shard_parameter(full: nn.Parameter, dim: int, parts: int, rank: int, size: i
 
 def _check_divisible(what: str, size: int, tp: int) -> None:
     if size % tp:
-        raise ValueError(f"{what}={size} is not divisible by parallel.tp={tp}: choose a tp "
-                         "that divides it or change the model")
+        raise ValueError(
+            f"{what}={size} is not divisible by parallel.tp={tp}: choose a tp "
+            "that divides it or change the model"
+        )
 
 
 class RegionEntry:
@@ -113,9 +121,18 @@ class ColumnParallelLinear(nn.Module):
     backward, or under sequence parallelism all-gather / reduce-scatter).
     """
 
-    def __init__(self, linear: nn.Linear, group, rank: int, size: int, parts: int = 1,
-                 sequence_parallel: bool = False, memo: dict | None = None,
-                 region: RegionEntry | None = None, gather_output: bool = False):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group,
+        rank: int,
+        size: int,
+        parts: int = 1,
+        sequence_parallel: bool = False,
+        memo: dict | None = None,
+        region: RegionEntry | None = None,
+        gather_output: bool = False,
+    ):
         super().__init__()
         self.group = group
         self.gather_output = gather_output
@@ -124,8 +141,11 @@ class ColumnParallelLinear(nn.Module):
         self.region = region if region is not None else RegionEntry(group, sequence_parallel)
         self.region.members += 1
         self.weight = shard_parameter(linear.weight, 0, parts, rank, size, memo)
-        self.bias = (shard_parameter(linear.bias, 0, parts, rank, size, memo)
-                     if linear.bias is not None else None)
+        self.bias = (
+            shard_parameter(linear.bias, 0, parts, rank, size, memo)
+            if linear.bias is not None
+            else None
+        )
         self.is_vocab_parallel_output = False  # True for the output layer: logits stay split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,9 +162,16 @@ class RowParallelLinear(nn.Module):
     ``X`` arrives whole and each rank first keeps its slice ``X_i`` (backward: all-gather).
     """
 
-    def __init__(self, linear: nn.Linear, group, rank: int, size: int,
-                 sequence_parallel: bool = False, memo: dict | None = None,
-                 input_is_parallel: bool = True):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group,
+        rank: int,
+        size: int,
+        sequence_parallel: bool = False,
+        memo: dict | None = None,
+        input_is_parallel: bool = True,
+    ):
         super().__init__()
         memo = {} if memo is None else memo
         _check_divisible("input features", linear.in_features, size)
@@ -173,8 +200,9 @@ class VocabParallelEmbedding(nn.Module):
     all-reduce sums the partial results into the full embedding. A ``padding_idx`` row (whose
     gradient stays zero) is the owning rank's local row; the others have none."""
 
-    def __init__(self, embedding: nn.Embedding, group, rank: int, size: int,
-                 memo: dict | None = None):
+    def __init__(
+        self, embedding: nn.Embedding, group, rank: int, size: int, memo: dict | None = None
+    ):
         super().__init__()
         memo = {} if memo is None else memo
         _check_divisible("vocab size", embedding.num_embeddings, size)
@@ -182,9 +210,11 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = rank * embedding.num_embeddings // size
         self.vocab_end = (rank + 1) * embedding.num_embeddings // size
         pad = embedding.padding_idx
-        self.padding_idx = (pad - self.vocab_start
-                            if pad is not None and self.vocab_start <= pad < self.vocab_end
-                            else None)
+        self.padding_idx = (
+            pad - self.vocab_start
+            if pad is not None and self.vocab_start <= pad < self.vocab_end
+            else None
+        )
         self.weight = shard_parameter(embedding.weight, 0, 1, rank, size, memo)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -57,8 +57,11 @@ class TopologyMPU:
             self.mp_rank = topology.pp_rank * dims.tp + topology.tp_rank
             self.mp_size = dims.pp * dims.tp
         self.pp_group = topology.group("pp")
-        self.dp_rank, self.tp_rank, self.pp_rank = (topology.dp_rank, topology.tp_rank,
-                                                    topology.pp_rank)
+        self.dp_rank, self.tp_rank, self.pp_rank = (
+            topology.dp_rank,
+            topology.tp_rank,
+            topology.pp_rank,
+        )
         self.dp_size, self.tp_size, self.pp_size = dims.dp, dims.tp, dims.pp
         self.dp_ranks = dist.get_process_group_ranks(self.dp_group)
         self.tp_src_rank = dist.get_process_group_ranks(self.tp_group)[0]
@@ -131,14 +134,21 @@ def optimizer_param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, A
     """The parameter grouping of plait's optimizer plugin (which tensors get weight decay), for
     DeepSpeed to build its AdamW over; every other hyperparameter comes from the DeepSpeed
     config, so it is written in one place."""
-    return [{"params": g["params"], "weight_decay": g["weight_decay"]}
-            for g in optimizer.param_groups]
+    return [
+        {"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups
+    ]
 
 
 class ZeroEngine:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: Callable, topology, ds_config: dict[str, Any],
-                 check_step: Callable[..., list]):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable,
+        topology,
+        ds_config: dict[str, Any],
+        check_step: Callable[..., list],
+    ):
         import deepspeed
 
         from plait.plugins.zero.guard import DeepSpeedStepGuard
@@ -155,8 +165,9 @@ class ZeroEngine:
         param_groups = None if client else optimizer_param_groups(optimizer)
         if param_groups and self.stage in (1, 2) and "sub_group_size" in zero:
             # sizing.py: ZeRO-1/2 step their partition in sub-groups
-            param_groups = param_groups_within(param_groups,
-                                               self.dp_size * int(zero["sub_group_size"]))
+            param_groups = param_groups_within(
+                param_groups, self.dp_size * int(zero["sub_group_size"])
+            )
             if topology.dims.pp > 1:  # as many sub-groups on every stage (sizing.py)
                 count = torch.tensor(len(param_groups))
                 dist.all_reduce(count, op=dist.ReduceOp.MAX, group=topology.group("replica"))
@@ -166,8 +177,9 @@ class ZeroEngine:
         if topology.dims.ep > 1:
             from plait.plugins.zero.experts import moe_marker, named_param_groups
 
-            n_experts = max(m.n_experts for m in model.modules()
-                            if getattr(m, "is_moe_layer", False))
+            n_experts = max(
+                m.n_experts for m in model.modules() if getattr(m, "is_moe_layer", False)
+            )
             model.add_module("deepspeed_moe_marker", moe_marker(topology, n_experts))
             param_groups = param_groups and named_param_groups(param_groups)
         self.ds, *_ = deepspeed.initialize(
@@ -191,8 +203,12 @@ class ZeroEngine:
         if not self.reports_grad_norm:
             self.ds.clip_fp32_gradients = self._clip_fp32_gradients
         # plait_check_step is asked inside DeepSpeed's step, where DeepSpeed checks for overflow
-        self.guard = DeepSpeedStepGuard(self.ds.optimizer, check_step, lambda: self.stage0_norm,
-                                        loss_scaled=self.ds.fp16_enabled())
+        self.guard = DeepSpeedStepGuard(
+            self.ds.optimizer,
+            check_step,
+            lambda: self.stage0_norm,
+            loss_scaled=self.ds.fp16_enabled(),
+        )
         self.device = self.ds.device
         self.model_state_bytes: dict[str, int] | None = None
 
@@ -226,8 +242,9 @@ class ZeroEngine:
         if self.ds.fp16_enabled():  # dynamic loss scaling: show the scale and skipped steps
             metrics["loss_scale"] = float(getattr(self.ds.optimizer, "loss_scale", float("nan")))
             metrics["skipped_steps"] = float(self.ds.skipped_steps)
-        return StepOutput(loss=loss(), grad_norm=grad_norm, metrics=metrics,
-                          skipped=self.guard.settle())
+        return StepOutput(
+            loss=loss(), grad_norm=grad_norm, metrics=metrics, skipped=self.guard.settle()
+        )
 
     def step_after_backward(self, loss: float, local_loss: torch.Tensor) -> StepOutput:
         """The optimizer step after a backward that ran outside DeepSpeed (the pipeline
@@ -240,8 +257,12 @@ class ZeroEngine:
         self.ds.optimizer.reduce_gradients(pipeline_parallel=True)
         self.guard.arm(local_loss)
         self.ds.step()
-        return StepOutput(loss=loss, grad_norm=float(self.ds.get_global_grad_norm()),
-                          metrics=self._model_state_metrics(), skipped=self.guard.settle())
+        return StepOutput(
+            loss=loss,
+            grad_norm=float(self.ds.get_global_grad_norm()),
+            metrics=self._model_state_metrics(),
+            skipped=self.guard.settle(),
+        )
 
     def _measure_model_states(self) -> None:
         """Once, after a backward of the second step (every rank calls it at the same point)."""
@@ -251,8 +272,9 @@ class ZeroEngine:
             self.model_state_bytes = self._max_over_ranks(measure_deepspeed_engine(self.ds))
 
     def _model_state_metrics(self) -> dict[str, float]:
-        return {f"model_state_bytes/{k}": float(v)
-                for k, v in (self.model_state_bytes or {}).items()}
+        return {
+            f"model_state_bytes/{k}": float(v) for k, v in (self.model_state_bytes or {}).items()
+        }
 
     def _clip_fp32_gradients(self, max_norm: float | None = None) -> None:
         """DeepSpeed's stage-0 clipping (``DeepSpeedEngine.clip_fp32_gradients``), keeping the
@@ -260,8 +282,9 @@ class ZeroEngine:
         from deepspeed.runtime.utils import clip_grad_norm_
 
         limit = self.ds.gradient_clipping() if max_norm is None else max_norm
-        self.stage0_norm = float(clip_grad_norm_(self.model.parameters(), max_norm=limit,
-                                                 mpu=self.ds.mpu))
+        self.stage0_norm = float(
+            clip_grad_norm_(self.model.parameters(), max_norm=limit, mpu=self.ds.mpu)
+        )
 
     def _max_over_ranks(self, figures: dict[str, int]) -> dict[str, int]:
         """The largest rank's bytes (ZeRO's partitions differ by padding at most)."""
@@ -281,11 +304,14 @@ class ZeroEngine:
 
     def load_state(self, directory: Path) -> None:
         with keep_hyperparameters(self.ds.optimizer):
-            path, _ = self.ds.load_checkpoint(str(directory), tag=TAG, load_optimizer_states=True,
-                                              load_lr_scheduler_states=False)
+            path, _ = self.ds.load_checkpoint(
+                str(directory), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
         if path is None:
-            raise ValueError(f"{directory}: no DeepSpeed checkpoint (tag {TAG!r}) in it; it was "
-                             "not written by strategy=zero*")
+            raise ValueError(
+                f"{directory}: no DeepSpeed checkpoint (tag {TAG!r}) in it; it was "
+                "not written by strategy=zero*"
+            )
 
     def layout_free_state(self) -> dict:
         """The fp32 master parameters and Adam states, full over the dp group, by parameter
@@ -296,8 +322,10 @@ class ZeroEngine:
         state = self._parameter_state()
         scaler = dynamic_loss_scaler(self.ds.optimizer)
         if scaler is not None:
-            state["loss_scale"] = {**loss_scaler_state(scaler),
-                                   "skipped_steps": torch.tensor(self.ds.skipped_steps)}
+            state["loss_scale"] = {
+                **loss_scaler_state(scaler),
+                "skipped_steps": torch.tensor(self.ds.skipped_steps),
+            }
         return state
 
     def _parameter_state(self) -> dict:
@@ -320,8 +348,9 @@ class ZeroEngine:
             keys = self._optimizer_state_keys()
             for name, param in self.model.named_parameters():
                 model[name] = safe_get_full_fp32_param(param)
-                optim[name] = {key: safe_get_full_optimizer_state(param, key)
-                               for key in keys} | {"step": step}
+                optim[name] = {key: safe_get_full_optimizer_state(param, key) for key in keys} | {
+                    "step": step
+                }
         for name, param in self.model.named_parameters(remove_duplicate=False):
             if name not in model:  # a tied parameter's other names, as in DDP's state dict
                 model[name] = model[self._first_name(param)]
@@ -333,20 +362,30 @@ class ZeroEngine:
         torch optimizer steps those. By the 16-bit parameter's name."""
         wrapper = self.ds.optimizer
         if not hasattr(wrapper, "fp32_groups"):
-            raise NotImplementedError(f"strategy=zero0 with DeepSpeed's {type(wrapper).__name__}"
-                                      ": plait reads the fp32 masters of FP16_UnfusedOptimizer "
-                                      "only (AdamW through torch, or a client optimizer)")
+            raise NotImplementedError(
+                f"strategy=zero0 with DeepSpeed's {type(wrapper).__name__}"
+                ": plait reads the fp32 masters of FP16_UnfusedOptimizer "
+                "only (AdamW through torch, or a client optimizer)"
+            )
         name_of = {id(p): n for n, p in self.model.named_parameters()}
-        return {name_of[id(low)]: master
-                for lows, masters in zip(wrapper.fp16_groups, wrapper.fp32_groups)
-                for low, master in zip(lows, masters)}
+        return {
+            name_of[id(low)]: master
+            for lows, masters in zip(wrapper.fp16_groups, wrapper.fp32_groups)
+            for low, master in zip(lows, masters)
+        }
 
     def _optimizer_state_keys(self) -> list[str]:
         """The per-element states of the torch optimizer DeepSpeed steps (Adam's two moments;
         an in-house client optimizer's own, or none): tensors of the flat partitions' state."""
         inner = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
-        return sorted({key for state in inner.state.values() for key, value in state.items()
-                       if torch.is_tensor(value) and value.dim() > 0})
+        return sorted(
+            {
+                key
+                for state in inner.state.values()
+                for key, value in state.items()
+                if torch.is_tensor(value) and value.dim() > 0
+            }
+        )
 
     def _first_name(self, param: torch.nn.Parameter) -> str:
         return next(n for n, p in self.model.named_parameters() if p is param)
@@ -389,8 +428,7 @@ class ZeroEngine:
         ``GatheredParameters(modifier_rank=0)``, which partitions dp rank 0's edit again."""
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-        with GatheredParameters([param], modifier_rank=0, enabled=self.stage == 3), \
-                torch.no_grad():
+        with GatheredParameters([param], modifier_rank=0, enabled=self.stage == 3), torch.no_grad():
             param.copy_(value)
 
     def _link_optimizer_states(self) -> None:

@@ -30,9 +30,12 @@ def dynamic_loss_scaler(optimizer):
 
 
 def loss_scaler_state(scaler) -> dict[str, torch.Tensor]:
-    state = {"scale": torch.tensor(float(scaler.cur_scale), dtype=torch.float64),
-             "growth_tracker": torch.tensor(scaler.cur_iter - scaler.last_overflow_iter - 1,
-                                            dtype=torch.int64)}
+    state = {
+        "scale": torch.tensor(float(scaler.cur_scale), dtype=torch.float64),
+        "growth_tracker": torch.tensor(
+            scaler.cur_iter - scaler.last_overflow_iter - 1, dtype=torch.int64
+        ),
+    }
     if hasattr(scaler, "cur_hysteresis"):
         state["hysteresis"] = torch.tensor(scaler.cur_hysteresis, dtype=torch.int64)
     return state
