@@ -1,5 +1,5 @@
-"""The habits that keep the house in order, run by the suite: ruff's lint over the whole tree and
-mypy over the core and the engine library (``[tool.ruff]``, ``[tool.mypy]`` in pyproject.toml;
+"""The habits that keep the house in order, run by the suite: ruff's lint and format over the whole
+tree and mypy over the core and the engine library (``[tool.ruff]``, ``[tool.mypy]`` in pyproject.toml;
 ``.pre-commit-config.yaml`` runs the same before a commit)."""
 
 from __future__ import annotations
@@ -25,6 +25,17 @@ def tool(name: str) -> str:
 def test_ruff_finds_nothing_to_lint():
     done = subprocess.run(
         [tool("ruff"), "check", "--no-cache", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_ruff_format_leaves_the_tree_as_it_is():
+    done = subprocess.run(
+        [tool("ruff"), "format", "--check", "--no-cache", "."],
         cwd=ROOT,
         capture_output=True,
         text=True,
