@@ -1,9 +1,9 @@
 """The Python entry points behind ``plait train``: one run, or a Hydra multirun of many.
 
-    from plait import api
+from plait import api
 
-    result = api.train(["strategy=zero2", "train.steps=100"])
-    result.run_dir, result.objective, result.metrics["loss"]
+result = api.train(["strategy=zero2", "train.steps=100"])
+result.run_dir, result.objective, result.metrics["loss"]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from plait.plan import CONFIG_NAME, Plan, hydra_app, make_plan, plan_config
 from plait.plugin_manager import make_plugin_manager
+from plait.renames import rename_overrides, renamed_settings
 from plait.worker import run_worker
 
 
@@ -43,8 +44,10 @@ class RunResult:
 
     def __float__(self) -> float:
         if self.objective is None:
-            raise ValueError(f"run {self.run_dir} has no objective: no plugin gave one from the "
-                             f"metrics it logged ({', '.join(sorted(self.metrics)) or 'none'})")
+            raise ValueError(
+                f"run {self.run_dir} has no objective: no plugin gave one from the "
+                f"metrics it logged ({', '.join(sorted(self.metrics)) or 'none'})"
+            )
         return float(self.objective)
 
 
@@ -72,10 +75,11 @@ def launch(plan: Plan, plugins: tuple[Any, ...]) -> RunResult:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml")
     config = OmegaConf.to_container(cfg, resolve=True)
-    returned = plan.pm.hook.plait_launch(cfg=cfg, dims=plan.dims, entrypoint=run_worker,
-                                         args=(config, plugins), hook=plan.pm.hook)
+    returned = plan.pm.hook.plait_launch(
+        cfg=cfg, dims=plan.dims, entrypoint=run_worker, args=(config, plugins), hook=plan.pm.hook
+    )
     # the logging rank returns what it saw; every other worker returns None
-    summary = next((r for r in (returned or {}).values() if r), {})
+    summary: dict = next((r for r in (returned or {}).values() if r), {})
     metrics = summary.get("metrics", {})
     checkpoint = summary.get("checkpoint")
     objective = plan.pm.hook.plait_objective(cfg=cfg, metrics=metrics) if metrics else None
@@ -111,23 +115,29 @@ class SweepJob:
         return train_config(cfg, self.plugins)
 
 
-def multirun(overrides: Iterable[str] = (), plugins: Iterable[Any] = (),
-             config_dir: str | None = None, config_name: str | None = None) -> Any:
+def multirun(
+    overrides: Iterable[str] = (),
+    plugins: Iterable[Any] = (),
+    config_dir: str | None = None,
+    config_name: str | None = None,
+) -> Any:
     """Run a sweep through ``Hydra.multirun``: the sweeper (``hydra/sweeper=...``, default
     Hydra's basic grid) makes the jobs and the launcher (``hydra/launcher=...``) runs them.
 
     :return: what the sweeper returns (Hydra's basic sweeper: the ``JobReturn`` of every job,
         batch by batch; each ``return_value`` is a :class:`RunResult`).
     """
-    plugins, overrides = tuple(plugins), list(overrides)
+    plugins = tuple(plugins)
     pm = make_plugin_manager(objects=plugins)
+    overrides = rename_overrides(overrides, renamed_settings(pm))  # a sweep's too
     with hydra_app(pm, config_dir) as hydra:
         check_sweep(hydra, config_name or CONFIG_NAME, overrides, plugins)
         return hydra.multirun(config_name or CONFIG_NAME, SweepJob(plugins), overrides)
 
 
-def check_sweep(hydra: Any, config_name: str, overrides: list[str],
-                plugins: tuple[Any, ...]) -> None:
+def check_sweep(
+    hydra: Any, config_name: str, overrides: list[str], plugins: tuple[Any, ...]
+) -> None:
     """Refuse a sweep before any job starts or is submitted (``PlanError``, nothing written):
     every swept setting is checked at each of its values (an interval at both ends) with the
     others at their first. A combination of values refused only together is refused when its
@@ -135,11 +145,15 @@ def check_sweep(hydra: Any, config_name: str, overrides: list[str],
     parsed = OverridesParser.create().parse_overrides(overrides)
     values = [sweep_values(o) for o in parsed]
     first = [v[0] for v in values]
-    jobs = [first] + [first[:i] + [value] + first[i + 1:]
-                      for i, choices in enumerate(values) for value in choices[1:]]
+    jobs = [first] + [
+        first[:i] + [value] + first[i + 1 :]
+        for i, choices in enumerate(values)
+        for value in choices[1:]
+    ]
     for job in jobs:
-        cfg = hydra.compose_config(config_name, job, run_mode=RunMode.RUN,
-                                   with_log_configuration=False)
+        cfg = hydra.compose_config(
+            config_name, job, run_mode=RunMode.RUN, with_log_configuration=False
+        )
         with open_dict(cfg):
             del cfg["hydra"]
             cfg.run.sweep = cfg.run.name = str(cfg.run.name)  # as SweepJob gives them
@@ -149,18 +163,25 @@ def check_sweep(hydra: Any, config_name: str, overrides: list[str],
 def sweep_values(override: Override) -> list[str]:
     """``key=value`` for each value a swept override takes (the override itself if not swept)."""
     if not override.is_sweep_override():
-        return [override.input_line]
+        return [str(override.input_line)]
     key, sweep = override.get_key_element(), override.value()
     if isinstance(sweep, IntervalSweep):
         return [f"{key}={sweep.start}", f"{key}={sweep.end}"]
-    return [f"{key}={override._get_value_element_as_str(value)}"
-            for value in override.sweep_iterator()]
+    return [
+        f"{key}={override._get_value_element_as_str(value)}" for value in override.sweep_iterator()
+    ]
 
 
 def job_returns(swept: Any) -> list:
     """The jobs of a sweep whose sweeper returns them batch by batch (Hydra's basic sweeper)."""
     if not isinstance(swept, list):
         return []
-    return [job for batch in swept if isinstance(batch, (list, tuple)) for job in batch
-            if isinstance(job, JobReturn) and job.status == JobStatus.COMPLETED
-            and isinstance(job.return_value, RunResult)]
+    return [
+        job
+        for batch in swept
+        if isinstance(batch, (list, tuple))
+        for job in batch
+        if isinstance(job, JobReturn)
+        and job.status == JobStatus.COMPLETED
+        and isinstance(job.return_value, RunResult)
+    ]

@@ -32,6 +32,7 @@ from plait.plan import (
     unknown_option,
 )
 from plait.plugin_manager import broken_problems, make_plugin_manager
+from plait.renames import rename_overrides, renamed_settings
 from plait.sample import cmd_sample
 from plait.types import PlanError
 
@@ -50,16 +51,23 @@ def cmd_train(argv: list[str]) -> int:
     ``hydra.mode: MULTIRUN`` (``launcher=slurm``) runs as a multirun without ``-m``."""
     parser = get_args_parser()
     args = parser.parse_args(argv)
-    for flag, given in (("--config-path", args.config_path), ("--run", args.run),
-                        ("--shell-completion", args.shell_completion),
-                        ("--experimental-rerun", args.experimental_rerun)):
+    for flag, given in (
+        ("--config-path", args.config_path),
+        ("--run", args.run),
+        ("--shell-completion", args.shell_completion),
+        ("--experimental-rerun", args.experimental_rerun),
+    ):
         if given:
-            raise ValueError(f"plait train does not take {flag}"
-                             + ("; use --config-dir" if flag == "--config-path" else ""))
+            raise ValueError(
+                f"plait train does not take {flag}"
+                + ("; use --config-dir" if flag == "--config-path" else "")
+            )
     if args.multirun + bool(args.cfg) + bool(args.info) > 1:
         raise ValueError("plait train takes only one of -m/--multirun, --cfg and --info")
-    name, overrides = args.config_name or CONFIG_NAME, args.overrides
-    with hydra_app(make_plugin_manager(), args.config_dir) as hydra:
+    pm = make_plugin_manager()
+    name = args.config_name or CONFIG_NAME
+    overrides = rename_overrides(args.overrides, renamed_settings(pm))
+    with hydra_app(pm, args.config_dir) as hydra:
         if args.help:
             hydra.app_help(config_name=name, args_parser=parser, args=args)
             return 0
@@ -67,24 +75,31 @@ def cmd_train(argv: list[str]) -> int:
             hydra.hydra_help(config_name=name, args_parser=parser, args=args)
             return 0
         if args.cfg:
-            hydra.show_cfg(config_name=name, overrides=overrides, cfg_type=args.cfg,
-                           package=args.package, resolve=args.resolve)
+            hydra.show_cfg(
+                config_name=name,
+                overrides=overrides,
+                cfg_type=args.cfg,
+                package=args.package,
+                resolve=args.resolve,
+            )
             return 0
         if args.info:
             hydra.show_info(args.info, config_name=name, overrides=overrides)
             return 0
         multirun = args.multirun or hydra.get_mode(name, overrides) == RunMode.MULTIRUN
         if not multirun:
-            cfg = hydra.compose_config(name, overrides, run_mode=RunMode.RUN,
-                                       with_log_configuration=False)
+            cfg = hydra.compose_config(
+                name, overrides, run_mode=RunMode.RUN, with_log_configuration=False
+            )
             with open_dict(cfg):
                 del cfg["hydra"]
     if multirun:
         swept = api.multirun(overrides, config_dir=args.config_dir, config_name=args.config_name)
         for job in api.job_returns(swept):
             result = job.return_value
-            print(f"plait: {' '.join(job.overrides)}: {result.run_dir}, objective "
-                  f"{result.objective}")
+            print(
+                f"plait: {' '.join(job.overrides)}: {result.run_dir}, objective {result.objective}"
+            )
         return 0
     result = api.train_config(cfg)
     objective = "" if result.objective is None else f"; objective {result.objective:.6g}"
@@ -109,7 +124,10 @@ def cmd_plugins(overrides: list[str]) -> int:
         selected = ", ".join(f"{k}={v}" for k, v in record.info.selected_by.items()) or "always"
         print(f"{record.info.name}  [{record.source}]  selected by: {selected}")
         plugin = record.plugin
-        where = getattr(plugin, "__name__", None) or f"{type(plugin).__module__}.{type(plugin).__qualname__}"
+        where = (
+            getattr(plugin, "__name__", None)
+            or f"{type(plugin).__module__}.{type(plugin).__qualname__}"
+        )
         print(f"    object: {where}")
         print(f"    hooks:  {', '.join(record.hooks(pm))}")
     for broken in pm.broken.values():
@@ -117,8 +135,10 @@ def cmd_plugins(overrides: list[str]) -> int:
     if check:
         for problem in broken_problems(pm):
             print(f"plait: {problem}", file=sys.stderr)
-        print(f"plait: {len(pm.records)} plugins load, {len(pm.broken)} broken",
-              file=sys.stderr if pm.broken else sys.stdout)
+        print(
+            f"plait: {len(pm.records)} plugins load, {len(pm.broken)} broken",
+            file=sys.stderr if pm.broken else sys.stdout,
+        )
         return 2 if pm.broken else 0
     return 0
 
@@ -128,9 +148,12 @@ def commands() -> dict[str, tuple[Callable[[list[str]], int], str]]:
         "train": (cmd_train, "launch training workers and train"),
         "plan": (cmd_plan, "print the composed plan (plugins, mesh, backend configs, refusals)"),
         "plugins": (cmd_plugins, "list registered plugins, their source and hooks"),
-        "export": (cmd_export, "write a checkpoint's unsplit model (format=pt: a state_dict; "
-                               "format=hf: Hugging Face safetensors)"),
-        "sample": (cmd_sample, "print a continuation of prompt=\"...\" by a checkpoint's model"),
+        "export": (
+            cmd_export,
+            "write a checkpoint's unsplit model (format=pt: a state_dict; "
+            "format=hf: Hugging Face safetensors)",
+        ),
+        "sample": (cmd_sample, 'print a continuation of prompt="..." by a checkpoint\'s model'),
     }
 
     def register(name: str, function: Callable[[list[str]], int], help: str) -> None:

@@ -26,6 +26,8 @@ def runs_on_cpu(cfg) -> bool:
     import torch
 
     return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+
+
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 
@@ -104,11 +106,15 @@ def node_range(nnodes: Any) -> NodeRange:
     try:
         low, high = parse_min_max_nnodes(str(nnodes))
     except (RuntimeError, ValueError):
-        raise ValueError(f"launcher.nnodes={nnodes} is not a node count: give N, or MIN:MAX "
-                         "for an elastic job (e.g. launcher.nnodes=1:2)") from None
+        raise ValueError(
+            f"launcher.nnodes={nnodes} is not a node count: give N, or MIN:MAX "
+            "for an elastic job (e.g. launcher.nnodes=1:2)"
+        ) from None
     if low < 1 or high < low:
-        raise ValueError(f"launcher.nnodes={nnodes} is out of range: set launcher.nnodes >= 1, "
-                         "or MIN:MAX with 1 <= MIN <= MAX")
+        raise ValueError(
+            f"launcher.nnodes={nnodes} is out of range: set launcher.nnodes >= 1, "
+            "or MIN:MAX with 1 <= MIN <= MAX"
+        )
     return NodeRange(low, high)
 
 
@@ -216,8 +222,9 @@ class PlaitConfig:
     plugins: list[str] = field(default_factory=list)  # dotted paths of in-house plugins
 
 
-GROUP_SCHEMAS: dict[str, type] = {f.name: get_type_hints(PlaitConfig)[f.name]
-                                   for f in fields(PlaitConfig) if f.default is MISSING}
+GROUP_SCHEMAS: dict[str, type] = {
+    f.name: get_type_hints(PlaitConfig)[f.name] for f in fields(PlaitConfig) if f.default is MISSING
+}
 """Each config group and its base schema, read off :class:`PlaitConfig` (the one list)."""
 GROUPS = tuple(GROUP_SCHEMAS)
 
@@ -244,8 +251,10 @@ class Range:
 
     def __str__(self) -> str:
         if self.low is not None and self.high is not None:
-            text = (f"in {'(' if self.low_open else '['}{self.low}, {self.high}"
-                    f"{')' if self.high_open else ']'}")
+            text = (
+                f"in {'(' if self.low_open else '['}{self.low}, {self.high}"
+                f"{')' if self.high_open else ']'}"
+            )
         elif self.low is not None:
             text = f"{'>' if self.low_open else '>='} {self.low}"
         else:
@@ -270,8 +279,10 @@ def range_problems(section: str, settings: Any, ranges: Mapping[str, Range]) -> 
         is_list = isinstance(value, (list, tuple, ListConfig))
         if all(v is None or allowed.admits(v) for v in (value if is_list else [value])):
             continue
-        problems.append(f"{prefix}{key}={value} is out of range: set "
-                        f"{'each of ' if is_list else ''}{prefix}{key} {allowed}")
+        problems.append(
+            f"{prefix}{key}={value} is out of range: set "
+            f"{'each of ' if is_list else ''}{prefix}{key} {allowed}"
+        )
     return problems
 
 

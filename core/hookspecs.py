@@ -11,7 +11,8 @@ Order of a run (``plait.train.train`` reads as this list)::
     plait_comm_spec (asked by plugins and ``plait plan``),
     plait_assign_roles (asked by the plan and the topology),
     plait_validate, plait_backend_config, plait_launch, plait_objective
-    plait_strategy_cost (asked by ``plait estimate`` and ``plait plan --search``)
+    plait_strategy_cost (asked by ``plait estimate`` and ``plait plan --search``),
+    plait_axis_cost (asked by ``plait plan --search``)
     plait_build_topology
     a rank whose role is not "trainer": plait_run_role, and nothing below
     plait_build_dataset, plait_shard_data
@@ -22,7 +23,8 @@ Order of a run (``plait.train.train`` reads as this list)::
     plait_build_optimizer, plait_build_lr_schedule, plait_grad_reducer, plait_build_engine
     plait_load_checkpoint, plait_on_run_start
     per step:  plait_check_step (in the engine's step, every rank), plait_on_step_end,
-               plait_log_metrics (logged steps), plait_save_checkpoint
+               plait_log_metrics (logged steps), plait_save_checkpoint (and, asked by the
+               checkpoint plugin, plait_save_model_copy)
     plait_on_failure (on an exception), plait_on_run_end
     plait export: plait_find_checkpoint, plait_read_model_shards, plait_merge_tensor_parallel_shards,
                   plait_export_model (format=...)
@@ -41,12 +43,12 @@ if TYPE_CHECKING:
     import torch
     from hydra.core.config_store import ConfigStore
     from omegaconf import DictConfig
-
     from pluggy import HookRelay
 
     from plait.meta import ParameterInit
     from plait.topology import ParallelDims, Roles, Topology
     from plait.types import (
+        AxisCost,
         BatchLoader,
         CommSpec,
         Engine,
@@ -155,8 +157,9 @@ def plait_validate(cfg: DictConfig, dims: ParallelDims, hook: HookRelay) -> list
 
 
 @hookspec
-def plait_backend_config(cfg: DictConfig, dims: ParallelDims,
-                         hook: HookRelay) -> dict[str, Any] | None:
+def plait_backend_config(
+    cfg: DictConfig, dims: ParallelDims, hook: HookRelay
+) -> dict[str, Any] | None:
     """Return the configuration this plugin generates for a backend, for ``plait plan`` to show.
 
     :param hook: the active plugins' hooks, as for ``plait_validate`` (e.g. ask
@@ -167,8 +170,9 @@ def plait_backend_config(cfg: DictConfig, dims: ParallelDims,
 
 
 @hookspec(firstresult=True)
-def plait_strategy_cost(cfg: DictConfig, strategy: str, model: torch.nn.Module,
-                        dims: ParallelDims) -> StrategyCost | None:
+def plait_strategy_cost(
+    cfg: DictConfig, strategy: str, model: torch.nn.Module, dims: ParallelDims
+) -> StrategyCost | None:
     """Estimate one rank of ``strategy``: its model-state and buffer bytes, and its
     data-parallel traffic per step.
 
@@ -186,9 +190,46 @@ def plait_strategy_cost(cfg: DictConfig, strategy: str, model: torch.nn.Module,
     """
 
 
+@hookspec
+def plait_axis_cost(
+    cfg: DictConfig,
+    axis: str,
+    model: torch.nn.Module,
+    dims: ParallelDims,
+    seq_len: int,
+    micro_batch_size: int,
+    microbatches: int,
+    bytes_per_value: int,
+    recompute: str,
+) -> AxisCost | None:
+    """Estimate what one rank's share of parallel ``axis`` costs per optimizer step (since hook
+    spec 1.5): the bytes it sends over that axis, and for pipeline stages how many
+    micro-batches' activations a rank holds at once.
+
+    Called on every active plugin: the plugins of several axes are active together, so this is
+    not a decision; ``plait plan --search`` asks for each axis of a layout larger than 1
+    (``"tp"``, ``"pp"``, ``"cp"``, ``"ep"``), as it asks strategies ``plait_strategy_cost``, and
+    takes the first answer. Answer only for the axis your plugin carries out, and only while
+    your plugin is the one ``cfg`` selects for it, None otherwise.
+
+    :param cfg: the run's config (your own group's settings).
+    :param model: the unsplit model, on the meta device.
+    :param dims: the layout being estimated.
+    :param seq_len: tokens per sequence (all of them: a rank holds ``seq_len / cp``).
+    :param micro_batch_size: sequences per micro-batch on one rank.
+    :param bytes_per_value: bytes of an activation element in the run's precision.
+    :param microbatches: micro-batches per optimizer step (the pipeline's under ``pp > 1``).
+    :param recompute: ``train.activation_checkpointing`` of the layout (none, full, selective).
+    :return: a :class:`plait.types.AxisCost`.
+    """
+
+
 @hookspec(firstresult=True)
 def plait_launch(
-    cfg: DictConfig, entrypoint: Callable[..., Any], args: tuple, hook: HookRelay,
+    cfg: DictConfig,
+    entrypoint: Callable[..., Any],
+    args: tuple,
+    hook: HookRelay,
     dims: ParallelDims,
 ) -> dict[int, Any] | None:
     """Start the worker processes and wait for them.
@@ -334,7 +375,7 @@ def plait_apply_context_parallel(
 ) -> None:
     """Make the model hold only this rank's part of each sequence, in place: its input is cut
     along the sequence and its attention exchanges keys and values with the other
-    context-parallel ranks (``topology.get_context_parallel_group()``).
+    context-parallel ranks (``topology.group("cp")``).
 
     Called on every active plugin after tensor and expert parallelism and before activation
     checkpointing (so a checkpointed block recomputes the exchanging attention), on the meta
@@ -396,9 +437,7 @@ def plait_build_loss(
 
 
 @hookspec(firstresult=True)
-def plait_build_optimizer(
-    cfg: DictConfig, model: torch.nn.Module
-) -> torch.optim.Optimizer | None:
+def plait_build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer | None:
     """Build the optimizer over the (already split) model's parameters.
 
     Stops at the first non-None result.
@@ -468,8 +507,9 @@ def plait_build_engine(
 
 
 @hookspec
-def plait_check_step(cfg: DictConfig, loss: torch.Tensor, grad_norm: torch.Tensor,
-                     topology: Topology) -> bool | None:
+def plait_check_step(
+    cfg: DictConfig, loss: torch.Tensor, grad_norm: torch.Tensor, topology: Topology
+) -> bool | None:
     """Decide whether this optimizer step may update the model; called by the engine on every
     rank, after backward (and the gradient reduction) and before the optimizer step.
 
@@ -490,8 +530,9 @@ def plait_check_step(cfg: DictConfig, loss: torch.Tensor, grad_norm: torch.Tenso
 
 
 @hookspec(firstresult=True)
-def plait_load_checkpoint(cfg: DictConfig, engine: Engine, topology: Topology,
-                          hook: HookRelay) -> TrainState | None:
+def plait_load_checkpoint(
+    cfg: DictConfig, engine: Engine, topology: Topology, hook: HookRelay
+) -> TrainState | None:
     """Resume from ``cfg.resume`` (``latest`` or a path) if set; called on every rank.
 
     Stops at the first non-None result.
@@ -505,7 +546,11 @@ def plait_load_checkpoint(cfg: DictConfig, engine: Engine, topology: Topology,
 
 @hookspec(firstresult=True)
 def plait_save_checkpoint(
-    cfg: DictConfig, engine: Engine, state: TrainState, topology: Topology, final: bool,
+    cfg: DictConfig,
+    engine: Engine,
+    state: TrainState,
+    topology: Topology,
+    final: bool,
     hook: HookRelay,
 ) -> Path | None:
     """Save a checkpoint if one is due after ``state.step``; called on every rank after each step.
@@ -521,6 +566,30 @@ def plait_save_checkpoint(
 
 
 @hookspec(firstresult=True)
+def plait_save_model_copy(
+    cfg: DictConfig,
+    engine: Engine,
+    topology: Topology,
+    step: int,
+    format: str,
+    hook: HookRelay,
+) -> Path | None:
+    """Write the model being trained in another ``format`` than plait's checkpoints (since hook
+    spec 1.5), e.g. ``"hf"``: Hugging Face's, for ``from_pretrained``; called on every rank by
+    the checkpoint plugin when a copy is due (``checkpoint.hf_every``), after its own checkpoint.
+
+    Stops at the first non-None result: answer only for a format you write, for a model you
+    can write it for, and declare that you can (``model:hf_format`` for ``"hf"``), so the
+    checkpoint plugin refuses the setting before launch where no plugin would answer.
+
+    :param engine: the run's engine; its model state by name is ``engine.layout_free_state()``
+        (capability ``engine:layout_free_state``, which the checkpoint plugin checks).
+    :param hook: the active plugins' hooks (e.g. to build the model on the meta device).
+    :return: the directory written (on every rank), or None for a format you do not write.
+    """
+
+
+@hookspec(firstresult=True)
 def plait_find_checkpoint(cfg: DictConfig, path: str) -> Path | None:
     """Resolve ``path`` ("latest", a run directory or a checkpoint directory) to a checkpoint.
 
@@ -529,7 +598,9 @@ def plait_find_checkpoint(cfg: DictConfig, path: str) -> Path | None:
 
 
 @hookspec(firstresult=True)
-def plait_read_model_shards(cfg: DictConfig, checkpoint: Path) -> dict[tuple[int, int], dict] | None:
+def plait_read_model_shards(
+    cfg: DictConfig, checkpoint: Path
+) -> dict[tuple[int, int], dict] | None:
     """Read a checkpoint's model weights offline (one process, no process group), fp32.
 
     Stops at the first non-None result; the strategy that wrote the checkpoint answers.
@@ -551,8 +622,9 @@ def plait_merge_tensor_parallel_shards(
 
 
 @hookspec(firstresult=True)
-def plait_export_model(cfg: DictConfig, state_dict: dict, model: torch.nn.Module, format: str,
-                       out: Path) -> Path | None:
+def plait_export_model(
+    cfg: DictConfig, state_dict: dict, model: torch.nn.Module, format: str, out: Path
+) -> Path | None:
     """Write a checkpoint's unsplit model in ``format`` (``plait export <run> format=<format>
     out=<dir>``; since hook spec 1.4); the default format (``pt``, a ``torch.save`` of the state
     dict) is the core's.
@@ -582,12 +654,18 @@ def plait_on_run_start(cfg: DictConfig, state: TrainState, topology: Topology) -
     """
 
 
-@hookspec(warn_on_impl_args={"metrics": FutureWarning(
-    "plait_on_step_end's argument metrics is deprecated since hook spec 1.2 and goes in 2.0: "
-    "read output (output.loss, output.grad_norm, output.metrics: the engine's figures), or "
-    "implement plait_log_metrics(step, metrics) for every logged metric")})
-def plait_on_step_end(step: int, output: StepOutput, state: TrainState,
-                      metrics: dict[str, float]) -> None:
+@hookspec(
+    warn_on_impl_args={
+        "metrics": FutureWarning(
+            "plait_on_step_end's argument metrics is deprecated since hook spec 1.2 and goes in 2.0: "
+            "read output (output.loss, output.grad_norm, output.metrics: the engine's figures), or "
+            "implement plait_log_metrics(step, metrics) for every logged metric"
+        )
+    }
+)
+def plait_on_step_end(
+    step: int, output: StepOutput, state: TrainState, metrics: dict[str, float]
+) -> None:
     """Every optimizer step has finished: ``output`` is what the engine reported (the global
     mean loss, the global gradient norm, engine figures). No collective happened for it, so this
     is the cheap per-step point, e.g. for early stopping or a profiler's step marker.

@@ -40,8 +40,9 @@ from plait.host_memory import return_freed_memory
 
 # In-place initialisers (and all of torch.nn.init): on the meta device there are no values to
 # write.
-INITIALISERS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.zero_,
-                          torch.Tensor.fill_})
+INITIALISERS = frozenset(
+    {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.zero_, torch.Tensor.fill_}
+)
 
 
 class SkipMetaInit(torch.overrides.TorchFunctionMode):
@@ -119,7 +120,7 @@ def init_by_name(model: nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not p.is_meta:
-                model.init_parameter(name, p, parameter_generator(seed, name))
+                getattr(model, "init_parameter")(name, p, parameter_generator(seed, name))
 
 
 Box = tuple[slice, ...]  # full[box]: one slice(start, stop) per dimension, steps of 1
@@ -183,7 +184,7 @@ class ParameterInit:
         time)."""
         cut: FullSlice | None = getattr(param, "slice_of_full", None)
         if self.read is not None and (cut is None or cut.box is not None):
-            outer = whole(param.shape) if cut is None else cut.box
+            outer = whole(param.shape) if cut is None or cut.box is None else cut.box
             value = self.read(name, outer if box is None else compose(outer, box))
             return value.to(param.dtype)
         if cut is None:
@@ -201,14 +202,19 @@ class ParameterInit:
         first, last = start // row, -(-stop // row)
         rows = (slice(first, last), *whole(param.shape[1:]))
         offset = first * row
-        return self.part(name, param, rows).reshape(-1)[start - offset:stop - offset]
+        return self.part(name, param, rows).reshape(-1)[start - offset : stop - offset]
 
 
 Made = Callable[[nn.Module, list[nn.Parameter], list[tuple[str, nn.Parameter]]], None]
 
 
-def materialize(model: nn.Module, init: ParameterInit, device: torch.device | str = "cpu",
-                after_module: Made | None = None, fill: bool = True) -> nn.Module:
+def materialize(
+    model: nn.Module,
+    init: ParameterInit,
+    device: torch.device | str = "cpu",
+    after_module: Made | None = None,
+    fill: bool = True,
+) -> nn.Module:
     """Give every meta parameter of ``model`` (this rank's part, already cut) real memory on
     ``device`` with its initial value, module by module, in place.
 
@@ -222,9 +228,11 @@ def materialize(model: nn.Module, init: ParameterInit, device: torch.device | st
     """
     meta_buffers = [name for name, b in model.named_buffers() if b.is_meta]
     if meta_buffers:
-        raise ValueError(f"{type(model).__name__} built on the meta device has buffers "
-                         f"{meta_buffers[:4]} with no values: a model with init_parameter must "
-                         "compute its buffers in forward (or register none)")
+        raise ValueError(
+            f"{type(model).__name__} built on the meta device has buffers "
+            f"{meta_buffers[:4]} with no values: a model with init_parameter must "
+            "compute its buffers in forward (or register none)"
+        )
     names = {id(p): name for name, p in model.named_parameters()}
     real: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -233,11 +241,15 @@ def materialize(model: nn.Module, init: ParameterInit, device: torch.device | st
             if id(p) not in real:
                 if not p.is_meta:
                     continue
-                value = (init.local(names[id(p)], p).to(device) if fill
-                         else torch.empty(p.shape, dtype=p.dtype, device=device))
+                value = (
+                    init.local(names[id(p)], p).to(device)
+                    if fill
+                    else torch.empty(p.shape, dtype=p.dtype, device=device)
+                )
                 real[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
                 real[id(p)].__dict__.update(
-                    {k: v for k, v in p.__dict__.items() if k != "slice_of_full"})
+                    {k: v for k, v in p.__dict__.items() if k != "slice_of_full"}
+                )
                 made.append(real[id(p)])
                 origins.append((names[id(p)], p))
             setattr(module, attr, real[id(p)])

@@ -16,7 +16,6 @@ from omegaconf import DictConfig
 from plait.topology import Topology
 from plait.types import StepOutput
 
-
 # Dense bf16 peak FLOP/s of one device, by the name CUDA reports (vendor data sheets).
 PEAK_BF16_FLOPS = {
     "H200": 989e12,
@@ -87,21 +86,28 @@ class StepMeter:
         """The step's batches are in hand: the time since ``start`` was spent waiting for data."""
         self._data_ready = time.perf_counter()
 
-    def stop(self, step: int, out: StepOutput, lr: float, last: bool,
-             tokens_seen: int | None = None) -> dict[str, float]:
+    def stop(
+        self, step: int, out: StepOutput, lr: float, last: bool, tokens_seen: int | None = None
+    ) -> dict[str, float]:
         """Metrics for ``step``; empty on steps that are not logged (every ``train.log_every``
         and the ``last`` of the job). Collective on logged steps."""
         step_time = time.perf_counter() - self._started
         data_wait = self._data_ready - self._started
-        for name, seconds in {"step_time_s": step_time, "data_wait_s": data_wait,
-                              **out.timings}.items():
+        for name, seconds in {
+            "step_time_s": step_time,
+            "data_wait_s": data_wait,
+            **out.timings,
+        }.items():
             self._sums[name] = self._sums.get(name, 0.0) + seconds
         self._steps += 1
         if step % self.cfg.train.log_every and not last:
             return {}
-        mine = {"step_time_s": step_time, "data_wait_s": data_wait,
-                "peak_memory_bytes": float(peak_memory_bytes(self.topology.device)),
-                "means": {name: total / self._steps for name, total in self._sums.items()}}
+        mine = {
+            "step_time_s": step_time,
+            "data_wait_s": data_wait,
+            "peak_memory_bytes": float(peak_memory_bytes(self.topology.device)),
+            "means": {name: total / self._steps for name, total in self._sums.items()},
+        }
         self._sums, self._steps = {}, 0
         figures = self._gather(mine)
         step_times = [f["step_time_s"] for f in figures.values()]
@@ -134,8 +140,11 @@ class StepMeter:
         not a tensor: ranks may time different phases (a pipeline stage, an offloading
         optimizer), and tensors of unequal length would mismatch the collective."""
         group = self.topology.step_group
-        ranks = (dist.get_process_group_ranks(group) if group is not None
-                 else list(range(dist.get_world_size())))
+        ranks = (
+            dist.get_process_group_ranks(group)
+            if group is not None
+            else list(range(dist.get_world_size()))
+        )
         rows: list = [None] * len(ranks)
         dist.all_gather_object(rows, mine, group=group)
         return dict(zip(ranks, rows))

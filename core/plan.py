@@ -46,6 +46,7 @@ from plait.plugin_manager import (
     make_plugin_manager,
     offered_by,
 )
+from plait.renames import rename_overrides, renamed_settings
 from plait.topology import ParallelDims, Roles, describe_nodes, elastic_grad_accum_steps
 from plait.types import ALL_DEVICES, ALWAYS, PlanError
 
@@ -67,10 +68,18 @@ REQUIRED_DECISIONS = {
 # The core's numeric settings, by section ("" is the top level), and the values each takes.
 # parallel.dp (-1 or >= 1) is checked by ParallelDims.from_config.
 CORE_RANGES = {
-    "train": {"steps": AT_LEAST_1, "batch_size": AT_LEAST_1, "grad_accum_steps": AT_LEAST_1,
-              "seq_len": AT_LEAST_1, "grad_clip": Range(0, meaning="0 turns clipping off"),
-              "log_every": AT_LEAST_1, "eval_every": Range(0, meaning="0: no evaluation"),
-              "eval_batches": AT_LEAST_1, "peak_flops": POSITIVE, "stop_at": AT_LEAST_1},
+    "train": {
+        "steps": AT_LEAST_1,
+        "batch_size": AT_LEAST_1,
+        "grad_accum_steps": AT_LEAST_1,
+        "seq_len": AT_LEAST_1,
+        "grad_clip": Range(0, meaning="0 turns clipping off"),
+        "log_every": AT_LEAST_1,
+        "eval_every": Range(0, meaning="0: no evaluation"),
+        "eval_batches": AT_LEAST_1,
+        "peak_flops": POSITIVE,
+        "stop_at": AT_LEAST_1,
+    },
     "parallel": {"tp": AT_LEAST_1, "pp": AT_LEAST_1, "cp": AT_LEAST_1, "ep": AT_LEAST_1},
     "launcher": {"nproc_per_node": AT_LEAST_1, "timeout_s": AT_LEAST_1},
     "": {"seed": Range(0, 2**32 - 1)},  # numpy's seeds
@@ -132,8 +141,9 @@ def hydra_app(pm: PlaitPluginManager, config_dir: str | None = None) -> Iterator
         directory = Path(config_dir).absolute()
         if not directory.is_dir():
             raise ValueError(f"--config-dir {config_dir}: no such directory")
-        search_path.prepend("command-line", f"file://{directory}",
-                            anchor=SearchPathQuery(provider="schema"))
+        search_path.prepend(
+            "command-line", f"file://{directory}", anchor=SearchPathQuery(provider="schema")
+        )
     try:
         yield Hydra.create_main_hydra2(task_name="plait", config_search_path=search_path)
     finally:
@@ -155,11 +165,18 @@ def unknown_option(error: MissingConfigException) -> PlanError | None:
 
 def compose_config(overrides: Iterable[str], pm: PlaitPluginManager) -> DictConfig:
     """Compose ``plait.conf/config.yaml`` with the user's overrides, as Hydra's compose API does
-    (no output directory, no logging set-up, no ``hydra`` node)."""
+    (no output directory, no logging set-up, no ``hydra`` node); renamed settings are read by
+    their new names (:mod:`plait.renames`)."""
+    overrides = rename_overrides(overrides, renamed_settings(pm))
     with hydra_app(pm) as hydra:
         try:
-            cfg = hydra.compose_config(CONFIG_NAME, list(overrides), run_mode=RunMode.RUN,
-                                       from_shell=False, with_log_configuration=False)
+            cfg = hydra.compose_config(
+                CONFIG_NAME,
+                overrides,
+                run_mode=RunMode.RUN,
+                from_shell=False,
+                with_log_configuration=False,
+            )
         except MissingConfigException as e:
             raise unknown_option(e) or e from None
     with open_dict(cfg):
@@ -174,8 +191,9 @@ def make_plan(overrides: Iterable[str] = (), objects: Iterable[Any] = ()) -> Pla
     return plan_config(compose_config(overrides, available), objects, available)
 
 
-def plan_config(cfg: DictConfig, objects: Iterable[Any] = (),
-                available: PlaitPluginManager | None = None) -> Plan:
+def plan_config(
+    cfg: DictConfig, objects: Iterable[Any] = (), available: PlaitPluginManager | None = None
+) -> Plan:
     """The plan for an already composed config (one job of a sweep, composed by Hydra)."""
     objects = list(objects)
     available = available or make_plugin_manager(objects=objects)
@@ -195,17 +213,19 @@ def plan_config(cfg: DictConfig, objects: Iterable[Any] = (),
     except ValueError as e:
         nodes = None
         plan.problems.append(str(e))
-    if not plan.problems:
+    if not plan.problems and nodes is not None:
         try:
             world_size = planned_world_size(cfg, nodes)
-            plan.roles = Roles.resolve(pm.hook.plait_assign_roles(cfg=cfg, world_size=world_size),
-                                       world_size)
-            plan.dims = ParallelDims.from_config(cfg, world_size=len(plan.roles.trainers),
-                                                 nodes=nodes)
+            plan.roles = Roles.resolve(
+                pm.hook.plait_assign_roles(cfg=cfg, world_size=world_size), world_size
+            )
+            plan.dims = ParallelDims.from_config(
+                cfg, world_size=len(plan.roles.trainers), nodes=nodes
+            )
         except ValueError as e:
             plan.problems.append(str(e))
     plan.problems += core_problems(cfg, nodes, plan.dims, run_name_given)
-    if plan.dims is not None:
+    if plan.dims is not None and plan.roles is not None:
         plan.problems += elastic_problems(cfg, plan.dims, plan.roles)
     plan.problems += unselected_choices(pm, available, cfg)
     plan.problems += check_conflicts(pm)
@@ -219,22 +239,28 @@ def plan_config(cfg: DictConfig, objects: Iterable[Any] = (),
     return plan
 
 
-def comm_hook_problems(pm: PlaitPluginManager, available: PlaitPluginManager,
-                       cfg: DictConfig) -> list[str]:
+def comm_hook_problems(
+    pm: PlaitPluginManager, available: PlaitPluginManager, cfg: DictConfig
+) -> list[str]:
     """A deprecated ``plait_comm_hook`` (hook spec 1.0) needs an engine that adapts it."""
     users = [i.plugin_name for i in pm.hook.plait_comm_hook.get_hookimpls()]
     takers = [r.name for r in pm.records.values() if COMM_HOOK in r.info.provides]
     if not users or takers:
         return []
     offered = offered_by(COMM_HOOK, available)
-    return [f"plugin {users[0]!r} implements plait_comm_hook (a torch DDP comm hook), which only "
-            f"{offered} takes, not strategy={cfg.strategy.name}: use {offered}, or port it to "
-            "plait_grad_reducer, which every strategy with a reducer takes"]
+    return [
+        f"plugin {users[0]!r} implements plait_comm_hook (a torch DDP comm hook), which only "
+        f"{offered} takes, not strategy={cfg.strategy.name}: use {offered}, or port it to "
+        "plait_grad_reducer, which every strategy with a reducer takes"
+    ]
 
 
 def core_range_problems(cfg: DictConfig) -> list[str]:
-    return [problem for section, ranges in CORE_RANGES.items()
-            for problem in range_problems(section, cfg[section] if section else cfg, ranges)]
+    return [
+        problem
+        for section, ranges in CORE_RANGES.items()
+        for problem in range_problems(section, cfg[section] if section else cfg, ranges)
+    ]
 
 
 def planned_world_size(cfg: DictConfig, nodes: NodeRange) -> int:
@@ -250,29 +276,37 @@ def device_problems(cfg: DictConfig) -> list[str]:
     """A device this node does not have. (Each process takes the GPU of its local rank; the
     launcher, which knows how many processes a node runs, refuses too few GPUs.)"""
     if cfg.device not in ("auto", *sorted(ALL_DEVICES)):
-        return [f"device={cfg.device}: choose auto, {' or '.join(sorted(ALL_DEVICES))} (each "
-                "process takes the GPU of its local rank)"]
+        return [
+            f"device={cfg.device}: choose auto, {' or '.join(sorted(ALL_DEVICES))} (each "
+            "process takes the GPU of its local rank)"
+        ]
     if cfg.device == "cuda" and torch.cuda.device_count() == 0:
-        return [f"device=cuda: torch sees no CUDA device on this node (torch {torch.__version__}, "
-                f"CUDA build {torch.version.cuda}): use device=cpu"]
+        return [
+            f"device=cuda: torch sees no CUDA device on this node (torch {torch.__version__}, "
+            f"CUDA build {torch.version.cuda}): use device=cpu"
+        ]
     return []
 
 
-def core_problems(cfg: DictConfig, nodes: NodeRange | None, dims: ParallelDims | None,
-                  run_name_given: bool) -> list[str]:
+def core_problems(
+    cfg: DictConfig, nodes: NodeRange | None, dims: ParallelDims | None, run_name_given: bool
+) -> list[str]:
     """``nodes``: ``launcher.nnodes`` parsed (None: it is not a node count, reported already)."""
     problems = device_problems(cfg)
     if nodes is not None and nodes.max > 1 and not run_name_given and not job_id():
         problems.append(
             f"launcher.nnodes={cfg.launcher.nnodes} needs run.name=<name>, the same on every "
             "node: without it each node names the run after its own clock, so the nodes would "
-            "write different run directories")
+            "write different run directories"
+        )
     if cfg.precision not in PRECISIONS:
         problems.append(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
     train = cfg.train
     if train.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-        problems.append(f"train.activation_checkpointing={train.activation_checkpointing}: "
-                        f"choose one of {', '.join(ACTIVATION_CHECKPOINTING)}")
+        problems.append(
+            f"train.activation_checkpointing={train.activation_checkpointing}: "
+            f"choose one of {', '.join(ACTIVATION_CHECKPOINTING)}"
+        )
     if dims is not None and train.batch_size % (train.grad_accum_steps * dims.dp):
         per_step = train.grad_accum_steps * dims.dp
         problems.append(
@@ -292,11 +326,15 @@ def elastic_problems(cfg: DictConfig, dims: ParallelDims, roles: Roles) -> list[
         return []
     setting = f"launcher.nnodes={cfg.launcher.nnodes}"
     if cfg.parallel.dp != -1:
-        return [f"{setting} changes the world size, but parallel.dp={cfg.parallel.dp} is fixed: "
-                "set parallel.dp=-1 (data parallelism takes what tp and pp leave at each size)"]
+        return [
+            f"{setting} changes the world size, but parallel.dp={cfg.parallel.dp} is fixed: "
+            "set parallel.dp=-1 (data parallelism takes what tp and pp leave at each size)"
+        ]
     if not roles.single:
-        return [f"{setting}: strategy={cfg.strategy.name} gives ranks other roles than trainer, "
-                "whose number would change with the nodes: use a fixed launcher.nnodes"]
+        return [
+            f"{setting}: strategy={cfg.strategy.name} gives ranks other roles than trainer, "
+            "whose number would change with the nodes: use a fixed launcher.nnodes"
+        ]
     per_node = dims.world_size // nodes.max
     problems = []
     for count in range(nodes.min, nodes.max):
@@ -317,14 +355,18 @@ def unselected_choices(
 ) -> list[str]:
     """A required decision nobody makes: name the setting and the values that would work."""
     problems = []
-    made = deciders(pm)
+    made = deciders(pm, bridged=True)  # a deprecated hook decides the hook replacing it
     for hook, setting in REQUIRED_DECISIONS.items():
         if made.get(hook):
             continue
         options = sorted(
-            {str(option) for r in available.records.values()
-             for k, v in r.info.selected_by.items() if k == setting
-             for option in (v if isinstance(v, (list, tuple, set, frozenset)) else (v,))}
+            {
+                str(option)
+                for r in available.records.values()
+                for k, v in r.info.selected_by.items()
+                if k == setting
+                for option in (v if isinstance(v, (list, tuple, set, frozenset)) else (v,))
+            }
         )
         value = OmegaConf.select(cfg, setting, default=None)
         hint = f"; installed plugins offer: {', '.join(options)}" if options else ""
@@ -343,23 +385,31 @@ def capability_problems(pm: PlaitPluginManager, cfg: DictConfig, dims: ParallelD
     for record in pm.records.values():
         info, who = record.info, f"plugin {record.info.name!r}"
         if device is not None and device not in info.devices:
-            problems.append(f"{who} does not run on device={device}: supports "
-                            f"{', '.join(sorted(info.devices))}")
+            problems.append(
+                f"{who} does not run on device={device}: supports {', '.join(sorted(info.devices))}"
+            )
         if cfg.precision in PRECISIONS and cfg.precision not in info.precisions:
-            problems.append(f"{who} does not support precision={cfg.precision}: choose one of "
-                            f"{', '.join(sorted(info.precisions))}")
+            problems.append(
+                f"{who} does not support precision={cfg.precision}: choose one of "
+                f"{', '.join(sorted(info.precisions))}"
+            )
         for axis in sorted(dims.enabled_axes - info.parallel_axes):
-            problems.append(f"{who} does not support {axis} parallelism "
-                            f"({axis_setting[axis]}={getattr(dims, axis)}): set "
-                            f"{axis_setting[axis]}=1 or choose another plugin for it")
+            problems.append(
+                f"{who} does not support {axis} parallelism "
+                f"({axis_setting[axis]}={getattr(dims, axis)}): set "
+                f"{axis_setting[axis]}=1 or choose another plugin for it"
+            )
         for other in sorted(info.excludes & active):
-            problems.append(f"{who} cannot run together with plugin {other!r}: "
-                            "change the setting that selects one of them")
+            problems.append(
+                f"{who} cannot run together with plugin {other!r}: "
+                "change the setting that selects one of them"
+            )
     return problems
 
 
-def unmet_requirements(pm: PlaitPluginManager, available: PlaitPluginManager, cfg: DictConfig,
-                       dims: ParallelDims) -> list[str]:
+def unmet_requirements(
+    pm: PlaitPluginManager, available: PlaitPluginManager, cfg: DictConfig, dims: ParallelDims
+) -> list[str]:
     """A capability an active plugin requires that no active plugin provides: name the setting
     that needs it and the installed plugins that would provide it."""
     provided = {c for r in pm.records.values() for c in r.info.provides}
@@ -370,21 +420,31 @@ def unmet_requirements(pm: PlaitPluginManager, available: PlaitPluginManager, cf
                 continue
             for capability in sorted(set(needs) - provided):
                 cause = "" if when == ALWAYS else f" for parallel.{when}={getattr(dims, when)}"
-                offers = [_selection(r) for r in available.records.values()
-                          if capability in r.info.provides]
-                fix = (f"installed plugins that provide it: {', '.join(offers)}" if offers
-                       else "no installed plugin provides it")
+                offers = [
+                    _selection(r)
+                    for r in available.records.values()
+                    if capability in r.info.provides
+                ]
+                fix = (
+                    f"installed plugins that provide it: {', '.join(offers)}"
+                    if offers
+                    else "no installed plugin provides it"
+                )
                 if when != ALWAYS:
                     fix += f"; or set parallel.{when}=1"
-                problems.append(f"plugin {record.info.name!r} needs {capability!r}{cause}, which "
-                                f"no active plugin provides ({fix})")
+                problems.append(
+                    f"plugin {record.info.name!r} needs {capability!r}{cause}, which "
+                    f"no active plugin provides ({fix})"
+                )
     return problems
 
 
 def _selection(record) -> str:
     """``ddp (strategy.name=ddp)``: a plugin and the setting that turns it on."""
-    chosen = ", ".join(f"{k}={v if isinstance(v, str) else '|'.join(map(str, v))}"
-                       for k, v in record.info.selected_by.items())
+    chosen = ", ".join(
+        f"{k}={v if isinstance(v, str) else '|'.join(map(str, v))}"
+        for k, v in record.info.selected_by.items()
+    )
     return f"{record.info.name} ({chosen})" if chosen else record.info.name
 
 
@@ -394,22 +454,26 @@ def format_plan(plan: Plan) -> str:
     if plan.dims is not None:
         d = plan.dims
         per_node = cfg.launcher.nproc_per_node
-        trainers = "" if plan.roles.single else " trainers"
+        trainers = "" if plan.roles is None or plan.roles.single else " trainers"
         experts = f" (dp = edp {d.edp} x ep {d.ep})" if d.ep > 1 else ""
         cp = f" x cp {d.cp}" if d.cp > 1 else ""
-        lines.append(f"mesh: world_size={d.world_size}{trainers} = pp {d.pp} x dp {d.dp}{cp} x "
-                     f"tp {d.tp}{experts} on {d.nnodes} node(s) x {per_node} process(es)")
+        lines.append(
+            f"mesh: world_size={d.world_size}{trainers} = pp {d.pp} x dp {d.dp}{cp} x "
+            f"tp {d.tp}{experts} on {d.nnodes} node(s) x {per_node} process(es)"
+        )
         # Before launch, nodes as plait's launcher and torchrun number ranks: node by node.
-        lines += describe_nodes(d, [r // per_node for r in range(d.nnodes * per_node)],
-                                plan.roles)
+        lines += describe_nodes(d, [r // per_node for r in range(d.nnodes * per_node)], plan.roles)
     spec = plan.pm.hook.plait_comm_spec(cfg=cfg)
     if spec is not None:
-        bucket = ("the strategy's default" if spec.bucket_bytes is None
-                  else f"{spec.bucket_bytes / 2**20:g} MiB")
+        bucket = (
+            "the strategy's default"
+            if spec.bucket_bytes is None
+            else f"{spec.bucket_bytes / 2**20:g} MiB"
+        )
         lines.append(f"comm: {spec.algorithm}, compression {spec.compression}, bucket {bucket}")
     lines.append(f"device={cfg.device} precision={cfg.precision} run.dir={cfg.run.dir}")
     lines.append("decisions:")
-    for hook, names in sorted(deciders(plan.pm).items()):
+    for hook, names in sorted(deciders(plan.pm, bridged=True).items()):
         if not names and getattr(plan.pm.hook, hook).spec.warn_on_impl:
             continue  # a deprecated hook no plugin implements
         lines.append(f"  {hook:28s} {', '.join(names) if names else '(core default)'}")

@@ -17,11 +17,10 @@ import importlib
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import pluggy
 from omegaconf import DictConfig, OmegaConf
-
 from pluggy._hooks import varnames  # pluggy's own reading of a hookimpl's arguments
 
 from plait import HOOKSPEC_VERSION, PROJECT_NAME, __version__, hookspecs
@@ -41,7 +40,9 @@ class PluginRecord:
     info: PluginInfo
 
     def hooks(self, pm: pluggy.PluginManager) -> list[str]:
-        return sorted(c.name for c in pm.get_hookcallers(self.plugin) or [] if c.name != "plait_declare")
+        return sorted(
+            c.name for c in pm.get_hookcallers(self.plugin) or [] if c.name != "plait_declare"
+        )
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,9 @@ class PlaitPluginManager(pluggy.PluginManager):
             key = (name, str(warning.message))
             if key not in _WARNED:
                 _WARNED.add(key)
-                warnings.warn_explicit(warning.message, warning.category, warning.filename,
-                                       warning.lineno)
+                warnings.warn_explicit(
+                    warning.message, warning.category, warning.filename, warning.lineno
+                )
         self.records[name] = PluginRecord(name, plugin, source, declaration_of(self, plugin, name))
 
     def unregister_plugin(self, name: str) -> None:
@@ -102,7 +104,7 @@ def import_plugin(path: str) -> Any:
 def declaration_of(pm: pluggy.PluginManager, plugin: Any, fallback_name: str) -> PluginInfo:
     for impl in pm.hook.plait_declare.get_hookimpls():
         if impl.plugin is plugin:
-            return impl.function()
+            return cast(PluginInfo, impl.function())
     return PluginInfo(name=fallback_name)
 
 
@@ -132,8 +134,11 @@ def make_plugin_manager(
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
             reason = load_entry_point(pm, ep, f"entry point ({dist})")
             if reason:
-                pm.broken[ep.name] = BrokenPlugin(ep.name, f"entry point ({dist}: {ep.name} = "
-                                                  f"{ep.value})", f"{reason}; {written_for(ep)}")
+                pm.broken[ep.name] = BrokenPlugin(
+                    ep.name,
+                    f"entry point ({dist}: {ep.name} = {ep.value})",
+                    f"{reason}; {written_for(ep)}",
+                )
     pm.check_pending()
     return pm
 
@@ -164,31 +169,48 @@ def hook_problem(pm: pluggy.PluginManager, plugin: Any) -> str | None:
         function = getattr(plugin, attr)
         caller = getattr(pm.hook, attr, None)
         if caller is None or caller.spec is None:
-            return (f"it implements {attr}, which is not in plait's hook spec "
-                    f"{HOOKSPEC_VERSION}; see docs/plugins.md for the hooks there are")
+            return (
+                f"it implements {attr}, which is not in plait's hook spec "
+                f"{HOOKSPEC_VERSION}; see docs/plugins.md for the hooks there are"
+            )
         spec_args = caller.spec.argnames
         unknown = [a for a in varnames(function)[0] if a not in spec_args]
         if unknown:
-            return (f"its {attr} takes {', '.join(map(repr, unknown))}, which hook spec "
-                    f"{HOOKSPEC_VERSION} does not have; {attr} has ({', '.join(spec_args)})")
+            return (
+                f"its {attr} takes {', '.join(map(repr, unknown))}, which hook spec "
+                f"{HOOKSPEC_VERSION} does not have; {attr} has ({', '.join(spec_args)})"
+            )
     return None
 
 
 def written_for(ep: Any) -> str:
     """The plait versions a plugin's distribution declares it was written for."""
-    wanted = [r for r in (ep.dist.requires or []) if r.split(";")[0].strip().startswith(PROJECT_NAME)
-              and r[len(PROJECT_NAME):len(PROJECT_NAME) + 1] in " <>=!~(["] if ep.dist else []
+    wanted = (
+        [
+            r
+            for r in (ep.dist.requires or [])
+            if r.split(";")[0].strip().startswith(PROJECT_NAME)
+            and r[len(PROJECT_NAME) : len(PROJECT_NAME) + 1] in " <>=!~(["
+        ]
+        if ep.dist
+        else []
+    )
     have = f"this is plait {__version__} (hook spec {HOOKSPEC_VERSION})"
     if wanted:
         return f"it was written for {', '.join(wanted)}; {have}"
-    return (f"it declares no plait version, so it was probably written for a plait other than "
-            f"{__version__}; {have}")
+    return (
+        f"it declares no plait version, so it was probably written for a plait other than "
+        f"{__version__}; {have}"
+    )
 
 
 def broken_problems(pm: PlaitPluginManager) -> list[str]:
     """One refusal per broken plugin, naming it and the fix."""
-    return [f"{b.message()}. Fix or uninstall its distribution, or keep it out with "
-            f"{BLOCK_ENV}={b.name}" for b in pm.broken.values()]
+    return [
+        f"{b.message()}. Fix or uninstall its distribution, or keep it out with "
+        f"{BLOCK_ENV}={b.name}"
+        for b in pm.broken.values()
+    ]
 
 
 def is_selected(info: PluginInfo, cfg: DictConfig) -> bool:
@@ -209,8 +231,18 @@ def keep_selected(pm: PlaitPluginManager, cfg: DictConfig) -> PlaitPluginManager
     return pm
 
 
-def deciders(pm: pluggy.PluginManager) -> dict[str, list[str]]:
-    """For each ``firstresult`` hook, the plugins that implement it (wrappers do not decide)."""
+# A deprecated hook and the hook that replaces it. A plugin written for the old spec that
+# implements only the old hook decides the new one: it makes a plan's required decision (a comm
+# plugin selected by comm.name with only plait_comm_hook is the run's comm choice) and its call
+# is adapted by the plugins that declare they can (engine:comm_hook: DDP wraps the DDP comm hook
+# as a GradReducer).
+REPLACED_BY = {"plait_comm_hook": "plait_grad_reducer"}
+
+
+def deciders(pm: pluggy.PluginManager, bridged: bool = False) -> dict[str, list[str]]:
+    """For each ``firstresult`` hook, the plugins that implement it (wrappers do not decide).
+    ``bridged``: a replacing hook no plugin implements is decided by the implementers of the
+    deprecated hook it replaces (:data:`REPLACED_BY`)."""
     result = {}
     for name in dir(pm.hook):
         caller = getattr(pm.hook, name)
@@ -220,6 +252,10 @@ def deciders(pm: pluggy.PluginManager) -> dict[str, list[str]]:
             continue
         impls = [i for i in caller.get_hookimpls() if not (i.hookwrapper or i.wrapper)]
         result[name] = [i.plugin_name for i in reversed(impls)]
+    if bridged:
+        for old, new in REPLACED_BY.items():
+            if not result.get(new):
+                result[new] = result.get(old, [])
     return result
 
 
@@ -258,6 +294,7 @@ def selection(info: PluginInfo) -> str:
     """The setting that turns a plugin on, as a user types it: ``strategy=zero0|zero1|zero2``
     (a group's ``name`` as the group's option), ``tensor_parallel=megatron``; "" for a plugin
     that is always on."""
+
     def typed(key: str, value: Any) -> str:
         values = value if isinstance(value, (list, tuple, set, frozenset)) else (value,)
         return f"{key.removesuffix('.name')}={'|'.join(map(str, values))}"
@@ -270,6 +307,9 @@ def offered_by(capability: str, pm: PlaitPluginManager | None = None) -> str:
     (``strategy=ddp or strategy=zero0|zero1|zero2|zero3``), for refusals that suggest another
     choice without naming plugins in code; "another plugin" when none is installed."""
     pm = pm or make_plugin_manager()
-    options = [selection(r.info) or r.info.name for r in pm.records.values()
-               if capability in r.info.provides]
+    options = [
+        selection(r.info) or r.info.name
+        for r in pm.records.values()
+        if capability in r.info.provides
+    ]
     return " or ".join(options) if options else f"a plugin that provides {capability!r}"

@@ -32,15 +32,18 @@ class SampleSettings:
 
 
 RANGES = {"max_new_tokens": AT_LEAST_1, "temperature": AT_LEAST_0, "top_k": AT_LEAST_1}
-USAGE = ('usage: plait sample <run dir | checkpoint dir> [prompt="..."] [max_new_tokens=N] '
-         "[temperature=T] [top_k=K|null] [seed=S]")
+USAGE = (
+    'usage: plait sample <run dir | checkpoint dir> [prompt="..."] [max_new_tokens=N] '
+    "[temperature=T] [top_k=K|null] [seed=S]"
+)
 
 
 def parse(args: list[str]) -> tuple[str, SampleSettings]:
     """The checkpoint path and the settings (``key=value``; the prompt is taken verbatim, with
     ``\\n`` and ``\\t`` as a newline and a tab)."""
     types = {f.name: f.type for f in fields(SampleSettings)}
-    paths, values = [], {}
+    paths: list[str] = []
+    values: dict[str, object] = {}
     for arg in args:
         key, eq, value = arg.partition("=")
         if not eq or key not in types:
@@ -50,13 +53,16 @@ def parse(args: list[str]) -> tuple[str, SampleSettings]:
             values[key] = value.replace("\\n", "\n").replace("\\t", "\t")  # as typed in a shell
             continue
         try:
-            values[key] = None if value in ("null", "None") and key == "top_k" else (
-                float(value) if key == "temperature" else int(value))
+            values[key] = (
+                None
+                if value in ("null", "None") and key == "top_k"
+                else (float(value) if key == "temperature" else int(value))
+            )
         except ValueError:
             raise ValueError(f"{key}={value} is not a number: {USAGE}") from None
     if len(paths) != 1:
         raise ValueError(USAGE)
-    settings = SampleSettings(**values)
+    settings = SampleSettings(**values)  # type: ignore[arg-type]  # each parsed to its type
     problems = range_problems("", settings.__dict__, RANGES)
     if problems:
         raise ValueError("; ".join(problems))
@@ -71,10 +77,14 @@ def continue_ids(model: torch.nn.Module, ids: list[int], settings: SampleSetting
     greedy = settings.temperature == 0
     if hasattr(model, "generate"):  # transformers' GenerationMixin
         torch.manual_seed(settings.seed)
-        options = {"do_sample": not greedy, "max_new_tokens": settings.max_new_tokens}
+        options: dict[str, object] = {
+            "do_sample": not greedy,
+            "max_new_tokens": settings.max_new_tokens,
+        }
         if not greedy:
             options.update(temperature=settings.temperature, top_k=settings.top_k or 0)
-        return model.generate(x, attention_mask=torch.ones_like(x), **options)[0].tolist()
+        generate = getattr(model, "generate")
+        return generate(x, attention_mask=torch.ones_like(x), **options)[0].tolist()
     context = getattr(model, "block_size", None)
     for _ in range(settings.max_new_tokens):
         logits = model(x if context is None else x[:, -context:])[:, -1, :].float()
@@ -94,9 +104,11 @@ def sample(checkpoint_path: str, settings: SampleSettings) -> str:
     found = consolidate(checkpoint_path)
     tokenizer = found.pm.hook.plait_tokenizer(cfg=found.cfg)
     if tokenizer is None:
-        raise ValueError(f"{checkpoint_path}: data={found.cfg.data.name} does not say which "
-                         "tokenizer made its tokens, so the prompt cannot be encoded: sample a "
-                         "run trained on data=stdlib|text|shards")
+        raise ValueError(
+            f"{checkpoint_path}: data={found.cfg.data.name} does not say which "
+            "tokenizer made its tokens, so the prompt cannot be encoded: sample a "
+            "run trained on data=stdlib|text|shards"
+        )
     model = found.model
     model.load_state_dict(found.state, assign=True)
     model.eval()

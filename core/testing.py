@@ -1,11 +1,11 @@
 """Helpers for testing plait and in-house plugins: compose a config, run a real training job.
 
-    from plait.testing import run_losses
+from plait.testing import run_losses
 
-    def test_my_plugin_keeps_losses(tmp_path):
-        base = run_losses(tmp_path / "a", ["train.steps=5"])
-        mine = run_losses(tmp_path / "b", ["train.steps=5", "+plugins=[my_team.fancy]"])
-        assert mine == pytest.approx(base, rel=1e-6)
+def test_my_plugin_keeps_losses(tmp_path):
+    base = run_losses(tmp_path / "a", ["train.steps=5"])
+    mine = run_losses(tmp_path / "b", ["train.steps=5", "+plugins=[my_team.fancy]"])
+    assert mine == pytest.approx(base, rel=1e-6)
 """
 
 from __future__ import annotations
@@ -24,8 +24,15 @@ from plait.plan import make_plan
 
 # Settings that keep a test run small and quiet: the tiny GPT, no W&B, a few steps, on the CPU
 # (on a GPU host `device=auto` would give rank 1 `cuda:1`); a CUDA test passes `device=cuda`.
-TEST_OVERRIDES = ("model=gpt_tiny", "tracker=none", "train.steps=4", "train.batch_size=8",
-                  "train.seq_len=32", "optimizer.warmup_steps=2", "device=cpu")
+TEST_OVERRIDES = (
+    "model=gpt_tiny",
+    "tracker=none",
+    "train.steps=4",
+    "train.batch_size=8",
+    "train.seq_len=32",
+    "optimizer.warmup_steps=2",
+    "device=cpu",
+)
 
 
 def compose(overrides: Iterable[str] = (), plugins: Iterable[Any] = ()) -> DictConfig:
@@ -33,16 +40,20 @@ def compose(overrides: Iterable[str] = (), plugins: Iterable[Any] = ()) -> DictC
     return make_plan(overrides, plugins).check().cfg
 
 
-def run_training(run_dir: str | Path, overrides: Iterable[str] = (),
-                 plugins: Iterable[Any] = ()) -> Path:
+def run_training(
+    run_dir: str | Path, overrides: Iterable[str] = (), plugins: Iterable[Any] = ()
+) -> Path:
     """Run ``plait train`` for real (worker processes included) into ``run_dir``; return it."""
     run_dir = Path(run_dir)
-    return api.train([*TEST_OVERRIDES, f"run.root={run_dir.parent}", f"run.name={run_dir.name}",
-                      *overrides], plugins).run_dir
+    return api.train(
+        [*TEST_OVERRIDES, f"run.root={run_dir.parent}", f"run.name={run_dir.name}", *overrides],
+        plugins,
+    ).run_dir
 
 
-def run_losses(run_dir: str | Path, overrides: Iterable[str] = (),
-               plugins: Iterable[Any] = ()) -> list[float]:
+def run_losses(
+    run_dir: str | Path, overrides: Iterable[str] = (), plugins: Iterable[Any] = ()
+) -> list[float]:
     """Per-step losses of a real run (read back from ``metrics.jsonl``)."""
     run_training(run_dir, overrides, plugins)
     return [m["loss"] for m in read_metrics(run_dir)]
@@ -72,18 +83,26 @@ def spawn(fn, world_size: int, *args: Any, nproc_per_node: int | None = None) ->
     """
     import torch.multiprocessing as mp
 
-    mp.spawn(_spawned, args=(fn, world_size, nproc_per_node or world_size, free_port(), args),
-             nprocs=world_size, join=True)
+    mp.spawn(
+        _spawned,
+        args=(fn, world_size, nproc_per_node or world_size, free_port(), args),
+        nprocs=world_size,
+        join=True,
+    )
 
 
-def _spawned(rank: int, fn, world_size: int, nproc_per_node: int, port: int,
-             args: tuple) -> None:
+def _spawned(rank: int, fn, world_size: int, nproc_per_node: int, port: int, args: tuple) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % nproc_per_node),
-                      LOCAL_WORLD_SIZE=str(nproc_per_node),
-                      GROUP_RANK=str(rank // nproc_per_node))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % nproc_per_node),
+        LOCAL_WORLD_SIZE=str(nproc_per_node),
+        GROUP_RANK=str(rank // nproc_per_node),
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
@@ -122,8 +141,16 @@ def read_wandb_run(run_dir: str | Path) -> dict[str, Any]:
 
     [path] = sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))[-1:]
     data, block, pos, pending = path.read_bytes(), 32768, 7, b""
-    run: dict[str, Any] = {"id": None, "name": None, "group": None, "job_type": None,
-                           "notes": None, "config": {}, "history": [], "path": path}
+    run: dict[str, Any] = {
+        "id": None,
+        "name": None,
+        "group": None,
+        "job_type": None,
+        "notes": None,
+        "config": {},
+        "history": [],
+        "path": path,
+    }
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # too little room for a header: the block is padded
             pos += block - pos % block
@@ -134,7 +161,7 @@ def read_wandb_run(run_dir: str | Path) -> dict[str, Any]:
             continue
         pending += chunk
         if kind in (1, 4):  # FULL or LAST chunk: a whole record
-            record = pb.Record()
+            record = pb.Record()  # type: ignore[attr-defined]  # generated protobuf
             record.ParseFromString(pending)
             pending = b""
             _collect(record, run)
@@ -145,16 +172,21 @@ def _collect(record, run: dict[str, Any]) -> None:
     kind = record.WhichOneof("record_type")
     if kind == "run":
         run["id"] = record.run.run_id
-        run.update(name=record.run.display_name, group=record.run.run_group,
-                   job_type=record.run.job_type, notes=record.run.notes)
+        run.update(
+            name=record.run.display_name,
+            group=record.run.run_group,
+            job_type=record.run.job_type,
+            notes=record.run.notes,
+        )
         for item in record.run.config.update:
             run["config"][item.key] = json.loads(item.value_json)
     elif kind == "config":
         for item in record.config.update:
             run["config"][item.key] = json.loads(item.value_json)
     elif kind == "history":
-        run["history"].append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                               for i in record.history.item})
+        run["history"].append(
+            {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+        )
 
 
 class StepClock:
@@ -203,8 +235,9 @@ class MemoryProbe:
         build_peak = peak_resident_bytes() - self.rss_before_model
         path = Path(cfg.run.dir) / "memory" / f"rank{topology.rank}.json"
         path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps({"rss_before_model": self.rss_before_model,
-                                    "build_peak": build_peak}))
+        path.write_text(
+            json.dumps({"rss_before_model": self.rss_before_model, "build_peak": build_peak})
+        )
         return (yield)
 
     @hookimpl(tryfirst=True)  # before the trackers write the step
@@ -261,8 +294,14 @@ class LoadClock:
         engine = yield
         path = Path(cfg.run.dir) / "load" / f"rank{topology.rank}.json"
         path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps({"seconds": time.perf_counter() - self.started,
-                                    "peak": peak_resident_bytes() - self.base}))
+        path.write_text(
+            json.dumps(
+                {
+                    "seconds": time.perf_counter() - self.started,
+                    "peak": peak_resident_bytes() - self.base,
+                }
+            )
+        )
         return engine
 
 
@@ -296,8 +335,10 @@ class SaveClock:
         written = yield
         if topology.is_logging_rank:
             with open(Path(cfg.run.dir) / "save_seconds.jsonl", "a") as f:
-                f.write(json.dumps({"step": state.step,
-                                    "seconds": time.perf_counter() - started}) + "\n")
+                f.write(
+                    json.dumps({"step": state.step, "seconds": time.perf_counter() - started})
+                    + "\n"
+                )
         return written
 
 
@@ -336,8 +377,10 @@ class LinkCounter:
 
     @hookimpl
     def plait_on_step_end(self, step):
-        counts = {name: int((self.statistics / name).read_text())
-                  for name in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")}
+        counts = {
+            name: int((self.statistics / name).read_text())
+            for name in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")
+        }
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **counts}) + "\n")
 

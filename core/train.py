@@ -34,10 +34,12 @@ def seed_everything(seed: int) -> None:
 def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
     hook = pm.hook
     topology = hook.plait_build_topology(cfg=cfg) or Topology.initialize(
-        cfg, assign_roles=lambda world_size: hook.plait_assign_roles(cfg=cfg, world_size=world_size))
+        cfg, assign_roles=lambda world_size: hook.plait_assign_roles(cfg=cfg, world_size=world_size)
+    )
     seed_everything(cfg.seed)
     if topology.role != TRAINER:
-        return run_role(cfg, pm, topology)
+        run_role(cfg, pm, topology)
+        return None
     train_data = hook.plait_build_dataset(cfg=cfg, topology=topology, split="train")
     loader = hook.plait_shard_data(cfg=cfg, dataset=train_data, topology=topology)
     val_data = None
@@ -56,18 +58,30 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
     hook.plait_apply_activation_checkpointing(cfg=cfg, model=model, topology=topology)
     model = hook.plait_split_pipeline(cfg=cfg, model=model, topology=topology) or model
     if init is not None:
-        model = (hook.plait_materialize_model(cfg=cfg, model=model, init=init, topology=topology)
-                 or materialize(model, init, topology.device))
+        model = hook.plait_materialize_model(
+            cfg=cfg, model=model, init=init, topology=topology
+        ) or materialize(model, init, topology.device)
     loss_fn = hook.plait_build_loss(cfg=cfg, model=model, topology=topology) or cross_entropy
     optimizer = hook.plait_build_optimizer(cfg=cfg, model=model)
     lr_at = hook.plait_build_lr_schedule(cfg=cfg)
     grad_reducer = hook.plait_grad_reducer(cfg=cfg, topology=topology)
-    engine = check_engine(hook.plait_build_engine(
-        cfg=cfg, model=model, optimizer=optimizer, loss_fn=loss_fn, grad_reducer=grad_reducer,
-        topology=topology, hook=hook), hook)  # has the surfaces its plugins declared
+    engine = check_engine(
+        hook.plait_build_engine(
+            cfg=cfg,
+            model=model,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            grad_reducer=grad_reducer,
+            topology=topology,
+            hook=hook,
+        ),
+        hook,
+    )  # has the surfaces its plugins declared
 
-    state = (hook.plait_load_checkpoint(cfg=cfg, engine=engine, topology=topology, hook=hook)
-             or TrainState())
+    state = (
+        hook.plait_load_checkpoint(cfg=cfg, engine=engine, topology=topology, hook=hook)
+        or TrainState()
+    )
     if state.data:
         loader.load_state_dict(state.data)
     logging = topology.is_logging_rank
@@ -96,16 +110,24 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
             if val_data is not None and (state.step % cfg.train.eval_every == 0 or final):
                 metrics["eval/loss"] = evaluate(cfg, engine, val_data, topology)
             if logging:
-                step_metrics = metrics or {"loss": out.loss, "lr": lr,
-                                           "grad_norm": out.grad_norm, **out.metrics}
-                hook.plait_on_step_end(step=state.step, output=out, state=state,
-                                       metrics=step_metrics)
+                step_metrics = metrics or {
+                    "loss": out.loss,
+                    "lr": lr,
+                    "grad_norm": out.grad_norm,
+                    **out.metrics,
+                }
+                hook.plait_on_step_end(
+                    step=state.step, output=out, state=state, metrics=step_metrics
+                )
                 if metrics:
                     state.metrics.update(metrics)
                     hook.plait_log_metrics(step=state.step, metrics=metrics, state=state)
-            checkpoint = hook.plait_save_checkpoint(cfg=cfg, engine=engine, state=state,
-                                                    topology=topology, final=final,
-                                                    hook=hook) or checkpoint
+            checkpoint = (
+                hook.plait_save_checkpoint(
+                    cfg=cfg, engine=engine, state=state, topology=topology, final=final, hook=hook
+                )
+                or checkpoint
+            )
         status = "finished"
     except BaseException as error:
         hook.plait_on_failure(cfg=cfg, error=error, state=state)
@@ -122,8 +144,10 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
 def run_role(cfg: DictConfig, pm: PlaitPluginManager, topology: Topology) -> None:
     """A rank that is not a trainer runs its plugin's loop (e.g. a parameter server)."""
     if not pm.hook.plait_run_role(cfg=cfg, topology=topology, hook=pm.hook):
-        raise RuntimeError(f"rank {topology.rank} has role {topology.role!r}, which no active "
-                           "plugin runs (plait_run_role)")
+        raise RuntimeError(
+            f"rank {topology.rank} has role {topology.role!r}, which no active "
+            "plugin runs (plait_run_role)"
+        )
 
 
 def evaluate(cfg: DictConfig, engine: Engine, data: TokenDataset, topology: Topology) -> float:

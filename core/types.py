@@ -39,6 +39,10 @@ class PluginInfo:
     ``"tp"``, ``"pp"``, ``"ep"``: needed while that axis is larger than 1) or :data:`ALWAYS` to the
     capabilities some active plugin must provide. ``docs/architecture.md`` lists the built-in
     capability names; a third-party plugin may use them or coin its own.
+
+    ``renamed`` maps the names this plugin's settings had before a release moved them to their
+    names now (``{"fault.checkpoint_every": "checkpoint.every"}``): an override with an old name
+    keeps working, with a ``FutureWarning`` (:mod:`plait.renames`).
     """
 
     name: str
@@ -50,6 +54,7 @@ class PluginInfo:
     provides: frozenset[str] = frozenset()
     requires: Mapping[str, frozenset[str]] = field(default_factory=dict)
     description: str = ""
+    renamed: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,15 +92,27 @@ class TrainState:
     metrics: dict[str, float] = field(default_factory=dict)  # last logged value of each metric
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data,
-                "tracker_run_id": self.tracker_run_id, "run_name": self.run_name,
-                "parent": self.parent, "metrics": self.metrics}
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "data": self.data,
+            "tracker_run_id": self.tracker_run_id,
+            "run_name": self.run_name,
+            "parent": self.parent,
+            "metrics": self.metrics,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TrainState:
-        return cls(step=d["step"], tokens_seen=d["tokens_seen"], data=dict(d["data"]),
-                   tracker_run_id=d.get("tracker_run_id"), run_name=d.get("run_name"),
-                   parent=d.get("parent"), metrics=dict(d.get("metrics") or {}))
+        return cls(
+            step=d["step"],
+            tokens_seen=d["tokens_seen"],
+            data=dict(d["data"]),
+            tracker_run_id=d.get("tracker_run_id"),
+            run_name=d.get("run_name"),
+            parent=d.get("parent"),
+            metrics=dict(d.get("metrics") or {}),
+        )
 
 
 @dataclass(frozen=True)
@@ -154,6 +171,20 @@ class StrategyCost:
         return sum(v for k, v in kept.items() if k not in self.offloaded) + self.buffers
 
 
+@dataclass(frozen=True)
+class AxisCost:
+    """What one rank's share of a parallel axis costs per optimizer step, as the plugin that
+    carries the axis out estimates it (``plait_axis_cost``), for ``plait plan --search``.
+
+    ``bytes_per_step``: what the rank sends over the axis per step (activations, gradients,
+    attention exchanges, token dispatches); ``in_flight``: how many micro-batches' activations
+    the rank holds at once (a pipeline schedule's: 1 elsewhere).
+    """
+
+    bytes_per_step: float
+    in_flight: int = 1
+
+
 class GradBucket(Protocol):
     """A flat gradient buffer and the gradients it holds, in the shape of
     ``torch.distributed.GradBucket`` (what DDP hands a comm hook), so torch's comm hooks run on it.
@@ -187,8 +218,9 @@ class GradReducer(Protocol):
 
     spec: CommSpec
 
-    def reduce(self, bucket: GradBucket,
-               group: dist.ProcessGroup) -> torch.futures.Future[torch.Tensor]:
+    def reduce(
+        self, bucket: GradBucket, group: dist.ProcessGroup
+    ) -> torch.futures.Future[torch.Tensor]:
         """Start averaging ``bucket.buffer()`` over ``group``; the future's value is the averaged
         flat buffer (the bucket's own buffer, written in place)."""
 
@@ -294,8 +326,11 @@ ENGINE_SURFACES: dict[str, type] = {"engine:layout_free_state": LayoutFreeStateE
 checks them.)"""
 
 
-def engine_problems(engine: Any, declared: Iterable[tuple[str, PluginInfo]],
-                    surfaces: Mapping[str, type] = ENGINE_SURFACES) -> list[str]:
+def engine_problems(
+    engine: Any,
+    declared: Iterable[tuple[str, PluginInfo]],
+    surfaces: Mapping[str, type] = ENGINE_SURFACES,
+) -> list[str]:
     """The surfaces ``engine`` lacks of those its plugins declare: ``declared`` holds
     ``(capability, declaring plugin)`` pairs; one problem per missing surface, naming the plugin
     and the methods or attributes it lacks."""
@@ -304,12 +339,16 @@ def engine_problems(engine: Any, declared: Iterable[tuple[str, PluginInfo]],
         surface = surfaces.get(capability)
         if surface is None or isinstance(engine, surface):
             continue
-        members = {*vars(surface).get("__annotations__", {}),
-                   *(name for name, value in vars(surface).items() if callable(value))}
+        members = {
+            *vars(surface).get("__annotations__", {}),
+            *(name for name, value in vars(surface).items() if callable(value)),
+        }
         missing = sorted(m for m in members if not m.startswith("_") and not hasattr(engine, m))
-        problems.append(f"plugin {info.name!r} declares {capability!r}, but its engine "
-                        f"{type(engine).__name__} lacks {', '.join(missing)}: "
-                        f"implement {surface.__name__} (plait.types) or drop the capability")
+        problems.append(
+            f"plugin {info.name!r} declares {capability!r}, but its engine "
+            f"{type(engine).__name__} lacks {', '.join(missing)}: "
+            f"implement {surface.__name__} (plait.types) or drop the capability"
+        )
     return problems
 
 

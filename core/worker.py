@@ -51,5 +51,5 @@ def show_each_warning_once() -> None:
             shown.add(key)
             show(message, category, filename, lineno, file, line)
 
-    show_once.plait_once = True
+    setattr(show_once, "plait_once", True)
     warnings.showwarning = show_once

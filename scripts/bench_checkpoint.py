@@ -7,13 +7,13 @@ One command, interleaved runs, CPU and gloo (started by ``plait.testing.spawn``)
 
 1. one process holds the GPT and its AdamW states (fp32: 12 bytes per parameter), and saves
    them ``--repeats`` times each way, alternately: ``dcp.save`` (what training blocks for with
-   ``fault.async_save=false``) and ``dcp.async_save`` with plait's CPU stager (training blocks
+   ``checkpoint.async_save=false``) and ``dcp.async_save`` with plait's CPU stager (training blocks
    only for the copy to CPU memory; ``write s`` is until the background write has finished);
    then loads the checkpoint back (same layout);
 2. two processes with tensor parallelism (tp=2) load that tp=1 checkpoint: the conversion
    (each rank reads the full tensors and cuts its shard).
 
-The save and load paths are plait's own (``plait.plugins.checkpoint.layout_free`` and
+The save and load paths are plait's own (``plait.engine.layout_free`` and
 ``background.cpu_stager``) over the state DDP gives at fp32 (``plait.plugins.optim.
 state_by_name``, what ``DDPEngine.layout_free_state`` returns without a loss scaler). Prints
 seconds and the ratios ``async block / sync save`` (target <= 0.25) and ``reshard / load``.
@@ -35,10 +35,10 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from plait.plugins.checkpoint import layout_free
+from plait.engine import layout_free
+from plait.engine.state_by_name import load_state_by_name, state_by_name
 from plait.plugins.checkpoint.background import cpu_stager
 from plait.plugins.models.gpt import GPT
-from plait.plugins.optim.state_by_name import load_state_by_name, state_by_name
 from plait.plugins.tensor_parallel.plan import TensorParallelPlan, apply_plan
 from plait.testing import spawn
 
@@ -61,13 +61,26 @@ class Engine:
 def build(rank: int, world: int, args: dict) -> tuple[Engine, SimpleNamespace]:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(0)
-    model = GPT(vocab_size=args["vocab"], block_size=64, n_layer=args["layers"],
-                n_head=args["heads"], n_embd=args["embd"], bias=False)
+    model = GPT(
+        vocab_size=args["vocab"],
+        block_size=64,
+        n_layer=args["layers"],
+        n_head=args["heads"],
+        n_embd=args["embd"],
+        bias=False,
+    )
     if world > 1:
-        apply_plan(model, TensorParallelPlan(styles=dict(model.tensor_parallel_plan)),
-                   dist.group.WORLD, rank, world, sequence_parallel=False)
-    topology = SimpleNamespace(dims=SimpleNamespace(tp=world), tp_rank=rank,
-                               get_tensor_model_parallel_group=lambda: dist.group.WORLD)
+        apply_plan(
+            model,
+            TensorParallelPlan(styles=dict(model.tensor_parallel_plan)),
+            dist.group.WORLD,
+            rank,
+            world,
+            sequence_parallel=False,
+        )
+    topology = SimpleNamespace(
+        dims=SimpleNamespace(tp=world), tp_rank=rank, group=lambda name: dist.group.WORLD
+    )
     return Engine(model), topology
 
 
@@ -95,14 +108,14 @@ def save_and_load(rank: int, world: int, args: dict, tmp: str, out: str) -> None
         stager.close()
     load = timed(lambda: layout_free.load(engine, topology, Path(tmp, "s0"), group))
     n_params = sum(p.numel() for p in engine.model.parameters())
-    Path(out).write_text(json.dumps({"sync": sync, "block": block, "write": write,
-                                     "load": load, "params": n_params}))
+    Path(out).write_text(
+        json.dumps({"sync": sync, "block": block, "write": write, "load": load, "params": n_params})
+    )
 
 
 def reshard(rank: int, world: int, args: dict, tmp: str, out: str) -> None:
     engine, topology = build(rank, world, args)
-    seconds = timed(lambda: layout_free.load(engine, topology, Path(tmp, "s0"),
-                                             dist.group.WORLD))
+    seconds = timed(lambda: layout_free.load(engine, topology, Path(tmp, "s0"), dist.group.WORLD))
     if rank == 0:
         Path(out).write_text(json.dumps({"reshard": seconds}))
 
@@ -125,16 +138,22 @@ def main() -> None:
         r |= json.loads(Path(tmp, "reshard.json").read_text())
         size = sum(f.stat().st_size for f in Path(tmp, "s0").rglob("*") if f.is_file())
     med = {k: statistics.median(r[k]) for k in ("sync", "block", "write")}
-    print(f"GPT layers={args['layers']} embd={args['embd']} vocab={args['vocab']}: "
-          f"{r['params'] / 1e6:.1f}M parameters, checkpoint {size / 2**30:.2f} GiB "
-          f"(fp32 model + AdamW), median of {args['repeats']} interleaved saves each way")
+    print(
+        f"GPT layers={args['layers']} embd={args['embd']} vocab={args['vocab']}: "
+        f"{r['params'] / 1e6:.1f}M parameters, checkpoint {size / 2**30:.2f} GiB "
+        f"(fp32 model + AdamW), median of {args['repeats']} interleaved saves each way"
+    )
     print(f"{'sync save (blocks)':28s} {med['sync']:8.2f} s")
-    print(f"{'async save: blocks for':28s} {med['block']:8.2f} s   "
-          f"x{med['block'] / med['sync']:.3f} of sync (target <= 0.25)")
+    print(
+        f"{'async save: blocks for':28s} {med['block']:8.2f} s   "
+        f"x{med['block'] / med['sync']:.3f} of sync (target <= 0.25)"
+    )
     print(f"{'async save: written after':28s} {med['write']:8.2f} s")
     print(f"{'load (same layout, tp=1)':28s} {r['load']:8.2f} s")
-    print(f"{'reshard load (tp=1 -> tp=2)':28s} {r['reshard']:8.2f} s   "
-          f"x{r['reshard'] / r['load']:.2f} of load")
+    print(
+        f"{'reshard load (tp=1 -> tp=2)':28s} {r['reshard']:8.2f} s   "
+        f"x{r['reshard'] / r['load']:.2f} of load"
+    )
 
 
 if __name__ == "__main__":

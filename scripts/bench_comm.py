@@ -42,8 +42,12 @@ from netns_cluster import PORT, Cluster, can_make_namespaces, run_job  # noqa: E
 
 from plait.testing import link_bytes_per_step, read_metrics  # noqa: E402
 
-ALGORITHMS = {"flat": ["comm=flat"], "ring": ["comm=ring"], "hierarchical": ["comm=hierarchical"],
-              "hierarchical+fp16": ["comm=hierarchical", "comm.compression=fp16"]}
+ALGORITHMS = {
+    "flat": ["comm=flat"],
+    "ring": ["comm=ring"],
+    "hierarchical": ["comm=hierarchical"],
+    "hierarchical+fp16": ["comm=hierarchical", "comm.compression=fp16"],
+}
 MID_GPT = ["model.n_layer=4", "model.n_embd=384", "model.n_head=6", "model.block_size=64"]
 
 
@@ -60,8 +64,9 @@ def link_bytes() -> int:
 def bytes_sent_per_connection(own_addr: str) -> dict[str, int]:
     """Bytes sent so far on each TCP connection of this namespace to another node (``ss -ti``:
     a line per socket, then an indented line of its counters)."""
-    out = subprocess.run(["ss", "-tinH", "state", "established"], capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        ["ss", "-tinH", "state", "established"], capture_output=True, text=True
+    ).stdout
     sent, socket = {}, []
     for line in out.splitlines():
         if not line[:1].isspace():
@@ -81,8 +86,16 @@ def reducers(topology, nnodes: int, nproc: int):
 
     built = {}
     for name, overrides in ALGORITHMS.items():
-        cfg = compose(["tracker=none", "device=cpu", f"launcher.nnodes={nnodes}",
-                       f"launcher.nproc_per_node={nproc}", "run.name=bench", *overrides])
+        cfg = compose(
+            [
+                "tracker=none",
+                "device=cpu",
+                f"launcher.nnodes={nnodes}",
+                f"launcher.nproc_per_node={nproc}",
+                "run.name=bench",
+                *overrides,
+            ]
+        )
         pm = keep_selected(make_plugin_manager(cfg), cfg)
         built[name] = pm.hook.plait_grad_reducer(cfg=cfg, topology=topology)
     return built
@@ -94,7 +107,7 @@ def timed_reduce(reducer, group, numel: int, times: int = 1) -> float:
     import torch
     import torch.distributed as dist
 
-    from plait.plugins.comm.buckets import FlatBucket
+    from plait.engine.buckets import FlatBucket
 
     buckets = [FlatBucket(0, [torch.ones(numel)], last=True) for _ in range(times)]
     dist.barrier()
@@ -113,12 +126,16 @@ def worker(args) -> None:
     from plait.topology import Topology
 
     nnodes, nproc = args.nodes, args.nproc_per_node
-    cfg = OmegaConf.create({"device": "cpu", "launcher": {"timeout_s": 1800, "nnodes": nnodes,
-                                                          "nproc_per_node": nproc},
-                            "parallel": {"dp": -1, "tp": 1, "pp": 1},
-                            "train": {"grad_accum_steps": 1}})
+    cfg = OmegaConf.create(
+        {
+            "device": "cpu",
+            "launcher": {"timeout_s": 1800, "nnodes": nnodes, "nproc_per_node": nproc},
+            "parallel": {"dp": -1, "tp": 1, "pp": 1},
+            "train": {"grad_accum_steps": 1},
+        }
+    )
     topology = Topology.initialize(cfg)
-    group = topology.get_data_parallel_group()
+    group = topology.group("dp")
     built = reducers(topology, nnodes, nproc)
     lead = topology.rank == 0
     results = []
@@ -129,8 +146,15 @@ def worker(args) -> None:
             before = link_bytes()
             times = [timed_reduce(reducer, group, numel) for _ in range(args.repeats)]
             crossed = (link_bytes() - before) / args.repeats
-            results.append({"table": "sizes", "mb": mb, "algorithm": name,
-                            "time_s": statistics.median(times), "cross_bytes": crossed})
+            results.append(
+                {
+                    "table": "sizes",
+                    "mb": mb,
+                    "algorithm": name,
+                    "time_s": statistics.median(times),
+                    "cross_bytes": crossed,
+                }
+            )
     numel = args.chunks_kb * 1024 // 4
     own_addr = os.environ["PLAIT_NODE_ADDR"]
     chunk = numel * 4 / topology.dims.dp  # ring: S/(nL); hierarchical: (S/L)/n, the same
@@ -145,9 +169,15 @@ def worker(args) -> None:
         chunks = {c: (after[c] - before.get(c, 0)) / args.chunk_repeats / chunk for c in after}
         every = [None] * topology.dims.world_size
         dist.all_gather_object(every, {c: round(n, 3) for c, n in chunks.items() if n > 0.5})
-        results.append({"table": "chunks", "kb": args.chunks_kb, "algorithm": name,
-                        "time_s": seconds,
-                        "chunks": {c: n for node in every for c, n in node.items()}})
+        results.append(
+            {
+                "table": "chunks",
+                "kb": args.chunks_kb,
+                "algorithm": name,
+                "time_s": seconds,
+                "chunks": {c: n for node in every for c, n in node.items()},
+            }
+        )
     if lead:
         Path(args.out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -167,17 +197,32 @@ def collectives(args, rate: str | None, delay: str | None = None) -> list[dict]:
         out = Path(tmp) / "results.json"
         procs = []
         for node in cluster.nodes:
-            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.nodes}",
-                    f"--nproc-per-node={args.nproc_per_node}", f"--node-rank={node.rank}",
-                    "--rdzv-backend=c10d", f"--rdzv-endpoint={cluster.nodes[0].addr}:{PORT}",
-                    f"--local-addr={node.addr}", "--rdzv-id=bench",
-                    f"--rdzv-conf=is_host={int(node.rank == 0)}", __file__, "--worker",
-                    f"--out={out}", f"--nodes={args.nodes}",
-                    f"--nproc-per-node={args.nproc_per_node}", f"--repeats={args.repeats}",
-                    f"--chunks-kb={args.chunks_kb}", f"--chunk-repeats={args.chunk_repeats}",
-                    "--sizes", *map(str, args.sizes)]
-            procs.append(cluster.popen(node, argv, {"PLAIT_NODE_ADDR": node.addr,
-                                                    "OMP_NUM_THREADS": "1"}))
+            argv = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={args.nodes}",
+                f"--nproc-per-node={args.nproc_per_node}",
+                f"--node-rank={node.rank}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={cluster.nodes[0].addr}:{PORT}",
+                f"--local-addr={node.addr}",
+                "--rdzv-id=bench",
+                f"--rdzv-conf=is_host={int(node.rank == 0)}",
+                __file__,
+                "--worker",
+                f"--out={out}",
+                f"--nodes={args.nodes}",
+                f"--nproc-per-node={args.nproc_per_node}",
+                f"--repeats={args.repeats}",
+                f"--chunks-kb={args.chunks_kb}",
+                f"--chunk-repeats={args.chunk_repeats}",
+                "--sizes",
+                *map(str, args.sizes),
+            ]
+            procs.append(
+                cluster.popen(node, argv, {"PLAIT_NODE_ADDR": node.addr, "OMP_NUM_THREADS": "1"})
+            )
         for proc in procs:
             if proc.wait() != 0:
                 raise SystemExit(f"bench_comm: a worker failed (exit {proc.returncode})")
@@ -191,19 +236,37 @@ def step_times(args, rate: str | None, delay: str | None = None) -> list[dict]:
         for model, extra in [("tiny", []), ("mid", MID_GPT)]:
             for name, overrides in ALGORITHMS.items():
                 run = Path(tmp) / f"{model}-{name}"
-                summary = run_job(args.nodes, args.nproc_per_node, [
-                    "tracker=none", "model=gpt_tiny", *extra, *overrides, "train.seq_len=64",
-                    f"train.steps={args.steps}", "train.batch_size=16", f"run.root={tmp}",
-                    f"run.name={run.name}", "+plugins=[plait.testing:link_counter]"],
-                    rate=rate, delay=delay)
+                summary = run_job(
+                    args.nodes,
+                    args.nproc_per_node,
+                    [
+                        "tracker=none",
+                        "model=gpt_tiny",
+                        *extra,
+                        *overrides,
+                        "train.seq_len=64",
+                        f"train.steps={args.steps}",
+                        "train.batch_size=16",
+                        f"run.root={tmp}",
+                        f"run.name={run.name}",
+                        "+plugins=[plait.testing:link_counter]",
+                    ],
+                    rate=rate,
+                    delay=delay,
+                )
                 if any(summary["exit_codes"]):
                     raise SystemExit(f"bench_comm: plait train failed: {summary}")
                 lines = read_metrics(run)
-                results.append({"table": "steps", "model": model, "algorithm": name,
-                                "rate": link_name(rate, delay),
-                                "step_s": statistics.median(m["step_time_s/max"]
-                                                            for m in lines[3:]),
-                                "cross_bytes": link_bytes_per_step(run, 3)})
+                results.append(
+                    {
+                        "table": "steps",
+                        "model": model,
+                        "algorithm": name,
+                        "rate": link_name(rate, delay),
+                        "step_s": statistics.median(m["step_time_s/max"] for m in lines[3:]),
+                        "cross_bytes": link_bytes_per_step(run, 3),
+                    }
+                )
     return results
 
 
@@ -218,43 +281,63 @@ def theory_ratio(nodes: int, local: int) -> float:
 
 def print_tables(results: list[dict], args) -> None:
     n, local = args.nodes, args.nproc_per_node
-    print(f"\n## all-reduce on {n} nodes x {local} processes (theory hierarchical/ring bytes = "
-          f"(n-1)L/(nL-1) = {theory_ratio(n, local):.3f})\n")
-    print("| link | MB | algorithm | time ms | cross-node MB | x ring bytes | x theory | "
-          "algbw MB/s |")
+    print(
+        f"\n## all-reduce on {n} nodes x {local} processes (theory hierarchical/ring bytes = "
+        f"(n-1)L/(nL-1) = {theory_ratio(n, local):.3f})\n"
+    )
+    print(
+        "| link | MB | algorithm | time ms | cross-node MB | x ring bytes | x theory | algbw MB/s |"
+    )
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     rows = [r for r in results if r["table"] == "sizes"]
     for r in rows:
-        ring = next(x for x in rows if x["rate"] == r["rate"] and x["mb"] == r["mb"]
-                    and x["algorithm"] == "ring")
+        ring = next(
+            x
+            for x in rows
+            if x["rate"] == r["rate"] and x["mb"] == r["mb"] and x["algorithm"] == "ring"
+        )
         size = r["mb"] * 2**20
         ratio = r["cross_bytes"] / ring["cross_bytes"]
-        expected = {"ring": 1.0, "hierarchical": theory_ratio(n, local),
-                    "hierarchical+fp16": theory_ratio(n, local) / 2}.get(r["algorithm"])
+        expected = {
+            "ring": 1.0,
+            "hierarchical": theory_ratio(n, local),
+            "hierarchical+fp16": theory_ratio(n, local) / 2,
+        }.get(r["algorithm"])
         vs_theory = f"{ratio / expected:.3f}" if expected else "-"
-        print(f"| {r['rate']} | {r['mb']:g} | {r['algorithm']} | {r['time_s'] * 1e3:.1f} | "
-              f"{r['cross_bytes'] / 1e6:.2f} | {ratio:.3f} | {vs_theory} | "
-              f"{size / r['time_s'] / 1e6:.0f} |")
-    print(f"\n## steps on the slow link: chunks each inter-node connection carries per "
-          f"all-reduce ({args.chunks_kb} KiB buffer; bytes sent per direction / chunk "
-          f"S/(nL); theory ring 2(nL-1) = {2 * (n * local - 1)}, hierarchical 2(n-1) = "
-          f"{2 * (n - 1)})\n")
+        print(
+            f"| {r['rate']} | {r['mb']:g} | {r['algorithm']} | {r['time_s'] * 1e3:.1f} | "
+            f"{r['cross_bytes'] / 1e6:.2f} | {ratio:.3f} | {vs_theory} | "
+            f"{size / r['time_s'] / 1e6:.0f} |"
+        )
+    print(
+        f"\n## steps on the slow link: chunks each inter-node connection carries per "
+        f"all-reduce ({args.chunks_kb} KiB buffer; bytes sent per direction / chunk "
+        f"S/(nL); theory ring 2(nL-1) = {2 * (n * local - 1)}, hierarchical 2(n-1) = "
+        f"{2 * (n - 1)})\n"
+    )
     print("| link | algorithm | time ms | connection directions | chunks per direction |")
     print("| --- | --- | ---: | ---: | --- |")
     for r in (r for r in results if r["table"] == "chunks"):
         counts = sorted(r["chunks"].values(), reverse=True)
-        print(f"| {r['rate']} | {r['algorithm']} | {r['time_s'] * 1e3:.2f} | {len(counts)} | "
-              f"{', '.join(f'{c:.2f}' for c in counts)} |")
+        print(
+            f"| {r['rate']} | {r['algorithm']} | {r['time_s'] * 1e3:.2f} | {len(counts)} | "
+            f"{', '.join(f'{c:.2f}' for c in counts)} |"
+        )
     steps = [r for r in results if r["table"] == "steps"]
     if steps:
         print("\n## whole step of plait train (ddp), median step time, slowest rank\n")
         print("| link | model | algorithm | step s | x flat | cross-node MB per step |")
         print("| --- | --- | --- | ---: | ---: | ---: |")
         for r in steps:
-            flat = next(x for x in steps if x["rate"] == r["rate"] and x["model"] == r["model"]
-                        and x["algorithm"] == "flat")
-            print(f"| {r['rate']} | {r['model']} | {r['algorithm']} | {r['step_s']:.3f} | "
-                  f"{r['step_s'] / flat['step_s']:.3f} | {r['cross_bytes'] / 1e6:.2f} |")
+            flat = next(
+                x
+                for x in steps
+                if x["rate"] == r["rate"] and x["model"] == r["model"] and x["algorithm"] == "flat"
+            )
+            print(
+                f"| {r['rate']} | {r['model']} | {r['algorithm']} | {r['step_s']:.3f} | "
+                f"{r['step_s'] / flat['step_s']:.3f} | {r['cross_bytes'] / 1e6:.2f} |"
+            )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -265,9 +348,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunks-kb", type=int, default=64)
     parser.add_argument("--chunk-repeats", type=int, default=20)
-    parser.add_argument("--rates", nargs="*", default=["1gbit", "200mbit"],
-                        help="tbf rates of the limited links, each measured in turn after the "
-                             "free link (none: the free link only)")
+    parser.add_argument(
+        "--rates",
+        nargs="*",
+        default=["1gbit", "200mbit"],
+        help="tbf rates of the limited links, each measured in turn after the "
+        "free link (none: the free link only)",
+    )
     parser.add_argument("--delay", help="netem delay on the limited links too (needs netem)")
     parser.add_argument("--steps", type=int, default=10, help="plait train steps per run")
     parser.add_argument("--no-steps", action="store_true", help="skip the plait train table")

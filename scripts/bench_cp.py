@@ -58,8 +58,13 @@ def settings(world: int) -> list[tuple[int, str]]:
 
 def build(args, seq: int, cp: int, backend: str, group, rank: int, device, stats):
     torch.manual_seed(0)
-    model = GPT(vocab_size=VOCAB, block_size=seq, n_layer=args.n_layer, n_head=args.n_head,
-                n_embd=args.n_embd).to(device)
+    model = GPT(
+        vocab_size=VOCAB,
+        block_size=seq,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+    ).to(device)
     loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())  # noqa: E731
     if cp > 1:
         layout = layout_for(backend, seq, cp, rank)
@@ -69,8 +74,13 @@ def build(args, seq: int, cp: int, backend: str, group, rank: int, device, stats
 
 
 def step(model, loss_fn, optimizer, seq: int, batch: int, group, cp: int, device) -> None:
-    tokens = torch.randint(0, VOCAB, (batch, seq + 1), device=device,
-                           generator=torch.Generator(device).manual_seed(seq))
+    tokens = torch.randint(
+        0,
+        VOCAB,
+        (batch, seq + 1),
+        device=device,
+        generator=torch.Generator(device).manual_seed(seq),
+    )
     loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
     loss.backward()
     if cp > 1:
@@ -90,10 +100,17 @@ def step_peak(args, seq, cp, backend, group, rank, device) -> int:
         base = resident_bytes()
         reset_peak_resident_bytes()
     try:
-        step(*build(args, seq, cp, backend, group, rank, device, ExchangeStats()), seq,
-             args.batch, group, cp, device)
-        peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
-                else peak_resident_bytes()) - base
+        step(
+            *build(args, seq, cp, backend, group, rank, device, ExchangeStats()),
+            seq,
+            args.batch,
+            group,
+            cp,
+            device,
+        )
+        peak = (
+            torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_resident_bytes()
+        ) - base
     except (RuntimeError, MemoryError):  # out of memory
         peak = 1 << 62
     figure = torch.tensor([float(peak)], device=device)
@@ -135,20 +152,37 @@ def _bench(rank: int, world: int, args, out: str) -> None:
         torch.set_num_threads(args.threads)
     else:
         torch.cuda.set_device(device)
-    groups = {c: [dist.new_group(list(range(g, g + c))) for g in range(0, world, c)]
-              for c, _ in settings(world) if c > 1}
+    groups = {
+        c: [dist.new_group(list(range(g, g + c))) for g in range(0, world, c)]
+        for c, _ in settings(world)
+        if c > 1
+    }
     # one unmeasured step first: what a process allocates once (kernels' and the allocator's
     # first use) would otherwise count against the first setting measured
-    step(*build(args, args.start_seq, 1, "-", None, 0, device, ExchangeStats()), args.start_seq,
-         args.batch, None, 1, device)
+    step(
+        *build(args, args.start_seq, 1, "-", None, 0, device, ExchangeStats()),
+        args.start_seq,
+        args.batch,
+        None,
+        1,
+        device,
+    )
     rows = []
     for cp, backend in settings(world):
         group = groups[cp][rank // cp] if cp > 1 else None
         fits = longest(args, cp, backend, group, rank % cp, device)
         tokens, sent = throughput(args, cp, backend, group, rank % cp, device)
         theory = args.n_layer * exchange_bytes(backend, args.seq, args.batch, args.n_embd, cp, 4)
-        rows.append({"cp": cp, "backend": backend, "longest": fits, "tokens_per_s": tokens,
-                     "bytes": sent, "theory": theory})
+        rows.append(
+            {
+                "cp": cp,
+                "backend": backend,
+                "longest": fits,
+                "tokens_per_s": tokens,
+                "bytes": sent,
+                "theory": theory,
+            }
+        )
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
 
@@ -173,16 +207,22 @@ def main(argv: list[str]) -> None:
         spawn(_bench, args.world, args, out)
         rows = json.loads(Path(out).read_text())
     base = rows[0]
-    print(f"context parallelism, {args.world} ranks on {args.device}: GPT {args.n_layer} layers x "
-          f"{args.n_embd} wide, {args.n_head} heads, batch {args.batch}, fp32; budget "
-          f"{args.budget_mb:g} MiB per rank; tok/s and bytes at seq {args.seq}")
-    print(f"{'cp':>3} {'backend':8} {'longest':>8} {'x cp1':>6} {'tok/s/rank':>11} {'x cp1':>6} "
-          f"{'bytes/step':>12} {'theory':>12}")
+    print(
+        f"context parallelism, {args.world} ranks on {args.device}: GPT {args.n_layer} layers x "
+        f"{args.n_embd} wide, {args.n_head} heads, batch {args.batch}, fp32; budget "
+        f"{args.budget_mb:g} MiB per rank; tok/s and bytes at seq {args.seq}"
+    )
+    print(
+        f"{'cp':>3} {'backend':8} {'longest':>8} {'x cp1':>6} {'tok/s/rank':>11} {'x cp1':>6} "
+        f"{'bytes/step':>12} {'theory':>12}"
+    )
     for row in rows:
-        print(f"{row['cp']:>3} {row['backend']:8} {row['longest']:>8} "
-              f"{row['longest'] / max(base['longest'], 1):>6.2f} {row['tokens_per_s']:>11.0f} "
-              f"{row['tokens_per_s'] / base['tokens_per_s']:>6.2f} {row['bytes']:>12,} "
-              f"{row['theory']:>12,.0f}")
+        print(
+            f"{row['cp']:>3} {row['backend']:8} {row['longest']:>8} "
+            f"{row['longest'] / max(base['longest'], 1):>6.2f} {row['tokens_per_s']:>11.0f} "
+            f"{row['tokens_per_s'] / base['tokens_per_s']:>6.2f} {row['bytes']:>12,} "
+            f"{row['theory']:>12,.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -36,14 +36,26 @@ def flops_per_token(n_params: int, seq_len: int) -> float:
 
 def run_plait(args, root: Path) -> float:
     clock = root / "plait.clock"
-    api.train([
-        "model=gpt2_small", f"model.block_size={args.seq_len}", "precision=bf16", "device=cuda",
-        "launcher.nproc_per_node=1", "tracker=none", "fault.save_final=false",
-        f"train.steps={args.steps}", f"train.batch_size={args.batch_size}",
-        f"train.seq_len={args.seq_len}", f"strategy.compile={str(args.compile).lower()}",
-        f"train.peak_flops={args.peak_tflops * 1e12}", "train.log_every=10",
-        f"run.root={root}", "run.name=plait",
-    ], plugins=[StepClock(clock)])
+    api.train(
+        [
+            "model=gpt2_small",
+            f"model.block_size={args.seq_len}",
+            "precision=bf16",
+            "device=cuda",
+            "launcher.nproc_per_node=1",
+            "tracker=none",
+            "checkpoint.save_final=false",
+            f"train.steps={args.steps}",
+            f"train.batch_size={args.batch_size}",
+            f"train.seq_len={args.seq_len}",
+            f"strategy.compile={str(args.compile).lower()}",
+            f"train.peak_flops={args.peak_tflops * 1e12}",
+            "train.log_every=10",
+            f"run.root={root}",
+            "run.name=plait",
+        ],
+        plugins=[StepClock(clock)],
+    )
     return steps_per_s([float(t) for t in clock.read_text().split()], args.warmup)
 
 
@@ -56,16 +68,29 @@ def run_plain(args) -> float:
 
     device = torch.device("cuda", 0)
     torch.manual_seed(1337)
-    model = GPT(vocab_size=VOCAB, block_size=args.seq_len, n_layer=N_LAYER, n_head=N_HEAD,
-                n_embd=N_EMBD, bias=False, tie_embeddings=True).to(device)
+    model = GPT(
+        vocab_size=VOCAB,
+        block_size=args.seq_len,
+        n_layer=N_LAYER,
+        n_head=N_HEAD,
+        n_embd=N_EMBD,
+        bias=False,
+        tie_embeddings=True,
+    ).to(device)
     step_fn = torch.compile(model) if args.compile else model
     opt = torch.optim.AdamW(
-        [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-         {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
-        lr=1e-3, betas=(0.9, 0.95), fused=True)
+        [
+            {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        fused=True,
+    )
     path = cached_tokens(stdlib_sources(), Path("~/.cache/plait").expanduser(), 0)
-    data = TokenWindows(load_split(np.memmap(path, dtype=np.uint16, mode="r"), 0.01, "train"),
-                        args.seq_len)
+    data = TokenWindows(
+        load_split(np.memmap(path, dtype=np.uint16, mode="r"), 0.01, "train"), args.seq_len
+    )
     order = np.random.default_rng(1337).permutation(len(data))
     stamps = []
     lr_at = cosine_with_warmup(lr=1e-3, min_lr=1e-4, warmup=10, decay=args.steps)  # plait's
@@ -73,7 +98,7 @@ def run_plain(args) -> float:
         lr = lr_at(step)
         for group in opt.param_groups:
             group["lr"] = lr
-        idx = order[step * args.batch_size:(step + 1) * args.batch_size].tolist()
+        idx = order[step * args.batch_size : (step + 1) * args.batch_size].tolist()
         x, y = (t.to(device, non_blocking=True) for t in data.batch(idx))
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = step_fn(x)
@@ -101,9 +126,18 @@ def main() -> None:
     from plait.plugins.models.gpt import GPT
 
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in GPT(vocab_size=VOCAB, block_size=args.seq_len,
-                                              n_layer=N_LAYER, n_head=N_HEAD, n_embd=N_EMBD,
-                                              bias=False, tie_embeddings=True).parameters())
+        n_params = sum(
+            p.numel()
+            for p in GPT(
+                vocab_size=VOCAB,
+                block_size=args.seq_len,
+                n_layer=N_LAYER,
+                n_head=N_HEAD,
+                n_embd=N_EMBD,
+                bias=False,
+                tie_embeddings=True,
+            ).parameters()
+        )
     tokens_per_step = args.batch_size * args.seq_len
     with tempfile.TemporaryDirectory() as tmp:
         plait_sps = run_plait(args, Path(tmp))
@@ -111,9 +145,12 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name(0), "params": n_params, "args": vars(args)}
     for name, sps in (("plait", plait_sps), ("plain", plain_sps)):
         tokens_per_s = sps * tokens_per_step
-        result[name] = {"tokens_per_s": tokens_per_s,
-                        "mfu": flops_per_token(n_params, args.seq_len) * tokens_per_s
-                        / (args.peak_tflops * 1e12)}
+        result[name] = {
+            "tokens_per_s": tokens_per_s,
+            "mfu": flops_per_token(n_params, args.seq_len)
+            * tokens_per_s
+            / (args.peak_tflops * 1e12),
+        }
     result["ratio_plait_over_plain"] = plait_sps / plain_sps
     print(json.dumps(result, indent=1))
 

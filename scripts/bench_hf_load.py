@@ -18,7 +18,7 @@ MLP 2048, 8 layers, 12 heads / 4 KV heads, vocabulary 16384: 75M parameters, 300
 
 and, with ``--saves``, how long saving stops a tp=2 x pp=2 run of 4 steps (``plait.testing.
 SaveClock``, the logging rank's time in ``plait_save_checkpoint`` at steps 2 and 4): a plait
-checkpoint (``fault.checkpoint_every=2``: model, optimizer states and the layout-free copy)
+checkpoint (``checkpoint.every=2``: model, optimizer states and the layout-free copy)
 against ``checkpoint.hf_every=2`` alone (Hugging Face safetensors of the weights).
 
 Per rank it measures, from the moment the model is asked for (``plait_build_model``; the
@@ -49,8 +49,13 @@ LAYOUTS = {
     "plait zero3": ["strategy=zero3"],
     "plait tp2_pp2": ["parallel.tp=2", "parallel.pp=2", "pipeline.microbatches=2"],
 }
-LIBRARIES = ("transformers", "transformers.models.llama.modeling_llama", "safetensors.torch",
-             "torch.distributed.pipelining", "deepspeed")
+LIBRARIES = (
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "safetensors.torch",
+    "torch.distributed.pipelining",
+    "deepspeed",
+)
 VOCAB_OF_DATA = 512  # the BPE the data is tokenized with; --vocab must hold it
 
 
@@ -68,10 +73,17 @@ def write_checkpoint(directory: Path, args) -> int:
     from plait.plugins.data.tokenizer import train_bpe
 
     directory.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.mlp,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
-                         max_position_embeddings=128, eos_token_id=0, bos_token_id=None)
+    config = LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.mlp,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=128,
+        eos_token_id=0,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
     tokenizer = train_bpe((p.read_bytes() for p in corpus_files(8)), VOCAB_OF_DATA)
@@ -95,8 +107,9 @@ def _baseline_rank(rank: int, world_size: int, directory: str, out: str) -> None
     started = time.perf_counter()
     model = DistributedDataParallel(AutoModelForCausalLM.from_pretrained(directory))
     seconds = time.perf_counter() - started
-    Path(out, f"rank{rank}.json").write_text(json.dumps(
-        {"seconds": seconds, "peak": peak_resident_bytes() - base}))
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({"seconds": seconds, "peak": peak_resident_bytes() - base})
+    )
     del model
 
 
@@ -108,15 +121,27 @@ def baseline(directory: Path, nproc: int, out: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
 
 
-def plait_case(directory: Path, shards: Path, nproc: int, layout: list[str],
-               run_dir: Path) -> list[dict]:
+def plait_case(
+    directory: Path, shards: Path, nproc: int, layout: list[str], run_dir: Path
+) -> list[dict]:
     from plait.testing import LoadClock, run_training
 
-    run_training(run_dir, ["model=hf", f"model.path={directory}", "data=shards",
-                           f"data.path={shards}", "train.steps=1", "train.batch_size=4",
-                           "train.seq_len=16", "fault.save_final=false",
-                           f"launcher.nproc_per_node={nproc}", *layout],
-                 plugins=[LoadClock(LIBRARIES)])
+    run_training(
+        run_dir,
+        [
+            "model=hf",
+            f"model.path={directory}",
+            "data=shards",
+            f"data.path={shards}",
+            "train.steps=1",
+            "train.batch_size=4",
+            "train.seq_len=16",
+            "checkpoint.save_final=false",
+            f"launcher.nproc_per_node={nproc}",
+            *layout,
+        ],
+        plugins=[LoadClock(LIBRARIES)],
+    )
     return [json.loads(p.read_text()) for p in sorted((run_dir / "load").glob("rank*.json"))]
 
 
@@ -128,8 +153,15 @@ def prepare_shards(directory: Path, root: Path) -> Path:
     corpus.mkdir()
     for file in corpus_files(4):
         (corpus / file.name).write_bytes(file.read_bytes())
-    main(["prepare", f"data.path={corpus}", f"out={root / 'shards'}",
-          f"data.tokenizer={directory}", "data.num_workers=1"])
+    main(
+        [
+            "prepare",
+            f"data.path={corpus}",
+            f"out={root / 'shards'}",
+            f"data.tokenizer={directory}",
+            "data.num_workers=1",
+        ]
+    )
     return root / "shards"
 
 
@@ -152,33 +184,43 @@ def main() -> int:
     checkpoint = root / "checkpoint"
     size = write_checkpoint(checkpoint, args)
     shards = prepare_shards(checkpoint, root)
-    results: dict[str, list[tuple[float, float]]] = {"from_pretrained + DDP": [],
-                                                     **{name: [] for name in LAYOUTS}}
+    results: dict[str, list[tuple[float, float]]] = {
+        "from_pretrained + DDP": [],
+        **{name: [] for name in LAYOUTS},
+    }
     for repeat in range(args.repeats):
         for name in results:  # alternating, so a change of load hits every case alike
             out = root / f"{name.replace(' ', '_').replace('+', 'and')}_{repeat}"
-            ranks = (baseline(checkpoint, args.nproc, out) if name.startswith("from")
-                     else plait_case(checkpoint, shards, args.nproc, LAYOUTS[name], out))
-            results[name].append((max(r["seconds"] for r in ranks),
-                                  max(r["peak"] for r in ranks)))
+            ranks = (
+                baseline(checkpoint, args.nproc, out)
+                if name.startswith("from")
+                else plait_case(checkpoint, shards, args.nproc, LAYOUTS[name], out)
+            )
+            results[name].append((max(r["seconds"] for r in ranks), max(r["peak"] for r in ranks)))
     base_s = statistics.median(s for s, _ in results["from_pretrained + DDP"])
     base_peak = max(p for _, p in results["from_pretrained + DDP"])
     print(f"{'case':24s} {'load s':>8s} {'x base':>7s} {'peak MiB':>9s} {'x base':>7s}")
     for name, runs in results.items():
         seconds = statistics.median(s for s, _ in runs)
         peak = max(p for _, p in runs)
-        print(f"{name:24s} {seconds:8.2f} {seconds / base_s:7.2f} {peak / 2**20:9.1f} "
-              f"{peak / base_peak:7.2f}")
-    print(f"checkpoint {size / 2**20:.1f} MiB (fp32) on {args.nproc} processes; load s: median "
-          f"of {args.repeats}, the slowest rank; peak: the largest rank over repeats; load "
-          f"average {os.getloadavg()[0]:.2f}")
+        print(
+            f"{name:24s} {seconds:8.2f} {seconds / base_s:7.2f} {peak / 2**20:9.1f} "
+            f"{peak / base_peak:7.2f}"
+        )
+    print(
+        f"checkpoint {size / 2**20:.1f} MiB (fp32) on {args.nproc} processes; load s: median "
+        f"of {args.repeats}, the slowest rank; peak: the largest rank over repeats; load "
+        f"average {os.getloadavg()[0]:.2f}"
+    )
     if args.saves:
         print_saves(checkpoint, shards, root, args.repeats)
     return 0
 
 
-SAVES = {"plait checkpoint": ["fault.checkpoint_every=2", "fault.save_final=false"],
-         "checkpoint.hf_every=2": ["checkpoint.hf_every=2", "fault.save_final=false"]}
+SAVES = {
+    "plait checkpoint": ["checkpoint.every=2", "checkpoint.save_final=false"],
+    "checkpoint.hf_every=2": ["checkpoint.hf_every=2", "checkpoint.save_final=false"],
+}
 
 
 def print_saves(checkpoint: Path, shards: Path, root: Path, repeats: int) -> None:
@@ -188,18 +230,34 @@ def print_saves(checkpoint: Path, shards: Path, root: Path, repeats: int) -> Non
     for repeat in range(repeats):
         for name, settings in SAVES.items():
             run_dir = root / f"save_{name.split('.')[-1].split('=')[0].replace(' ', '_')}_{repeat}"
-            run_training(run_dir, ["model=hf", f"model.path={checkpoint}", "data=shards",
-                                   f"data.path={shards}", "train.steps=4", "train.batch_size=4",
-                                   "train.seq_len=16", "launcher.nproc_per_node=4",
-                                   *LAYOUTS["plait tp2_pp2"], *settings], plugins=[SaveClock()])
-            lines = [json.loads(line) for line in
-                     (run_dir / "save_seconds.jsonl").read_text().splitlines()]
+            run_training(
+                run_dir,
+                [
+                    "model=hf",
+                    f"model.path={checkpoint}",
+                    "data=shards",
+                    f"data.path={shards}",
+                    "train.steps=4",
+                    "train.batch_size=4",
+                    "train.seq_len=16",
+                    "launcher.nproc_per_node=4",
+                    *LAYOUTS["plait tp2_pp2"],
+                    *settings,
+                ],
+                plugins=[SaveClock()],
+            )
+            lines = [
+                json.loads(line)
+                for line in (run_dir / "save_seconds.jsonl").read_text().splitlines()
+            ]
             seconds[name] += [line["seconds"] for line in lines if line["step"] % 2 == 0]
     base = statistics.median(seconds["plait checkpoint"])
     for name, values in seconds.items():
         median = statistics.median(values)
-        print(f"save, tp2_pp2: {name:24s} {median:8.2f} s  x{median / base:.2f}  (median of "
-              f"{len(values)} saves)")
+        print(
+            f"save, tp2_pp2: {name:24s} {median:8.2f} s  x{median / base:.2f}  (median of "
+            f"{len(values)} saves)"
+        )
 
 
 if __name__ == "__main__":

@@ -76,30 +76,49 @@ TINY = {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 16, "batch_size": 4}
 DP2 = ["launcher.nproc_per_node=2"]
 PP2_DP2 = ["parallel.pp=2", "pipeline.microbatches=2", "launcher.nproc_per_node=4"]
 COMPARISONS = {
-    "recompute": (ACTIVATION_HEAVY, {
-        "ddp, recompute none": [*DP2],
-        "ddp, recompute full": [*DP2, "train.activation_checkpointing=full"],
-        "ddp, recompute selective": [*DP2, "train.activation_checkpointing=selective"],
-    }),
-    "zero1_pp": (STATE_HEAVY, {
-        "pp2 x dp2, ddp (plain pipeline)": [*PP2_DP2],
-        "pp2 x dp2, zero1": [*PP2_DP2, "strategy=zero1"],
-        "pp2 x dp2, zero1 + recompute full": [*PP2_DP2, "strategy=zero1",
-                                              "train.activation_checkpointing=full"],
-    }),
+    "recompute": (
+        ACTIVATION_HEAVY,
+        {
+            "ddp, recompute none": [*DP2],
+            "ddp, recompute full": [*DP2, "train.activation_checkpointing=full"],
+            "ddp, recompute selective": [*DP2, "train.activation_checkpointing=selective"],
+        },
+    ),
+    "zero1_pp": (
+        STATE_HEAVY,
+        {
+            "pp2 x dp2, ddp (plain pipeline)": [*PP2_DP2],
+            "pp2 x dp2, zero1": [*PP2_DP2, "strategy=zero1"],
+            "pp2 x dp2, zero1 + recompute full": [
+                *PP2_DP2,
+                "strategy=zero1",
+                "train.activation_checkpointing=full",
+            ],
+        },
+    ),
 }
+
+
 def layouts(n: int) -> dict[str, list[str]]:
     """The ``--budget-mib`` / ``--job-mib`` cases on ``n`` processes (``--dp``)."""
     procs = [f"launcher.nproc_per_node={n}"]
     pp2 = ["parallel.pp=2", "pipeline.microbatches=2"]
     return {
-        "ddp": procs, "zero1": [*procs, "strategy=zero1"], "zero2": [*procs, "strategy=zero2"],
-        "zero3": [*procs, "strategy=zero3"], "fsdp": [*procs, "strategy=fsdp"],
-        "tp2": ["parallel.tp=2", *procs], "pp2": [*pp2, *procs],
+        "ddp": procs,
+        "zero1": [*procs, "strategy=zero1"],
+        "zero2": [*procs, "strategy=zero2"],
+        "zero3": [*procs, "strategy=zero3"],
+        "fsdp": [*procs, "strategy=fsdp"],
+        "tp2": ["parallel.tp=2", *procs],
+        "pp2": [*pp2, *procs],
         "tp2_pp2": ["parallel.tp=2", *pp2, *procs],
         "zero1_pp2": [*pp2, *procs, "strategy=zero1"],
-        "zero1_pp2_tp2": [*pp2, "parallel.tp=2", f"launcher.nproc_per_node={2 * n}",
-                          "strategy=zero1"],
+        "zero1_pp2_tp2": [
+            *pp2,
+            "parallel.tp=2",
+            f"launcher.nproc_per_node={2 * n}",
+            "strategy=zero1",
+        ],
     }
 
 
@@ -117,25 +136,45 @@ def libraries(overrides: list[str]) -> tuple[str, ...]:
     """What a run with ``overrides`` imports anyway (see ``LIBRARIES``)."""
     zero = any(o.startswith("strategy=zero") for o in overrides)
     pipeline = any(o.startswith("parallel.pp=") and o != "parallel.pp=1" for o in overrides)
-    return (*LIBRARIES, *(ZERO_LIBRARIES if zero else ()),
-            *(PIPELINE_LIBRARIES if pipeline else ()))
+    return (
+        *LIBRARIES,
+        *(ZERO_LIBRARIES if zero else ()),
+        *(PIPELINE_LIBRARIES if pipeline else ()),
+    )
 
 
 def model_overrides(model: dict, n_layer: int | None = None) -> list[str]:
-    return ["model=gpt_tiny", f"model.n_layer={n_layer or model['n_layer']}",
-            f"model.n_embd={model['n_embd']}", f"model.n_head={model['n_head']}",
-            f"model.block_size={model['seq_len']}", f"train.seq_len={model['seq_len']}",
-            f"train.batch_size={model['batch_size']}", "fault.save_final=false"]
+    return [
+        "model=gpt_tiny",
+        f"model.n_layer={n_layer or model['n_layer']}",
+        f"model.n_embd={model['n_embd']}",
+        f"model.n_head={model['n_head']}",
+        f"model.block_size={model['seq_len']}",
+        f"train.seq_len={model['seq_len']}",
+        f"train.batch_size={model['batch_size']}",
+        "checkpoint.save_final=false",
+    ]
 
 
 def n_params(model: dict, n_layer: int | None = None) -> int:
-    gpt = GPT(vocab_size=256, block_size=model["seq_len"], n_layer=n_layer or model["n_layer"],
-              n_head=model["n_head"], n_embd=model["n_embd"])
+    gpt = GPT(
+        vocab_size=256,
+        block_size=model["seq_len"],
+        n_layer=n_layer or model["n_layer"],
+        n_head=model["n_head"],
+        n_embd=model["n_embd"],
+    )
     return sum(p.numel() for p in gpt.parameters())
 
 
-def measure(root: Path, name: str, overrides: list[str], steps: int, warmup: int,
-            job_mib: float | None = None) -> dict | None:
+def measure(
+    root: Path,
+    name: str,
+    overrides: list[str],
+    steps: int,
+    warmup: int,
+    job_mib: float | None = None,
+) -> dict | None:
     """One run's figures; with ``job_mib`` the run is a ``plait train`` process in a memory
     cgroup of that size, and None when the kernel killed it."""
     run = root / re.sub(r"\W+", "_", name)
@@ -184,23 +223,39 @@ def run_in_cgroup(run: Path, overrides: list[str], job_mib: float) -> float | No
                 swap.write_text(limit)
         # ImportFirst's modules reach the command line as a plugin module of their own
         probe = run.parent / "bench_memory_imports.py"
-        probe.write_text("from plait.testing import ImportFirst\n"
-                         f"import_first = ImportFirst(*{libraries(overrides)!r})\n")
-        command = [sys.executable, "-m", "plait", "train", *TEST_OVERRIDES,
-                   f"run.root={run.parent}", f"run.name={run.name}",
-                   "+plugins=[plait.testing:memory_probe,bench_memory_imports:import_first]",
-                   *overrides]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(run.parent), os.environ.get("PYTHONPATH")]))}
-        join = f"echo $$ > {group / 'cgroup.procs'} && exec \"$@\""
-        done = subprocess.run(["sh", "-c", join, "sh", *command], capture_output=True, text=True,
-                              env=env)
+        probe.write_text(
+            "from plait.testing import ImportFirst\n"
+            f"import_first = ImportFirst(*{libraries(overrides)!r})\n"
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "plait",
+            "train",
+            *TEST_OVERRIDES,
+            f"run.root={run.parent}",
+            f"run.name={run.name}",
+            "+plugins=[plait.testing:memory_probe,bench_memory_imports:import_first]",
+            *overrides,
+        ]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(run.parent), os.environ.get("PYTHONPATH")])
+            ),
+        }
+        join = f'echo $$ > {group / "cgroup.procs"} && exec "$@"'
+        done = subprocess.run(
+            ["sh", "-c", join, "sh", *command], capture_output=True, text=True, env=env
+        )
         peak = (group / ("memory.peak" if v2 else "memory.max_usage_in_bytes")).read_text()
         if done.returncode == 0:
             return float(peak)
         if not oom_kills(group, v2):  # a crash or a hang is a bug, not "does not fit"
-            raise RuntimeError(f"{run.name} failed without an OOM kill (exit "
-                               f"{done.returncode}):\n{done.stderr[-3000:]}")
+            raise RuntimeError(
+                f"{run.name} failed without an OOM kill (exit "
+                f"{done.returncode}):\n{done.stderr[-3000:]}"
+            )
         return None
     finally:
         for pid in (group / "cgroup.procs").read_text().split():
@@ -220,21 +275,29 @@ def mib(value) -> str:
 
 def compare(root: Path, name: str, args) -> None:
     model, cases = COMPARISONS[name]
-    print(f"\n## {name}: GPT {model}, {n_params(model):,} parameters, fp32, "
-          f"{args.steps} steps ({args.warmup} warm-up)\n")
-    print("| case | peak MiB | x | above start MiB | x | optimizer MiB | x | step s | x "
-          "| recomputes |")
+    print(
+        f"\n## {name}: GPT {model}, {n_params(model):,} parameters, fp32, "
+        f"{args.steps} steps ({args.warmup} warm-up)\n"
+    )
+    print(
+        "| case | peak MiB | x | above start MiB | x | optimizer MiB | x | step s | x "
+        "| recomputes |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     base = None
-    for case, overrides in list(cases.items())[:args.cases]:
-        got = measure(root, f"{name}-{case}", [*model_overrides(model), *overrides], args.steps,
-                      args.warmup)
+    for case, overrides in list(cases.items())[: args.cases]:
+        got = measure(
+            root, f"{name}-{case}", [*model_overrides(model), *overrides], args.steps, args.warmup
+        )
         base = base or got
-        print(f"| {case} | {mib(got['peak'])} | {ratio(got['peak'], base['peak'])} "
-              f"| {mib(got['above_start'])} | {ratio(got['above_start'], base['above_start'])} "
-              f"| {mib(got['optimizer'])} | {ratio(got['optimizer'], base['optimizer'])} "
-              f"| {got['step_s']:.3f} | {ratio(got['step_s'], base['step_s'])} "
-              f"| {got['recomputes']:.0f} |", flush=True)
+        print(
+            f"| {case} | {mib(got['peak'])} | {ratio(got['peak'], base['peak'])} "
+            f"| {mib(got['above_start'])} | {ratio(got['above_start'], base['above_start'])} "
+            f"| {mib(got['optimizer'])} | {ratio(got['optimizer'], base['optimizer'])} "
+            f"| {got['step_s']:.3f} | {ratio(got['step_s'], base['step_s'])} "
+            f"| {got['recomputes']:.0f} |",
+            flush=True,
+        )
 
 
 def estimated_bytes(overrides: list[str]) -> float | None:
@@ -260,34 +323,55 @@ def largest_fitting(root: Path, layout: str, args) -> tuple[int, dict | None]:
     none) and its figures. Fits: the peak above start is within ``--budget-mib``, or the job
     finished in ``--job-mib``."""
     name, _, recompute = layout.partition("+")
-    overrides = [*layouts(args.dp)[name], f"precision={args.precision}",
-                 *([f"train.activation_checkpointing={recompute}"] if recompute else [])]
+    overrides = [
+        *layouts(args.dp)[name],
+        f"precision={args.precision}",
+        *([f"train.activation_checkpointing={recompute}"] if recompute else []),
+    ]
     low, high, fitted = args.min_layers - 1, args.max_layers + 1, None
     while high - low > 1:
         n_layer = (low + high) // 2
-        got = measure(root, f"fit-{layout}-{n_layer}",
-                      [*model_overrides(STATE_HEAVY, n_layer), *overrides], 2, 1, args.job_mib)
-        fits = got is not None and (args.job_mib is not None
-                                    or got["above_start"] <= args.budget_mib * MIB)
+        got = measure(
+            root,
+            f"fit-{layout}-{n_layer}",
+            [*model_overrides(STATE_HEAVY, n_layer), *overrides],
+            2,
+            1,
+            args.job_mib,
+        )
+        fits = got is not None and (
+            args.job_mib is not None or got["above_start"] <= args.budget_mib * MIB
+        )
         if fits:
             low, fitted = n_layer, got
-            fitted["estimate"] = estimated_bytes([*model_overrides(STATE_HEAVY, n_layer),
-                                                  *overrides])
+            fitted["estimate"] = estimated_bytes(
+                [*model_overrides(STATE_HEAVY, n_layer), *overrides]
+            )
         else:
             high = n_layer
-        print(f"  {layout} n_layer={n_layer}: {'fits' if fits else 'does not fit'}",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {layout} n_layer={n_layer}: {'fits' if fits else 'does not fit'}",
+            file=sys.stderr,
+            flush=True,
+        )
     return (low, fitted) if fitted is not None else (0, None)
 
 
 def fit(root: Path, args) -> None:
-    budget = (f"a {args.job_mib} MiB memory cgroup for the whole job" if args.job_mib else
-              f"{args.budget_mib} MiB above start per rank")
-    print(f"\n## largest GPT (width {STATE_HEAVY['n_embd']}, seq {STATE_HEAVY['seq_len']}, "
-          f"{args.precision}, {args.dp} processes) fitting {budget}\n")
-    print("| layout | n_layer | parameters | x ddp | peak above start MiB (max rank) "
-          "| plait estimate MiB | estimate / peak above start | job peak MiB (kernel) "
-          "| optimizer MiB |")
+    budget = (
+        f"a {args.job_mib} MiB memory cgroup for the whole job"
+        if args.job_mib
+        else f"{args.budget_mib} MiB above start per rank"
+    )
+    print(
+        f"\n## largest GPT (width {STATE_HEAVY['n_embd']}, seq {STATE_HEAVY['seq_len']}, "
+        f"{args.precision}, {args.dp} processes) fitting {budget}\n"
+    )
+    print(
+        "| layout | n_layer | parameters | x ddp | peak above start MiB (max rank) "
+        "| plait estimate MiB | estimate / peak above start | job peak MiB (kernel) "
+        "| optimizer MiB |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     base = None
     for layout in args.layouts:
@@ -295,31 +379,49 @@ def fit(root: Path, args) -> None:
         params = n_params(STATE_HEAVY, n_layer) if n_layer else 0
         base = base or params
         got = got or {}
-        print(f"| {layout} | {n_layer} | {params:,} | {ratio(params, base)} "
-              f"| {mib(got.get('above_start'))} | {mib(got.get('estimate'))} "
-              f"| {ratio(got.get('estimate'), got.get('above_start'))} "
-              f"| {mib(got.get('job_peak'))} | {mib(got.get('optimizer'))} |", flush=True)
+        print(
+            f"| {layout} | {n_layer} | {params:,} | {ratio(params, base)} "
+            f"| {mib(got.get('above_start'))} | {mib(got.get('estimate'))} "
+            f"| {ratio(got.get('estimate'), got.get('above_start'))} "
+            f"| {mib(got.get('job_peak'))} | {mib(got.get('optimizer'))} |",
+            flush=True,
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=list(COMPARISONS), nargs="+", default=list(COMPARISONS))
-    parser.add_argument("--cases", type=int, default=None,
-                        help="only the first N cases of each comparison (the baseline first)")
-    parser.add_argument("--tiny", action="store_true",
-                        help="1-layer models of width 32 (a smoke run: the figures mean nothing)")
+    parser.add_argument(
+        "--cases",
+        type=int,
+        default=None,
+        help="only the first N cases of each comparison (the baseline first)",
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="1-layer models of width 32 (a smoke run: the figures mean nothing)",
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--budget-mib", type=float, help="bisect n_layer for this budget")
-    parser.add_argument("--job-mib", type=float,
-                        help="bisect n_layer for a memory cgroup of this size (root)")
-    parser.add_argument("--layouts", nargs="+", default=["ddp", "zero1_pp2"],
-                        help=f"for --budget-mib/--job-mib: {', '.join(layouts(2))}, each "
-                             "optionally +full")
+    parser.add_argument(
+        "--job-mib", type=float, help="bisect n_layer for a memory cgroup of this size (root)"
+    )
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["ddp", "zero1_pp2"],
+        help=f"for --budget-mib/--job-mib: {', '.join(layouts(2))}, each optionally +full",
+    )
     parser.add_argument("--dp", type=int, default=2, help="processes of each --layouts case")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--min-layers", type=int, default=1,
-                        help="the bisection's lower end (a smaller model is not tried)")
+    parser.add_argument(
+        "--min-layers",
+        type=int,
+        default=1,
+        help="the bisection's lower end (a smaller model is not tried)",
+    )
     parser.add_argument("--max-layers", type=int, default=32)
     args = parser.parse_args()
     if args.tiny:

@@ -45,25 +45,41 @@ from plait.testing import StepClock, read_metrics, run_training, steps_per_s  # 
 
 
 def model_overrides(args, experts: int) -> list[str]:
-    return [f"model.n_layer={args.layers}", f"model.n_embd={args.embd}",
-            f"model.n_head={args.heads}", f"model.n_experts={experts}",
-            f"model.top_k={args.top_k}", f"model.block_size={args.seq}",
-            f"train.seq_len={args.seq}", f"train.batch_size={args.batch}",
-            f"strategy={args.strategy}", "model.aux_loss_coeff=0.01"]
+    return [
+        f"model.n_layer={args.layers}",
+        f"model.n_embd={args.embd}",
+        f"model.n_head={args.heads}",
+        f"model.n_experts={experts}",
+        f"model.top_k={args.top_k}",
+        f"model.block_size={args.seq}",
+        f"train.seq_len={args.seq}",
+        f"train.batch_size={args.batch}",
+        f"strategy={args.strategy}",
+        "model.aux_loss_coeff=0.01",
+    ]
 
 
 def train(root: Path, ep: int, args) -> dict:
     clock = root / f"clock_ep{ep}.txt"
-    run = run_training(root / f"ep{ep}", [
-        *model_overrides(args, args.experts), f"launcher.nproc_per_node={args.world_size}",
-        f"parallel.ep={ep}", f"train.steps={args.steps}", "train.log_every=1"],
-        plugins=[StepClock(clock)])
+    run = run_training(
+        root / f"ep{ep}",
+        [
+            *model_overrides(args, args.experts),
+            f"launcher.nproc_per_node={args.world_size}",
+            f"parallel.ep={ep}",
+            f"train.steps={args.steps}",
+            "train.log_every=1",
+        ],
+        plugins=[StepClock(clock)],
+    )
     stamps = [float(line) for line in clock.read_text().split()]
-    metrics = read_metrics(run)[args.warmup:]
+    metrics = read_metrics(run)[args.warmup :]
     tokens_per_step = args.batch * args.seq
-    return {"tokens_per_s": steps_per_s(stamps, args.warmup) * tokens_per_step,
-            "peak": max(m["peak_memory_bytes/max"] for m in metrics),
-            "a2a": sum(m.get("moe/all_to_all_bytes", 0.0) for m in metrics) / len(metrics)}
+    return {
+        "tokens_per_s": steps_per_s(stamps, args.warmup) * tokens_per_step,
+        "peak": max(m["peak_memory_bytes/max"] for m in metrics),
+        "a2a": sum(m.get("moe/all_to_all_bytes", 0.0) for m in metrics) / len(metrics),
+    }
 
 
 def a2a_theory(ep: int, args) -> float:
@@ -80,8 +96,14 @@ def a2a_theory(ep: int, args) -> float:
 
 def per_rank_bytes(args, ep: int, experts: int) -> float:
     """``plait estimate``'s per-rank total for ``experts`` experts at ``ep``."""
-    plan = make_plan([*model_overrides(args, experts), "tracker=none",
-                      f"launcher.nproc_per_node={args.world_size}", f"parallel.ep={ep}"]).check()
+    plan = make_plan(
+        [
+            *model_overrides(args, experts),
+            "tracker=none",
+            f"launcher.nproc_per_node={args.world_size}",
+            f"parallel.ep={ep}",
+        ]
+    ).check()
     model = meta_model(plan.pm.hook, plan.cfg)
     micro = args.batch // args.world_size
     return strategy_cost(plan, model).device_bytes + (activation_bytes(plan, model, micro) or 0)
@@ -119,32 +141,47 @@ def main() -> int:
     args = parser.parse_args()
     eps = [int(e) for e in args.eps.split(",")]
 
-    print(f"GPT-MoE: {args.layers} layers, n_embd {args.embd}, {args.experts} experts, top "
-          f"{args.top_k}; batch {args.batch} x seq {args.seq}; {args.world_size} processes, "
-          f"strategy={args.strategy}", flush=True)
+    print(
+        f"GPT-MoE: {args.layers} layers, n_embd {args.embd}, {args.experts} experts, top "
+        f"{args.top_k}; batch {args.batch} x seq {args.seq}; {args.world_size} processes, "
+        f"strategy={args.strategy}",
+        flush=True,
+    )
     if not args.estimate_only:
         with tempfile.TemporaryDirectory() as tmp:
             results = {ep: train(Path(tmp), ep, args) for ep in eps}
         base = results[eps[0]]
-        print(f"{'ep':>3} {'tokens/s':>10} {'x ep1':>6} {'peak MiB/rank':>14} {'x ep1':>6} "
-              f"{'params MiB/rank':>16} {'a2a KiB/step':>13} {'theory KiB':>11} "
-              f"{'meas/theory':>11}")
+        print(
+            f"{'ep':>3} {'tokens/s':>10} {'x ep1':>6} {'peak MiB/rank':>14} {'x ep1':>6} "
+            f"{'params MiB/rank':>16} {'a2a KiB/step':>13} {'theory KiB':>11} "
+            f"{'meas/theory':>11}"
+        )
         for ep, r in results.items():
-            dims = make_plan([*model_overrides(args, args.experts), "tracker=none",
-                              f"launcher.nproc_per_node={args.world_size}",
-                              f"parallel.ep={ep}"]).check()
+            dims = make_plan(
+                [
+                    *model_overrides(args, args.experts),
+                    "tracker=none",
+                    f"launcher.nproc_per_node={args.world_size}",
+                    f"parallel.ep={ep}",
+                ]
+            ).check()
             model = meta_model(dims.pm.hook, dims.cfg)
             params = sum(parameters_per_rank(model, dims.dims)) * 4
             theory = a2a_theory(ep, args)
             ratio = f"{r['a2a'] / theory:.3f}" if theory else "-"
             speed = r["tokens_per_s"] / base["tokens_per_s"]
-            print(f"{ep:>3} {r['tokens_per_s']:>10.0f} {speed:>6.2f} {r['peak'] / 2**20:>14.1f}"
-                  f" {r['peak'] / base['peak']:>6.2f}"
-                  f" {params / 2**20:>16.2f} {r['a2a'] / 1024:>13.1f} {theory / 1024:>11.1f}"
-                  f" {ratio:>11}", flush=True)
+            print(
+                f"{ep:>3} {r['tokens_per_s']:>10.0f} {speed:>6.2f} {r['peak'] / 2**20:>14.1f}"
+                f" {r['peak'] / base['peak']:>6.2f}"
+                f" {params / 2**20:>16.2f} {r['a2a'] / 1024:>13.1f} {theory / 1024:>11.1f}"
+                f" {ratio:>11}",
+                flush=True,
+            )
     budget = args.budget_mb * 2**20
-    print(f"most experts per layer within {args.budget_mb:g} MiB per rank (plait estimate: "
-          f"model states under strategy={args.strategy} + one micro-batch's activations):")
+    print(
+        f"most experts per layer within {args.budget_mb:g} MiB per rank (plait estimate: "
+        f"model states under strategy={args.strategy} + one micro-batch's activations):"
+    )
     for ep in eps:
         print(f"  ep={ep}: {most_experts(args, ep, budget)}", flush=True)
     return 0

@@ -30,11 +30,20 @@ from plait.testing import StepClock, exit_without_teardown, free_port, steps_per
 
 
 def overrides(args, root: Path, name: str) -> list[str]:
-    return [f"launcher.nproc_per_node={args.nproc}", "tracker=none", f"train.steps={args.steps}",
-            f"train.batch_size={args.batch_size}", f"train.seq_len={args.seq_len}",
-            f"model.n_layer={args.n_layer}", f"model.n_embd={args.n_embd}",
-            f"model.n_head={args.n_head}", f"model.block_size={args.seq_len}",
-            "fault.save_final=false", f"run.root={root}", f"run.name={name}"]
+    return [
+        f"launcher.nproc_per_node={args.nproc}",
+        "tracker=none",
+        f"train.steps={args.steps}",
+        f"train.batch_size={args.batch_size}",
+        f"train.seq_len={args.seq_len}",
+        f"model.n_layer={args.n_layer}",
+        f"model.n_embd={args.n_embd}",
+        f"model.n_head={args.n_head}",
+        f"model.block_size={args.seq_len}",
+        "checkpoint.save_final=false",
+        f"run.root={root}",
+        f"run.name={name}",
+    ]
 
 
 def run_plait(args, root: Path, name: str) -> float:
@@ -45,26 +54,36 @@ def run_plait(args, root: Path, name: str) -> float:
 
 def plain_worker(rank: int, args, port: int, clock: str, cfg: dict) -> None:
     """The loop a user would write by hand: DDP, AdamW, cosine LR, clipping, loss print."""
+    import numpy as np
+
     from plait.plugins.data import TokenWindows, cached_tokens, load_split, stdlib_sources
     from plait.plugins.models.gpt import GPT
-    import numpy as np
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.nproc)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     torch.manual_seed(cfg["seed"])
-    model = GPT(vocab_size=256, block_size=args.seq_len, n_layer=args.n_layer,
-                n_head=args.n_head, n_embd=args.n_embd).to(device)
+    model = GPT(
+        vocab_size=256,
+        block_size=args.seq_len,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+    ).to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.95), fused=cuda or None)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        fused=cuda or None,
+    )
     path = cached_tokens(stdlib_sources(), Path(cfg["cache_dir"]).expanduser(), rank)
-    data = TokenWindows(load_split(np.memmap(path, dtype=np.uint16, mode="r"), 0.01, "train"),
-                        args.seq_len)
+    data = TokenWindows(
+        load_split(np.memmap(path, dtype=np.uint16, mode="r"), 0.01, "train"), args.seq_len
+    )
     order = np.random.default_rng(cfg["seed"]).permutation(len(data))
     local = args.batch_size // args.nproc
     lr_at = cosine_with_warmup(lr=1e-3, min_lr=1e-4, warmup=10, decay=args.steps)  # plait's
@@ -73,7 +92,7 @@ def plain_worker(rank: int, args, port: int, clock: str, cfg: dict) -> None:
         for group in opt.param_groups:
             group["lr"] = lr
         start = step * args.batch_size + rank * local
-        x, y = (t.to(device) for t in data.batch(order[start:start + local].tolist()))
+        x, y = (t.to(device) for t in data.batch(order[start : start + local].tolist()))
         loss = torch.nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -115,12 +134,19 @@ def main() -> None:
             results["plait"].append(run_plait(args, Path(tmp), f"plait{i}"))
             results["plain"].append(run_plain(args, Path(tmp), f"plain{i}"))
     plait_sps, plain_sps = (statistics.median(results[k]) for k in ("plait", "plain"))
-    summary = {"plait_steps_per_s": results["plait"], "plain_steps_per_s": results["plain"],
-               "plait_median": plait_sps, "plain_median": plain_sps,
-               "ratio_plait_over_plain": plait_sps / plain_sps, "args": vars(args)}
+    summary = {
+        "plait_steps_per_s": results["plait"],
+        "plain_steps_per_s": results["plain"],
+        "plait_median": plait_sps,
+        "plain_median": plain_sps,
+        "ratio_plait_over_plain": plait_sps / plain_sps,
+        "args": vars(args),
+    }
     print(json.dumps(summary, indent=1))
-    print(f"plait {plait_sps:.2f} steps/s, plain torch DDP {plain_sps:.2f} steps/s, "
-          f"ratio {plait_sps / plain_sps:.3f}")
+    print(
+        f"plait {plait_sps:.2f} steps/s, plain torch DDP {plain_sps:.2f} steps/s, "
+        f"ratio {plait_sps / plain_sps:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ class Recorder:
             self.peak = max(self.peak, self.held)
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
             return out
+
         return run
 
 
@@ -130,8 +131,7 @@ def measure(rank: int, world: int, schedule: str, m: int, steps: int, shape: dic
     split = split_stages(model, n_stages, "layers")
     mine = [s for s in range(n_stages) if placement[s] == rank]
     stage_modules = build_stage_modules(model, split, mine)
-    stages = [PipelineStage(c, i, n_stages, torch.device("cpu"))
-              for i, c in stage_modules.chunks]
+    stages = [PipelineStage(c, i, n_stages, torch.device("cpu")) for i, c in stage_modules.chunks]
     try:
         sched = make_schedule(schedule, stages, m, loss_fn)
     except ValueError:
@@ -139,8 +139,7 @@ def measure(rank: int, world: int, schedule: str, m: int, steps: int, shape: dic
     batch = shape["micro_batch"]
     x = torch.randint(0, 256, (batch * m, shape["seq"]))
     y = torch.randint(0, 256, (batch * m, shape["seq"]))
-    sizes = {i: activation_bytes(c, x[:batch], i == 0, shape)
-             for i, c in stage_modules.chunks}
+    sizes = {i: activation_bytes(c, x[:batch], i == 0, shape) for i, c in stage_modules.chunks}
     recorder = Recorder(schedule in ("zero_bubble", "zbv"), sizes)
     for stage in stages:
         recorder.wrap(stage)
@@ -159,8 +158,16 @@ def measure(rank: int, world: int, schedule: str, m: int, steps: int, shape: dic
     return (statistics.mean(bubbles), statistics.median(times), *max(peaks))
 
 
-def bench_rank(rank: int, world: int, schedules: list[str], micro: list[int], steps: int,
-               repeats: int, shape: dict, out_dir: str) -> None:
+def bench_rank(
+    rank: int,
+    world: int,
+    schedules: list[str],
+    micro: list[int],
+    steps: int,
+    repeats: int,
+    shape: dict,
+    out_dir: str,
+) -> None:
     """Every case ``repeats`` times, interleaved: the whole sweep once, then again, so that a
     change in the machine's load hits every schedule alike."""
     torch.set_num_threads(1)
@@ -177,15 +184,18 @@ def report(p: int, schedules: list[str], micro: list[int], repeats: int, out_dir
     rank's bubble, and the step time (the slowest rank's); activations from the first."""
     per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(p)]
     print(f"\n### pp = {p} (median of {repeats} interleaved repetition(s))\n")
-    print("| schedule | m | bubble: mean / worst rank | theory | step ms | in flight per rank | "
-          "act MiB per rank |")
+    print(
+        "| schedule | m | bubble: mean / worst rank | theory | step ms | in flight per rank | "
+        "act MiB per rank |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for schedule in schedules:
         for m in micro:
             runs = [rows[(schedule, m)] for rows in per_rank]  # [rank][repetition]
             if runs[0][0] is None:
-                print(f"| {schedule} | {m} | n/a | {theory(schedule, p, m):.3f} | n/a | n/a | "
-                      "n/a |")
+                print(
+                    f"| {schedule} | {m} | n/a | {theory(schedule, p, m):.3f} | n/a | n/a | n/a |"
+                )
                 continue
             reps = list(zip(*runs))  # [repetition][rank]
             mean = statistics.median(statistics.mean(r[0] for r in rep) for rep in reps)
@@ -193,8 +203,10 @@ def report(p: int, schedules: list[str], micro: list[int], repeats: int, out_dir
             step_ms = 1e3 * statistics.median(max(r[1] for r in rep) for rep in reps)
             flights = " / ".join(str(r[2]) for r in reps[0])
             mib = " / ".join(f"{r[3] / 2**20:.1f}" for r in reps[0])
-            print(f"| {schedule} | {m} | {mean:.3f} / {worst:.3f} | {theory(schedule, p, m):.3f} "
-                  f"| {step_ms:.1f} | {flights} | {mib} |")
+            print(
+                f"| {schedule} | {m} | {mean:.3f} / {worst:.3f} | {theory(schedule, p, m):.3f} "
+                f"| {step_ms:.1f} | {flights} | {mib} |"
+            )
     sys.stdout.flush()
 
 
@@ -208,34 +220,51 @@ def main() -> int:
     parser.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
     parser.add_argument("--steps", type=int, default=3, help="measured steps per case")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="interleaved repetitions of the whole sweep; medians are printed")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="interleaved repetitions of the whole sweep; medians are printed",
+    )
     parser.add_argument("--width", type=int, default=128, help="model.n_embd")
     parser.add_argument("--layers", type=int, default=8, help="model.n_layer")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
-    parser.add_argument("--oversubscribe", action="store_true",
-                        help="allow more ranks than CPU cores (their timings are not figures)")
+    parser.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="allow more ranks than CPU cores (their timings are not figures)",
+    )
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     if max(args.pp) > cores and not args.oversubscribe:
-        print(f"bench_pipeline: --pp {max(args.pp)} needs {max(args.pp)} cores, this machine has "
-              f"{cores}: a rank waiting for a peer that shares its core shows that wait as "
-              "bubble. Use a smaller --pp, or --oversubscribe for a run whose timings you will "
-              "not report", file=sys.stderr)
+        print(
+            f"bench_pipeline: --pp {max(args.pp)} needs {max(args.pp)} cores, this machine has "
+            f"{cores}: a rank waiting for a peer that shares its core shows that wait as "
+            "bubble. Use a smaller --pp, or --oversubscribe for a run whose timings you will "
+            "not report",
+            file=sys.stderr,
+        )
         return 2
     import tempfile
 
-    shape = {"layers": args.layers, "width": args.width, "seq": args.seq,
-             "micro_batch": args.micro_batch}
-    print(f"GPT {args.layers} blocks, width {args.width}, seq {args.seq}, {args.micro_batch} "
-          f"sequences per micro-batch; {args.steps} measured steps after 1 warm-up per case, "
-          f"{args.repeats} interleaved repetition(s); gloo, 1 thread per rank; {cores} CPU "
-          f"cores; load average {load_average()} (1, 5, 15 min) at the start")
+    shape = {
+        "layers": args.layers,
+        "width": args.width,
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+    }
+    print(
+        f"GPT {args.layers} blocks, width {args.width}, seq {args.seq}, {args.micro_batch} "
+        f"sequences per micro-batch; {args.steps} measured steps after 1 warm-up per case, "
+        f"{args.repeats} interleaved repetition(s); gloo, 1 thread per rank; {cores} CPU "
+        f"cores; load average {load_average()} (1, 5, 15 min) at the start"
+    )
     for p in args.pp:
         with tempfile.TemporaryDirectory() as out_dir:
-            spawn(bench_rank, p, args.schedules, args.micro, args.steps, args.repeats, shape,
-                  out_dir)
+            spawn(
+                bench_rank, p, args.schedules, args.micro, args.steps, args.repeats, shape, out_dir
+            )
             report(p, args.schedules, args.micro, args.repeats, out_dir)
     print(f"\nload average {load_average()} (1, 5, 15 min) at the end")
     return 0

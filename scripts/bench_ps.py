@@ -79,8 +79,13 @@ class EmulatedDevice:
     at its k-th forward pass worker ``first + k % n`` sleeps ``extra`` more (one slow worker per
     step, a different one each step: stragglers that come and go)."""
 
-    def __init__(self, seconds: float, straggler: int = -1, extra: float = 0.0,
-                 moving: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        seconds: float,
+        straggler: int = -1,
+        extra: float = 0.0,
+        moving: tuple[int, int] | None = None,
+    ):
         self.seconds, self.straggler, self.extra, self.moving = seconds, straggler, extra, moving
 
     @hookimpl
@@ -88,8 +93,11 @@ class EmulatedDevice:
         if self.moving:
             first, n = self.moving
             passes = itertools.count()
-            model.register_forward_pre_hook(lambda module, args: time.sleep(
-                self.seconds + (self.extra if next(passes) % n == topology.rank - first else 0)))
+            model.register_forward_pre_hook(
+                lambda module, args: time.sleep(
+                    self.seconds + (self.extra if next(passes) % n == topology.rank - first else 0)
+                )
+            )
             return
         pause = self.seconds + (self.extra if topology.rank == self.straggler else 0.0)
         if pause:
@@ -100,36 +108,57 @@ def servers(overrides: list[str]) -> int:
     return int("strategy=parameter_server" in overrides)
 
 
-def run(root: Path, name: str, overrides: list[str], args, slow_seconds: float,
-        moving: bool = False) -> dict:
+def run(
+    root: Path, name: str, overrides: list[str], args, slow_seconds: float, moving: bool = False
+) -> dict:
     workers, extra = args.workers, servers(overrides)
     run_dir = root / name
     clock = root / f"{name}.clock"
-    device = EmulatedDevice(args.device_ms / 1e3, straggler=extra + workers - 1,
-                            extra=slow_seconds, moving=(extra, workers) if moving else None)
+    device = EmulatedDevice(
+        args.device_ms / 1e3,
+        straggler=extra + workers - 1,
+        extra=slow_seconds,
+        moving=(extra, workers) if moving else None,
+    )
     plugins = [StepClock(clock), device]
     started = time.perf_counter()
-    run_training(run_dir, [*args.common, *overrides, f"launcher.nproc_per_node={workers + extra}",
-                           f"train.batch_size={args.batch}", f"train.steps={args.steps}"],
-                 plugins=plugins)
+    run_training(
+        run_dir,
+        [
+            *args.common,
+            *overrides,
+            f"launcher.nproc_per_node={workers + extra}",
+            f"train.batch_size={args.batch}",
+            f"train.steps={args.steps}",
+        ],
+        plugins=plugins,
+    )
     stamps = [float(line) for line in clock.read_text().split()]
     metrics = read_metrics(run_dir)
     last = metrics[-1]
-    per_worker = [v for k, v in last.items() if k.startswith("ps/worker") and k.endswith("/samples_per_s")]
+    per_worker = [
+        v for k, v in last.items() if k.startswith("ps/worker") and k.endswith("/samples_per_s")
+    ]
     if per_worker and "strategy.mode=async" in overrides:  # workers at their own pace
         throughput = sum(per_worker)
     else:
-        timed = stamps[args.warmup:]
+        timed = stamps[args.warmup :]
         throughput = args.batch * (len(timed) - 1) / (timed[-1] - timed[0])
-    return {"throughput": throughput, "stamps": stamps,
-            "losses": {m["step"]: m["loss"] for m in metrics},
-            "wall_s": time.perf_counter() - started}
+    return {
+        "throughput": throughput,
+        "stamps": stamps,
+        "losses": {m["step"]: m["loss"] for m in metrics},
+        "wall_s": time.perf_counter() - started,
+    }
 
 
 def loss_at(result: dict, budget: float) -> float:
     start = result["stamps"][0]
-    seen = [loss for step, loss in sorted(result["losses"].items())
-            if result["stamps"][step - 1] - start <= budget]
+    seen = [
+        loss
+        for step, loss in sorted(result["losses"].items())
+        if result["stamps"][step - 1] - start <= budget
+    ]
     return seen[-1] if seen else float("nan")
 
 
@@ -138,7 +167,7 @@ def full_speed_step_seconds(result: dict, args) -> float:
     on top of its own step to be 2x slower. Measured on the job itself, not on one process
     alone: here the workers share the host's cores, so a step is the device time plus the
     compute they contend for (a solo step's sleep made the straggler only ~1.35x slower)."""
-    stamps = result["stamps"][args.warmup:]
+    stamps = result["stamps"][args.warmup :]
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
 
@@ -148,23 +177,39 @@ def run_on_nodes(root: Path, name: str, overrides: list[str], args, rate: str | 
     from netns_cluster import run_job
 
     processes = args.workers + servers(overrides)
-    summary = run_job(processes, 1, [
-        *args.common, *overrides, f"train.batch_size={args.batch}", f"train.steps={args.steps}",
-        f"run.root={root}", f"run.name={name}", "+plugins=[plait.testing:link_counter]"],
-        rate=rate)
+    summary = run_job(
+        processes,
+        1,
+        [
+            *args.common,
+            *overrides,
+            f"train.batch_size={args.batch}",
+            f"train.steps={args.steps}",
+            f"run.root={root}",
+            f"run.name={name}",
+            "+plugins=[plait.testing:link_counter]",
+        ],
+        rate=rate,
+    )
     if any(summary["exit_codes"]):
         raise SystemExit(f"bench_ps: plait train failed: {summary}")
     metrics = read_metrics(root / name)
     step_s = [m["step_time_s/max"] for m in metrics]
-    per_worker = [v for k, v in metrics[-1].items()
-                  if k.startswith("ps/worker") and k.endswith("/samples_per_s")]
+    per_worker = [
+        v
+        for k, v in metrics[-1].items()
+        if k.startswith("ps/worker") and k.endswith("/samples_per_s")
+    ]
     if per_worker and "strategy.mode=async" in overrides:
         throughput = sum(per_worker)
     else:
-        throughput = args.batch / statistics.mean(step_s[args.warmup:])
-    return {"throughput": throughput, "stamps": list(itertools.accumulate(step_s)),
-            "losses": {m["step"]: m["loss"] for m in metrics},
-            "link_mb_per_step": link_bytes_per_step(root / name, args.warmup) / 1e6}
+        throughput = args.batch / statistics.mean(step_s[args.warmup :])
+    return {
+        "throughput": throughput,
+        "stamps": list(itertools.accumulate(step_s)),
+        "losses": {m["step"]: m["loss"] for m in metrics},
+        "link_mb_per_step": link_bytes_per_step(root / name, args.warmup) / 1e6,
+    }
 
 
 def link_table(args, strategies: dict[str, list[str]]) -> None:
@@ -173,24 +218,32 @@ def link_table(args, strategies: dict[str, list[str]]) -> None:
         for name, overrides in strategies.items():  # free and limited alternate per strategy
             for rate in (None, args.rate):
                 tag = f"{name}-{rate or 'free'}".replace(" ", "_").replace("(", "").replace(")", "")
-                results[(name, rate)] = run_on_nodes(Path(tmp), tag.replace("=", ""), overrides,
-                                                     args, rate)
+                results[(name, rate)] = run_on_nodes(
+                    Path(tmp), tag.replace("=", ""), overrides, args, rate
+                )
     first = results[(next(iter(strategies)), None)]  # DDP unless left out
     budget = args.budget or first["stamps"][-1] - first["stamps"][0]
-    print(f"\n{args.workers} workers, each on its own node (+1 node for the server), global batch "
-          f"{args.batch}, {args.steps} steps; links free and at {args.rate}; loss after "
-          f"{budget:.1f} s of training\n")
-    print(f"| strategy | samples/s, free | samples/s, {args.rate} | ratio | loss @ {budget:.0f} s, "
-          f"free | loss @ {budget:.0f} s, {args.rate} | MB per step on the logging worker's link |")
+    print(
+        f"\n{args.workers} workers, each on its own node (+1 node for the server), global batch "
+        f"{args.batch}, {args.steps} steps; links free and at {args.rate}; loss after "
+        f"{budget:.1f} s of training\n"
+    )
+    print(
+        f"| strategy | samples/s, free | samples/s, {args.rate} | ratio | loss @ {budget:.0f} s, "
+        f"free | loss @ {budget:.0f} s, {args.rate} | MB per step on the logging worker's link |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name in strategies:
         free, slow = results[(name, None)], results[(name, args.rate)]
-        print(f"| {name} | {free['throughput']:.1f} | {slow['throughput']:.1f} | "
-              f"{slow['throughput'] / free['throughput']:.2f}x | {loss_at(free, budget):.3f} | "
-              f"{loss_at(slow, budget):.3f} | {slow['link_mb_per_step']:.2f} |")
+        print(
+            f"| {name} | {free['throughput']:.1f} | {slow['throughput']:.1f} | "
+            f"{slow['throughput'] / free['throughput']:.2f}x | {loss_at(free, budget):.3f} | "
+            f"{loss_at(slow, budget):.3f} | {slow['link_mb_per_step']:.2f} |"
+        )
     if args.json:
-        args.json.write_text(json.dumps({f"{k[0]}|{k[1] or 'free'}": v
-                                         for k, v in results.items()}))
+        args.json.write_text(
+            json.dumps({f"{k[0]}|{k[1] or 'free'}": v for k, v in results.items()})
+        )
 
 
 def main() -> None:
@@ -200,21 +253,42 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--mid", action="store_true", help="a 4-layer, 256-wide GPT")
-    parser.add_argument("--device-ms", type=float, default=100.0,
-                        help="emulated device time per forward pass on every worker (0: none)")
+    parser.add_argument(
+        "--device-ms",
+        type=float,
+        default=100.0,
+        help="emulated device time per forward pass on every worker (0: none)",
+    )
     parser.add_argument("--budget", type=float, default=None)
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--rate", default=None,
-                        help="measure links instead of a straggler: tbf rate, e.g. 100mbit")
-    parser.add_argument("--strategies", nargs="+", choices=list(SHORT), default=list(SHORT),
-                        help="the strategies to run (the loss budget is the first one's time)")
-    parser.add_argument("--stragglers", action=argparse.BooleanOptionalAction, default=True,
-                        help="--no-stragglers: the no-straggler case only")
+    parser.add_argument(
+        "--rate", default=None, help="measure links instead of a straggler: tbf rate, e.g. 100mbit"
+    )
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        choices=list(SHORT),
+        default=list(SHORT),
+        help="the strategies to run (the loss budget is the first one's time)",
+    )
+    parser.add_argument(
+        "--stragglers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--no-stragglers: the no-straggler case only",
+    )
     args = parser.parse_args()
     strategies = {SHORT[s]: STRATEGIES[SHORT[s]] for s in args.strategies}
     cases = CASES if args.stragglers else CASES[:1]
-    args.common = ["model=gpt_tiny", "tracker=none", "device=cpu", "train.seq_len=64",
-                   "optimizer.warmup_steps=2", "train.log_every=1", *(MID if args.mid else [])]
+    args.common = [
+        "model=gpt_tiny",
+        "tracker=none",
+        "device=cpu",
+        "train.seq_len=64",
+        "optimizer.warmup_steps=2",
+        "train.log_every=1",
+        *(MID if args.mid else []),
+    ]
     if args.rate:
         link_table(args, strategies)
         return
@@ -229,30 +303,42 @@ def main() -> None:
             for case in cases:
                 if delay is None and case != "no straggler":  # after DDP's full-speed run
                     delay = full_speed_step_seconds(results[(name, "no straggler")], args)
-                    print(f"device time {args.device_ms:.0f} ms per forward on every worker; "
-                          f"straggler: the last worker sleeps {delay * 1e3:.0f} ms more (one "
-                          f"full-speed step of {name}: 2x slower)")
+                    print(
+                        f"device time {args.device_ms:.0f} ms per forward on every worker; "
+                        f"straggler: the last worker sleeps {delay * 1e3:.0f} ms more (one "
+                        f"full-speed step of {name}: 2x slower)"
+                    )
                 tag = f"{name}|{case}".replace(" ", "_").replace("(", "").replace(")", "")
                 tag = tag.replace("|", "-").replace("=", "")
                 seconds = delay if case != "no straggler" else 0.0
-                results[(name, case)] = run(root, tag, overrides, args, seconds,
-                                            moving=case == "moving straggler")
+                results[(name, case)] = run(
+                    root, tag, overrides, args, seconds, moving=case == "moving straggler"
+                )
     first = results[(next(iter(strategies)), "no straggler")]  # DDP unless left out
     budget = args.budget or first["stamps"][-1] - first["stamps"][0]
-    print(f"\n{args.workers} workers, global batch {args.batch}, {args.steps} steps; loss after "
-          f"{budget:.1f} s of training\n")
-    print(f"| strategy | samples/s | straggler 2x: samples/s | ratio | moving straggler: "
-          f"samples/s | ratio | loss @ {budget:.0f} s | straggler 2x | moving |")
+    print(
+        f"\n{args.workers} workers, global batch {args.batch}, {args.steps} steps; loss after "
+        f"{budget:.1f} s of training\n"
+    )
+    print(
+        f"| strategy | samples/s | straggler 2x: samples/s | ratio | moving straggler: "
+        f"samples/s | ratio | loss @ {budget:.0f} s | straggler 2x | moving |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name in strategies:
         base = results[(name, "no straggler")]
         row = [f"{base['throughput']:.1f}"]
         for case in CASES[1:]:
             got = results.get((name, case))
-            row += ([f"{got['throughput']:.1f}", f"{got['throughput'] / base['throughput']:.2f}x"]
-                    if got else ["-", "-"])
-        losses = [f"{loss_at(results[(name, c)], budget):.3f}" if (name, c) in results else "-"
-                  for c in CASES]
+            row += (
+                [f"{got['throughput']:.1f}", f"{got['throughput'] / base['throughput']:.2f}x"]
+                if got
+                else ["-", "-"]
+            )
+        losses = [
+            f"{loss_at(results[(name, c)], budget):.3f}" if (name, c) in results else "-"
+            for c in CASES
+        ]
         print(f"| {name} | {' | '.join(row)} | {' | '.join(losses)} |")
     if args.json:
         args.json.write_text(json.dumps({f"{k[0]}|{k[1]}": v for k, v in results.items()}))

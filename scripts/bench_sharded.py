@@ -32,16 +32,30 @@ STRATEGIES = ("zero3", "fsdp")
 
 
 def run_once(root: Path, name: str, strategy: str, args) -> dict:
-    run = run_training(root / name, [
-        f"strategy={strategy}", f"launcher.nproc_per_node={args.dp}",
-        f"model.n_layer={args.layers}", f"model.n_embd={args.embd}", f"model.n_head={args.heads}",
-        f"model.block_size={args.seq}", f"train.seq_len={args.seq}",
-        f"train.batch_size={args.batch}", f"train.steps={args.steps}", f"precision={args.precision}",
-        "train.log_every=1", "fault.save_final=false"], plugins=[MemoryProbe()])
+    run = run_training(
+        root / name,
+        [
+            f"strategy={strategy}",
+            f"launcher.nproc_per_node={args.dp}",
+            f"model.n_layer={args.layers}",
+            f"model.n_embd={args.embd}",
+            f"model.n_head={args.heads}",
+            f"model.block_size={args.seq}",
+            f"train.seq_len={args.seq}",
+            f"train.batch_size={args.batch}",
+            f"train.steps={args.steps}",
+            f"precision={args.precision}",
+            "train.log_every=1",
+            "checkpoint.save_final=false",
+        ],
+        plugins=[MemoryProbe()],
+    )
     metrics = read_metrics(run)
     last = metrics[-1]
-    return {"step_s": statistics.median(m["step_time_s/max"] for m in metrics[args.warmup:]),
-            "above_start": last["peak_memory_bytes/max"] - last["memory/rss_before_model_bytes"]}
+    return {
+        "step_s": statistics.median(m["step_time_s/max"] for m in metrics[args.warmup :]),
+        "above_start": last["peak_memory_bytes/max"] - last["memory/rss_before_model_bytes"],
+    }
 
 
 def main() -> None:
@@ -62,10 +76,12 @@ def main() -> None:
         for rep in range(args.reps):
             for strategy in STRATEGIES:
                 runs[strategy].append(run_once(Path(root), f"{strategy}-{rep}", strategy, args))
-    print(f"\nGPT {args.layers} layers x {args.embd}, seq {args.seq}, batch {args.batch}, "
-          f"{args.precision}, dp={args.dp}; medians of {args.reps} interleaved runs, "
-          f"{args.steps} steps ({args.warmup} warm-up); load average at the end "
-          f"{os.getloadavg()[0]:.2f}\n")
+    print(
+        f"\nGPT {args.layers} layers x {args.embd}, seq {args.seq}, batch {args.batch}, "
+        f"{args.precision}, dp={args.dp}; medians of {args.reps} interleaved runs, "
+        f"{args.steps} steps ({args.warmup} warm-up); load average at the end "
+        f"{os.getloadavg()[0]:.2f}\n"
+    )
     print("| strategy | step s | x zero3 | peak above start MiB | x zero3 |")
     print("| --- | ---: | ---: | ---: | ---: |")
     base = None
@@ -73,8 +89,10 @@ def main() -> None:
         step = statistics.median(r["step_s"] for r in runs[strategy])
         memory = statistics.median(r["above_start"] for r in runs[strategy])
         base = base or (step, memory)
-        print(f"| {strategy} | {step:.3f} | {step / base[0]:.3f} | {memory / MIB:.1f} "
-              f"| {memory / base[1]:.3f} |")
+        print(
+            f"| {strategy} | {step:.3f} | {step / base[0]:.3f} | {memory / MIB:.1f} "
+            f"| {memory / base[1]:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -29,13 +29,26 @@ from plait.testing import StepClock, steps_per_s
 
 def run(args, root: Path, name: str, factor: float) -> float:
     clock = root / f"{name}.clock"
-    api.train([f"launcher.nproc_per_node={args.nproc}", "tracker=none", "model=gpt_tiny",
-               f"train.steps={args.steps}", f"train.batch_size={args.batch_size}",
-               f"train.seq_len={args.seq_len}", f"model.n_layer={args.n_layer}",
-               f"model.n_embd={args.n_embd}", f"model.n_head={args.n_head}",
-               f"model.block_size={args.seq_len}", f"train.log_every={args.log_every}",
-               f"fault.straggler_factor={factor}", "fault.save_final=false",
-               f"run.root={root}", f"run.name={name}"], plugins=[StepClock(str(clock))])
+    api.train(
+        [
+            f"launcher.nproc_per_node={args.nproc}",
+            "tracker=none",
+            "model=gpt_tiny",
+            f"train.steps={args.steps}",
+            f"train.batch_size={args.batch_size}",
+            f"train.seq_len={args.seq_len}",
+            f"model.n_layer={args.n_layer}",
+            f"model.n_embd={args.n_embd}",
+            f"model.n_head={args.n_head}",
+            f"model.block_size={args.seq_len}",
+            f"train.log_every={args.log_every}",
+            f"fault.straggler_factor={factor}",
+            "checkpoint.save_final=false",
+            f"run.root={root}",
+            f"run.name={name}",
+        ],
+        plugins=[StepClock(str(clock))],
+    )
     return steps_per_s([float(t) for t in clock.read_text().split()], args.warmup)
 
 
@@ -58,9 +71,19 @@ def main() -> None:
             results["detector_on"].append(run(args, Path(tmp), f"on{i}", 1.5))
             results["detector_off"].append(run(args, Path(tmp), f"off{i}", 0.0))
     on, off = (statistics.median(results[k]) for k in ("detector_on", "detector_off"))
-    print(json.dumps({"steps_per_s": results, "median_on": on, "median_off": off,
-                      "overhead": off / on - 1, "load_average": os.getloadavg(),
-                      "args": vars(args)}, indent=1))
+    print(
+        json.dumps(
+            {
+                "steps_per_s": results,
+                "median_on": on,
+                "median_off": off,
+                "overhead": off / on - 1,
+                "load_average": os.getloadavg(),
+                "args": vars(args),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from plait.engine.norm import ShardGroups, clip_grad_norm_
 from plait.plugins.models.gpt import GPT
-from plait.plugins.optim.clip_grads import clip_grad_norm_
 from plait.plugins.tensor_parallel.layers import VocabParallelCrossEntropy
 from plait.plugins.tensor_parallel.plan import TensorParallelPlan, apply_plan
 from plait.testing import spawn
@@ -66,13 +66,20 @@ def saved_activation_bytes(model, loss_fn, idx, targets) -> int:
 def measure(rank: int, world: int, sp: bool, args: dict, out: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the cores
     torch.manual_seed(0)
-    model = GPT(vocab_size=args["vocab"], block_size=args["seq"], n_layer=args["layers"],
-                n_head=args["heads"], n_embd=args["embd"], bias=True)
+    model = GPT(
+        vocab_size=args["vocab"],
+        block_size=args["seq"],
+        n_layer=args["layers"],
+        n_head=args["heads"],
+        n_embd=args["embd"],
+        bias=True,
+    )
     group, loss_fn = None, cross_entropy
     if world > 1:
         group = dist.group.WORLD
-        apply_plan(model, TensorParallelPlan(styles=dict(GPT.tensor_parallel_plan)), group,
-                   rank, world, sp)
+        apply_plan(
+            model, TensorParallelPlan(styles=dict(GPT.tensor_parallel_plan)), group, rank, world, sp
+        )
         loss_fn = VocabParallelCrossEntropy(group, rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     idx = torch.randint(0, args["vocab"], (args["batch"], args["seq"]))
@@ -86,14 +93,15 @@ def measure(rank: int, world: int, sp: bool, args: dict, out: str) -> None:
             dist.barrier()
         start = time.perf_counter()
         loss_fn(model(idx), targets).backward()
-        clip_grad_norm_(model.parameters(), 1.0, group, rank)
+        clip_grad_norm_(model.parameters(), 1.0, ShardGroups(tp=group, tp_rank=rank))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step >= 2:
             times.append(time.perf_counter() - start)
     if rank == 0:
-        Path(out).write_text(json.dumps({"param": param_bytes, "act": act_bytes,
-                                         "step": statistics.median(times)}))
+        Path(out).write_text(
+            json.dumps({"param": param_bytes, "act": act_bytes, "step": statistics.median(times)})
+        )
 
 
 def load_average() -> str:
@@ -109,16 +117,25 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="interleaved runs of each layout; medians are printed")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="interleaved runs of each layout; medians are printed",
+    )
     args = vars(parser.parse_args())
-    print(f"GPT layers={args['layers']} embd={args['embd']} heads={args['heads']} "
-          f"vocab={args['vocab']} seq={args['seq']} batch={args['batch']}, fp32, cpu (gloo); "
-          f"figures of rank 0; {args['repeats']} interleaved run(s) of each layout, "
-          f"{args['steps']} timed steps each after 2 warm-up steps; {os.cpu_count()} CPU cores; "
-          f"load average {load_average()} (1, 5, 15 min) at the start")
-    layouts = (("tp=1 (plain torch)", 1, False), ("tp=2", 2, False),
-               ("tp=2 + sequence parallel", 2, True))
+    print(
+        f"GPT layers={args['layers']} embd={args['embd']} heads={args['heads']} "
+        f"vocab={args['vocab']} seq={args['seq']} batch={args['batch']}, fp32, cpu (gloo); "
+        f"figures of rank 0; {args['repeats']} interleaved run(s) of each layout, "
+        f"{args['steps']} timed steps each after 2 warm-up steps; {os.cpu_count()} CPU cores; "
+        f"load average {load_average()} (1, 5, 15 min) at the start"
+    )
+    layouts = (
+        ("tp=1 (plain torch)", 1, False),
+        ("tp=2", 2, False),
+        ("tp=2 + sequence parallel", 2, True),
+    )
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in layouts}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args["repeats"]):  # tp=1, tp=2, tp=2+sp, tp=1, ...
@@ -127,22 +144,36 @@ def main() -> None:
                 spawn(measure, world, sp, args, out)
                 runs[label].append(json.loads(Path(out).read_text()))
     # memory is the same in every run; step time: the median run, and the spread
-    rows = [(label, {"param": r[0]["param"], "act": r[0]["act"],
-                     "step": statistics.median(x["step"] for x in r),
-                     "spread": (min(x["step"] for x in r), max(x["step"] for x in r))})
-            for label, r in runs.items()]
+    rows = [
+        (
+            label,
+            {
+                "param": r[0]["param"],
+                "act": r[0]["act"],
+                "step": statistics.median(x["step"] for x in r),
+                "spread": (min(x["step"] for x in r), max(x["step"] for x in r)),
+            },
+        )
+        for label, r in runs.items()
+    ]
     base = rows[0][1]
-    mib = 2 ** 20
-    print(f"{'run':26s} {'param MiB':>10s} {'x':>6s} {'act MiB':>9s} {'x':>6s} "
-          f"{'step ms':>9s} {'x':>6s}  step ms of each run (min-max)")
+    mib = 2**20
+    print(
+        f"{'run':26s} {'param MiB':>10s} {'x':>6s} {'act MiB':>9s} {'x':>6s} "
+        f"{'step ms':>9s} {'x':>6s}  step ms of each run (min-max)"
+    )
     for label, r in rows:
         low, high = r["spread"]
-        print(f"{label:26s} {r['param'] / mib:10.2f} {r['param'] / base['param']:6.2f} "
-              f"{r['act'] / mib:9.2f} {r['act'] / base['act']:6.2f} "
-              f"{r['step'] * 1e3:9.1f} {r['step'] / base['step']:6.2f}  "
-              f"{low * 1e3:.1f}-{high * 1e3:.1f}")
-    print(f"step ms: median of {args['repeats']} run(s), x: against tp=1's median; load average "
-          f"{load_average()} (1, 5, 15 min) at the end")
+        print(
+            f"{label:26s} {r['param'] / mib:10.2f} {r['param'] / base['param']:6.2f} "
+            f"{r['act'] / mib:9.2f} {r['act'] / base['act']:6.2f} "
+            f"{r['step'] * 1e3:9.1f} {r['step'] / base['step']:6.2f}  "
+            f"{low * 1e3:.1f}-{high * 1e3:.1f}"
+        )
+    print(
+        f"step ms: median of {args['repeats']} run(s), x: against tp=1's median; load average "
+        f"{load_average()} (1, 5, 15 min) at the end"
+    )
 
 
 if __name__ == "__main__":

@@ -79,12 +79,21 @@ def mean_step_time(ends: dict[int, float], warmup: int, steps: int) -> float:
 
 
 def model_overrides(args) -> list[str]:
-    return ["model=gpt_tiny", f"model.n_layer={args.n_layer}", f"model.n_embd={args.n_embd}",
-            f"model.n_head={args.n_head}", f"model.block_size={args.seq_len}",
-            f"train.seq_len={args.seq_len}", f"train.batch_size={args.batch_size}",
-            f"train.grad_accum_steps={args.grad_accum}", "tracker=none", "fault.save_final=false",
-            f"launcher.nproc_per_node={args.world_size}", "optimizer.warmup_steps=2",
-            f"train.log_every={args.warmup}"]
+    return [
+        "model=gpt_tiny",
+        f"model.n_layer={args.n_layer}",
+        f"model.n_embd={args.n_embd}",
+        f"model.n_head={args.n_head}",
+        f"model.block_size={args.seq_len}",
+        f"train.seq_len={args.seq_len}",
+        f"train.batch_size={args.batch_size}",
+        f"train.grad_accum_steps={args.grad_accum}",
+        "tracker=none",
+        "checkpoint.save_final=false",
+        f"launcher.nproc_per_node={args.world_size}",
+        "optimizer.warmup_steps=2",
+        f"train.log_every={args.warmup}",
+    ]
 
 
 def run_plait(root: Path, name: str, stage: int, steps: int, args) -> Path:
@@ -92,8 +101,9 @@ def run_plait(root: Path, name: str, stage: int, steps: int, args) -> Path:
     return run_training(root / name, overrides, plugins=[StepClock()])
 
 
-def raw_rank(rank: int, world_size: int, ds_config: dict, model_cfg: dict, steps: int,
-             seq_len: int, out: str) -> None:
+def raw_rank(
+    rank: int, world_size: int, ds_config: dict, model_cfg: dict, steps: int, seq_len: int, out: str
+) -> None:
     """The loop a DeepSpeed user writes by hand (DeepSpeed's getting-started shape)."""
     import deepspeed
 
@@ -102,12 +112,20 @@ def raw_rank(rank: int, world_size: int, ds_config: dict, model_cfg: dict, steps
     torch.manual_seed(1337)
     model = GPT(**model_cfg)
     weight_decay = ds_config["optimizer"]["params"]["weight_decay"]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
-                                      config=ds_config, dist_init_required=False)
-    micro, gas = ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, weight_decay),
+        config=ds_config,
+        dist_init_required=False,
+    )
+    micro, gas = (
+        ds_config["train_micro_batch_size_per_gpu"],
+        ds_config["gradient_accumulation_steps"],
+    )
     gen = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, model_cfg["vocab_size"], (steps, gas, micro, seq_len + 1),
-                           generator=gen)
+    tokens = torch.randint(
+        0, model_cfg["vocab_size"], (steps, gas, micro, seq_len + 1), generator=gen
+    )
     ends = []
     for step in range(steps):
         for i in range(gas):
@@ -126,19 +144,23 @@ def run_raw(plait_run: Path, steps: int, args) -> dict[int, float]:
 
     cfg = OmegaConf.load(plait_run / "config.yaml")
     opt = cfg.optimizer  # the same hyperparameters plait's run used, as DeepSpeed's AdamW
-    optimizer = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=opt.lr,
-                                  betas=tuple(opt.betas), eps=opt.eps,
-                                  weight_decay=opt.weight_decay)
-    ds_config = engine_config(cfg, ParallelDims.from_config(cfg, world_size=args.world_size),
-                              optimizer)
+    optimizer = torch.optim.AdamW(
+        [torch.zeros(1, requires_grad=True)],
+        lr=opt.lr,
+        betas=tuple(opt.betas),
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+    )
+    ds_config = engine_config(
+        cfg, ParallelDims.from_config(cfg, world_size=args.world_size), optimizer
+    )
     model_cfg = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "_target_"}
     out = plait_run.parent / f"raw-{plait_run.name}.json"
     spawn(raw_rank, args.world_size, ds_config, model_cfg, steps, args.seq_len, str(out))
     return {step + 1: t for step, t in enumerate(json.loads(out.read_text()))}
 
 
-def engine_ab_rank(rank: int, world_size: int, overrides: list[str], blocks: int,
-                   out: str) -> None:
+def engine_ab_rank(rank: int, world_size: int, overrides: list[str], blocks: int, out: str) -> None:
     """plait's ZeroEngine and a raw DeepSpeed engine built side by side in the same processes,
     timed in alternating blocks of 10 steps on the same micro-batches: engine overhead alone,
     with the machine's load shared alike."""
@@ -159,9 +181,13 @@ def engine_ab_rank(rank: int, world_size: int, overrides: list[str], blocks: int
     weight_decay = cfg.optimizer.weight_decay
     torch.manual_seed(cfg.seed)
     model = GPT(**model_cfg)
-    optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=cfg.optimizer.lr,
-                                  betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,
-                                  weight_decay=weight_decay)
+    optimizer = torch.optim.AdamW(
+        param_groups(model, weight_decay),
+        lr=cfg.optimizer.lr,
+        betas=tuple(cfg.optimizer.betas),
+        eps=cfg.optimizer.eps,
+        weight_decay=weight_decay,
+    )
     ds_config = engine_config(cfg, topology.dims, optimizer)
     guard = StepGuard()  # fault=checkpoint's, on by default: its agreement is plait's overhead
 
@@ -170,8 +196,12 @@ def engine_ab_rank(rank: int, world_size: int, overrides: list[str], blocks: int
 
     plait_engine = ZeroEngine(model, optimizer, cross_entropy, topology, ds_config, check_step)
     model = GPT(**model_cfg)
-    raw, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
-                                   config=ds_config, dist_init_required=False)
+    raw, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, weight_decay),
+        config=ds_config,
+        dist_init_required=False,
+    )
     micro = ds_config["train_micro_batch_size_per_gpu"]
     tokens = torch.randint(0, model_cfg["vocab_size"], (micro, cfg.train.seq_len + 1))
     micro_batches = [(tokens[:, :-1], tokens[:, 1:])] * ds_config["gradient_accumulation_steps"]
@@ -183,8 +213,10 @@ def engine_ab_rank(rank: int, world_size: int, overrides: list[str], blocks: int
             raw.step()
         loss.item()
 
-    steps = {"plait": lambda: plait_engine.train_step(micro_batches, cfg.optimizer.lr),
-             "raw": raw_step}
+    steps = {
+        "plait": lambda: plait_engine.train_step(micro_batches, cfg.optimizer.lr),
+        "raw": raw_step,
+    }
     times = {name: [] for name in steps}
     for _ in range(3):  # warm-up
         for step in steps.values():
@@ -237,13 +269,18 @@ def main() -> int:
                 measured[stage] = model_state_bytes(run)
                 if args.bytes_only:
                     continue
-                ends = {int(k): v for k, v in
-                        json.loads((run / "step_end_times.json").read_text()).items()}
+                ends = {
+                    int(k): v
+                    for k, v in json.loads((run / "step_end_times.json").read_text()).items()
+                }
                 plait_times[stage].append(mean_step_time(ends, args.warmup, steps))
                 raw = run_raw(run, steps, args)
                 raw_times[stage].append(mean_step_time(raw, args.warmup, steps))
-                print(f"rep {rep} zero{stage}: plait {plait_times[stage][-1] * 1e3:.1f} ms/step, "
-                      f"raw {raw_times[stage][-1] * 1e3:.1f} ms/step", flush=True)
+                print(
+                    f"rep {rep} zero{stage}: plait {plait_times[stage][-1] * 1e3:.1f} ms/step, "
+                    f"raw {raw_times[stage][-1] * 1e3:.1f} ms/step",
+                    flush=True,
+                )
         cfg = OmegaConf.load(next(root.glob("zero*")) / "config.yaml")
     model_cfg = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "_target_"}
     n_params = sum(p.numel() for p in GPT(**model_cfg).parameters())
@@ -256,15 +293,20 @@ def main() -> int:
                 overrides = [*model_overrides(args), f"strategy=zero{stage}"]
                 spawn(engine_ab_rank, args.world_size, overrides, 2 * args.reps, out)
                 times = json.loads(Path(out).read_text())
-                engine_ratio[stage] = (statistics.median(times["raw"])
-                                       / statistics.median(times["plait"]))
+                engine_ratio[stage] = statistics.median(times["raw"]) / statistics.median(
+                    times["plait"]
+                )
 
-    print(f"world size {args.world_size}, {n_params:,} parameters, fp32, micro-batch "
-          f"{args.batch_size // (args.grad_accum * args.world_size)} x {args.grad_accum} "
-          f"accumulation, seq {args.seq_len}; {reps} alternating rep(s) of {steps} steps, "
-          f"first {args.warmup} not timed; median over reps")
-    print(f"{'stage':>6} {'plait steps/s':>14} {'raw steps/s':>12} {'plait/raw':>10} "
-          f"{'engine/raw':>11} {'bytes/rank':>12} {'formula':>12} {'meas/formula':>13}")
+    print(
+        f"world size {args.world_size}, {n_params:,} parameters, fp32, micro-batch "
+        f"{args.batch_size // (args.grad_accum * args.world_size)} x {args.grad_accum} "
+        f"accumulation, seq {args.seq_len}; {reps} alternating rep(s) of {steps} steps, "
+        f"first {args.warmup} not timed; median over reps"
+    )
+    print(
+        f"{'stage':>6} {'plait steps/s':>14} {'raw steps/s':>12} {'plait/raw':>10} "
+        f"{'engine/raw':>11} {'bytes/rank':>12} {'formula':>12} {'meas/formula':>13}"
+    )
     for stage in stages:
         formula = zero_formula(n_params, stage, args.world_size, "fp32").total
         if args.bytes_only:
@@ -272,10 +314,14 @@ def main() -> int:
         else:
             plait_sps = 1 / statistics.median(plait_times[stage])
             raw_sps = 1 / statistics.median(raw_times[stage])
-            speed = (f"{plait_sps:14.2f} {raw_sps:12.2f} {plait_sps / raw_sps:10.3f} "
-                     f"{engine_ratio[stage]:11.3f}")
-        print(f"{'zero' + str(stage):>6} {speed} {measured[stage]:12,} {formula:12,} "
-              f"{measured[stage] / formula:13.3f}")
+            speed = (
+                f"{plait_sps:14.2f} {raw_sps:12.2f} {plait_sps / raw_sps:10.3f} "
+                f"{engine_ratio[stage]:11.3f}"
+            )
+        print(
+            f"{'zero' + str(stage):>6} {speed} {measured[stage]:12,} {formula:12,} "
+            f"{measured[stage] / formula:13.3f}"
+        )
     return 0
 
 

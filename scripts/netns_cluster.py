@@ -57,8 +57,9 @@ def ip(*args: str) -> str:
 
 
 def tc(netns: str, *args: str) -> None:
-    done = subprocess.run(["ip", "netns", "exec", netns, "tc", *args], capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        ["ip", "netns", "exec", netns, "tc", *args], capture_output=True, text=True
+    )
     if done.returncode:
         raise RuntimeError(f"tc {' '.join(args)}: {done.stderr.strip()}")
 
@@ -91,8 +92,10 @@ class Cluster:
     def __init__(self, nodes: int, rate: str | None = None, delay: str | None = None):
         self.tag = uuid.uuid4().hex[:6]
         self.switch = f"plait-{self.tag}-sw"
-        self.nodes = [Node(i, f"plait-{self.tag}-n{i}", f"pl{self.tag}n{i}", f"{SUBNET}.{i + 1}")
-                      for i in range(nodes)]
+        self.nodes = [
+            Node(i, f"plait-{self.tag}-n{i}", f"pl{self.tag}n{i}", f"{SUBNET}.{i + 1}")
+            for i in range(nodes)
+        ]
         self.rate, self.delay = rate, delay
         self.procs: list[subprocess.Popen] = []
 
@@ -102,8 +105,12 @@ class Cluster:
         except BaseException:
             self.close()
             raise
-        print(f"netns_cluster: namespaces {' '.join(n.netns for n in self.nodes)} on a bridge in "
-              f"{self.switch}", file=sys.stderr, flush=True)
+        print(
+            f"netns_cluster: namespaces {' '.join(n.netns for n in self.nodes)} on a bridge in "
+            f"{self.switch}",
+            file=sys.stderr,
+            flush=True,
+        )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -117,8 +124,20 @@ class Cluster:
         for node in self.nodes:
             peer = f"pl{self.tag}s{node.rank}"
             ip("netns", "add", node.netns)
-            ip("link", "add", node.dev, "netns", node.netns, "type", "veth", "peer", "name", peer,
-               "netns", self.switch)
+            ip(
+                "link",
+                "add",
+                node.dev,
+                "netns",
+                node.netns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                peer,
+                "netns",
+                self.switch,
+            )
             ip("-n", self.switch, "link", "set", peer, "master", "br0", "up")
             ip("-n", node.netns, "addr", "add", f"{node.addr}/24", "dev", node.dev)
             ip("-n", node.netns, "link", "set", node.dev, "up")
@@ -131,7 +150,8 @@ class Cluster:
         no name lookup waits for a DNS server the namespaces cannot reach (torch's rendezvous
         looks up every peer's name)."""
         hosts = f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n" + "".join(
-            f"{n.addr} {n.netns}\n" for n in self.nodes)
+            f"{n.addr} {n.netns}\n" for n in self.nodes
+        )
         for node in self.nodes:
             config = Path("/etc/netns") / node.netns
             config.mkdir(parents=True, exist_ok=True)
@@ -143,23 +163,57 @@ class Cluster:
         parent = ["root"]
         if self.delay:
             try:
-                tc(node.netns, "qdisc", "add", "dev", node.dev, "root", "handle", "1:", "netem",
-                   "delay", self.delay)
+                tc(
+                    node.netns,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    node.dev,
+                    "root",
+                    "handle",
+                    "1:",
+                    "netem",
+                    "delay",
+                    self.delay,
+                )
             except RuntimeError as e:
-                raise RuntimeError(f"--delay needs the kernel's netem qdisc, which this kernel "
-                                   f"lacks ({e}); leave out --delay (tbf's --rate works)") from e
+                raise RuntimeError(
+                    f"--delay needs the kernel's netem qdisc, which this kernel "
+                    f"lacks ({e}); leave out --delay (tbf's --rate works)"
+                ) from e
             parent = ["parent", "1:1"]
         if self.rate:
-            tc(node.netns, "qdisc", "add", "dev", node.dev, *parent, "handle", "10:", "tbf",
-               "rate", self.rate, "burst", tbf_burst(self.rate), "latency", "100ms")
+            tc(
+                node.netns,
+                "qdisc",
+                "add",
+                "dev",
+                node.dev,
+                *parent,
+                "handle",
+                "10:",
+                "tbf",
+                "rate",
+                self.rate,
+                "burst",
+                tbf_burst(self.rate),
+                "latency",
+                "100ms",
+            )
 
-    def popen(self, node: Node, argv: list[str], env: dict[str, str] | None = None,
-              **kwargs) -> subprocess.Popen:
+    def popen(
+        self, node: Node, argv: list[str], env: dict[str, str] | None = None, **kwargs
+    ) -> subprocess.Popen:
         """Start ``argv`` inside ``node``'s namespace (its own session, so it can be killed)."""
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": node.dev, "PLAIT_LINK_DEV": node.dev,
-               **(env or {})}
-        proc = subprocess.Popen(["ip", "netns", "exec", node.netns, *argv], env=env,
-                                start_new_session=True, **kwargs)
+        env = {
+            **os.environ,
+            "GLOO_SOCKET_IFNAME": node.dev,
+            "PLAIT_LINK_DEV": node.dev,
+            **(env or {}),
+        }
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", node.netns, *argv], env=env, start_new_session=True, **kwargs
+        )
         self.procs.append(proc)
         return proc
 
@@ -174,9 +228,14 @@ class Cluster:
         for node in self.nodes:
             [link] = json.loads(ip("-n", node.netns, "-s", "-j", "link", "show", "dev", node.dev))
             stats = link["stats64"]
-            counters.append({"tx_bytes": stats["tx"]["bytes"], "rx_bytes": stats["rx"]["bytes"],
-                             "tx_packets": stats["tx"]["packets"],
-                             "rx_packets": stats["rx"]["packets"]})
+            counters.append(
+                {
+                    "tx_bytes": stats["tx"]["bytes"],
+                    "rx_bytes": stats["rx"]["bytes"],
+                    "tx_packets": stats["tx"]["packets"],
+                    "rx_packets": stats["rx"]["packets"],
+                }
+            )
         return counters
 
     def close(self) -> None:
@@ -202,26 +261,43 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def train_command(cluster: Cluster, node: Node, nproc_per_node: int,
-                  overrides: list[str], nnodes: str | None = None) -> list[str]:
+def train_command(
+    cluster: Cluster,
+    node: Node,
+    nproc_per_node: int,
+    overrides: list[str],
+    nnodes: str | None = None,
+) -> list[str]:
     """``plait train`` as node ``node`` of the cluster's job (``nnodes``: ``launcher.nnodes``,
     e.g. ``1:2`` for an elastic job; default the cluster's node count)."""
-    job = [f"launcher.nnodes={nnodes or len(cluster.nodes)}",
-           f"launcher.nproc_per_node={nproc_per_node}",
-           f"launcher.node_rank={node.rank}", f"launcher.master_addr={cluster.nodes[0].addr}",
-           f"launcher.master_port={PORT}", f"launcher.local_addr={node.addr}"]
+    job = [
+        f"launcher.nnodes={nnodes or len(cluster.nodes)}",
+        f"launcher.nproc_per_node={nproc_per_node}",
+        f"launcher.node_rank={node.rank}",
+        f"launcher.master_addr={cluster.nodes[0].addr}",
+        f"launcher.master_port={PORT}",
+        f"launcher.local_addr={node.addr}",
+    ]
     if not any(o.startswith("run.name=") for o in overrides):
         job.append(f"run.name=netns-{cluster.tag}")
     return [sys.executable, "-m", "plait", "train", *job, *overrides]
 
 
-def run_job(nodes: int, nproc_per_node: int, overrides: list[str], rate: str | None = None,
-            delay: str | None = None, timeout: float = 1800) -> dict:
+def run_job(
+    nodes: int,
+    nproc_per_node: int,
+    overrides: list[str],
+    rate: str | None = None,
+    delay: str | None = None,
+    timeout: float = 1800,
+) -> dict:
     """Train on a fresh cluster; each node's output goes to this process's stdout/stderr."""
     with Cluster(nodes, rate, delay) as cluster:
         before = cluster.link_counters()
-        procs = [cluster.popen(node, train_command(cluster, node, nproc_per_node, overrides))
-                 for node in cluster.nodes]
+        procs = [
+            cluster.popen(node, train_command(cluster, node, nproc_per_node, overrides))
+            for node in cluster.nodes
+        ]
         deadline = time.monotonic() + timeout
         codes = []
         for proc in procs:
@@ -232,14 +308,20 @@ def run_job(nodes: int, nproc_per_node: int, overrides: list[str], rate: str | N
             if codes[-1] != 0:  # one node failed: the others would wait for it forever
                 break
         after = cluster.link_counters()
-        return {"nodes": nodes, "nproc_per_node": nproc_per_node, "rate": rate, "delay": delay,
-                "exit_codes": codes + [None] * (nodes - len(codes)),
-                "links": [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]}
+        return {
+            "nodes": nodes,
+            "nproc_per_node": nproc_per_node,
+            "rate": rate,
+            "delay": delay,
+            "exit_codes": codes + [None] * (nodes - len(codes)),
+            "links": [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)],
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--rate", help="tbf rate limit of each node's link, e.g. 1gbit")
@@ -255,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C and SIGTERM unwind through Cluster.__exit__, which removes everything.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        summary = run_job(args.nodes, args.nproc_per_node, args.overrides, args.rate,
-                          args.delay, args.timeout)
+        summary = run_job(
+            args.nodes, args.nproc_per_node, args.overrides, args.rate, args.delay, args.timeout
+        )
     except KeyboardInterrupt:
         print("netns_cluster: interrupted; namespaces and processes removed", file=sys.stderr)
         return 130

@@ -1,8 +1,26 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the whole test suite.
+# Set up (scripts/setup.sh with the test extra, and the system packages only tests use) and run
+# the whole test suite; extra arguments go to pytest.
+#
+#     ./scripts/test.sh                      # what .ci/run runs
+#     ./scripts/test.sh tests/test_ddp.py    # one file
+#
+# System packages, where this runs as root with apt-get (elsewhere the tests that need them skip,
+# saying why): SLURM and munge for tests/test_slurm.py (a controller and a node daemon on
+# localhost), Debian's chromium for tests/test_report.py (the report opened headless).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
+PLAIT_EXTRAS=test,hf ./scripts/setup.sh
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  wanted=()
+  [ -x /usr/sbin/slurmd ] || wanted+=(slurm-wlm munge)
+  command -v chromium >/dev/null 2>&1 || wanted+=(chromium)
+  if [ ${#wanted[@]} -gt 0 ]; then
+    { DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${wanted[@]}" >/dev/null; } ||
+      echo "test.sh: ${wanted[*]} not installed (apt failed); the tests that need them skip" >&2
+  fi
+fi
 . .venv/bin/activate
 export DS_ACCELERATOR=cpu
 exec python -m pytest -q --durations=25 "$@"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the main job: `plait train` on the embedded default data
+# Set up what training needs (scripts/setup.sh: no system package) and run the main job:
+# `plait train` on the embedded default data
 # (2 worker processes, the tiny GPT, W&B offline). Extra arguments are Hydra overrides.
 set -euo pipefail
 cd "$(dirname "$0")/.."

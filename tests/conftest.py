@@ -48,5 +48,8 @@ def pytest_collection_modifyitems(items):
     for item, marker in marked:
         needed = marker.kwargs.get("gpus", 1)
         if gpus < needed:
-            item.add_marker(pytest.mark.skip(
-                reason=f"needs {needed} CUDA GPU(s) with NCCL; this machine has {gpus}"))
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"needs {needed} CUDA GPU(s) with NCCL; this machine has {gpus}"
+                )
+            )

@@ -13,9 +13,17 @@ from pathlib import Path
 import torch
 
 VOCAB = 512
-SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-             num_attention_heads=4, max_position_embeddings=64, eos_token_id=0,
-             bos_token_id=None, tie_word_embeddings=False)
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    eos_token_id=0,
+    bos_token_id=None,
+    tie_word_embeddings=False,
+)
 
 
 def family_config(family: str, **overrides):
@@ -35,13 +43,20 @@ def family_config(family: str, **overrides):
         return T.Phi3Config(pad_token_id=1, **small)
     if family == "qwen3_moe":  # layers 0 and 2 MoE (top 2 of 4, not renormalised), 1 dense,
         # the router's load-balancing loss in the objective (output_router_logits)
-        moe = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                   num_hidden_layers=3, mlp_only_layers=[1], output_router_logits=True,
-                   router_aux_loss_coef=0.01)
+        moe = dict(
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=3,
+            mlp_only_layers=[1],
+            output_router_logits=True,
+            router_aux_loss_coef=0.01,
+        )
         return T.Qwen3MoeConfig(**{**small, **moe, **overrides})
     if family == "mixtral":  # every layer MoE, top 2 of 4 renormalised; stored as w1/w3/w2
-        moe = dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-                   num_hidden_layers=2)
+        moe = dict(
+            intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2
+        )
         return T.MixtralConfig(**{**small, **moe, **overrides})
     raise ValueError(family)
 
@@ -64,7 +79,7 @@ FAMILIES = ("llama", "qwen2", "mistral", "gpt_neox", "phi3")
 
 
 def corpus_files(start: int, count: int) -> list[Path]:
-    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[start:start + count]
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[start : start + count]
 
 
 def write_tokenizer(directory: Path) -> None:
@@ -76,9 +91,15 @@ def write_tokenizer(directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
-def write_checkpoint(directory: Path, family: str, seed: int = 0, dtype=torch.float32,
-                     max_shard_size: str | None = None, tokenizer_from: Path | None = None,
-                     **overrides) -> Path:
+def write_checkpoint(
+    directory: Path,
+    family: str,
+    seed: int = 0,
+    dtype=torch.float32,
+    max_shard_size: str | None = None,
+    tokenizer_from: Path | None = None,
+    **overrides,
+) -> Path:
     """A randomly initialised ``family`` model saved with ``save_pretrained`` (sharded when
     ``max_shard_size`` is given), with the tokenizer of ``tokenizer_from`` (or a new one)."""
     from transformers import AutoModelForCausalLM

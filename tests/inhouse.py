@@ -52,8 +52,9 @@ class FancyEngine:
 class Fp32Only:
     @hookimpl
     def plait_declare(self):
-        return PluginInfo(name="fp32_only", precisions=frozenset({"fp32"}),
-                          parallel_axes=frozenset({"dp"}))
+        return PluginInfo(
+            name="fp32_only", precisions=frozenset({"fp32"}), parallel_axes=frozenset({"dp"})
+        )
 
 
 class RecordPlacement:
@@ -70,9 +71,13 @@ class RecordPlacement:
     @hookimpl(wrapper=True)
     def plait_build_engine(self, topology):
         engine = yield
-        record = {"rank": topology.rank, "local_rank": topology.local_rank,
-                  "device": str(next(engine.model.parameters()).device),
-                  "backend": dist.get_backend(), "world_size": dist.get_world_size()}
+        record = {
+            "rank": topology.rank,
+            "local_rank": topology.local_rank,
+            "device": str(next(engine.model.parameters()).device),
+            "backend": dist.get_backend(),
+            "world_size": dist.get_world_size(),
+        }
         Path(self.directory, f"placement_rank{topology.rank}.json").write_text(json.dumps(record))
         return engine
 
@@ -114,8 +119,10 @@ class RecordingEngine:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def train_step(self, micro_batches, lr):
-        rows = [[hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16] for row in x]
-                for x, _ in micro_batches]
+        rows = [
+            [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16] for row in x]
+            for x, _ in micro_batches
+        ]
         with open(self.path, "a") as f:
             f.write(json.dumps(rows) + "\n")
         out = self.engine.train_step(micro_batches, lr)
@@ -254,13 +261,17 @@ class HoldAfter:
 
 
 # Node 1 (the launcher's GROUP_RANK) in the first attempt: a node lost mid-run at a known step.
-hold_node1_after_step_4 = HoldAfter("hold_node1", 4, "node1_held",
-                                    lambda topology: attempt() == 0 and topology.node_rank == 1)
+hold_node1_after_step_4 = HoldAfter(
+    "hold_node1", 4, "node1_held", lambda topology: attempt() == 0 and topology.node_rank == 1
+)
 # A node training alone (the world is its own processes): the cue to start a second node, whose
 # arrival makes torch elastic's agent restart the group to take it in, which ends the wait.
 hold_alone_after_step_2 = HoldAfter(
-    "hold_alone", 2, "node0_alone_held",
-    lambda topology: os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE"))
+    "hold_alone",
+    2,
+    "node0_alone_held",
+    lambda topology: os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE"),
+)
 
 
 class NanLoss:
@@ -272,8 +283,15 @@ class NanLoss:
     Works under every engine: the loss through ``engine.loss_fn`` (DDP, ZeRO), the gradient
     through a tensor hook (also inside a pipeline schedule, which holds its own loss function)."""
 
-    def __init__(self, directory, first: int, count: int, rank: int = 1, what: str = "loss",
-                 factor: float = float("nan")):
+    def __init__(
+        self,
+        directory,
+        first: int,
+        count: int,
+        rank: int = 1,
+        what: str = "loss",
+        factor: float = float("nan"),
+    ):
         self.directory, self.first, self.count, self.rank = str(directory), first, count, rank
         self.what, self.factor = what, factor
 
@@ -297,16 +315,17 @@ class NanLoss:
             poisoned = self.first <= n < self.first + self.count
             nan[0] = poisoned and topology.rank == self.rank
             if self.what == "loss":
-                engine.loss_fn = ((lambda y, t: inner_loss(y, t) * factor) if nan[0]
-                                  else inner_loss)
+                engine.loss_fn = (lambda y, t: inner_loss(y, t) * factor) if nan[0] else inner_loss
             before = snapshot(engine) if poisoned else None
             out = inner_step(micro_batches, lr)
             if poisoned:
                 after = snapshot(engine)
                 same = before.keys() == after.keys() and all(
-                    torch_equal(before[k], after[k]) for k in before)
+                    torch_equal(before[k], after[k]) for k in before
+                )
                 Path(self.directory, f"skip_rank{topology.rank}_call{n}.json").write_text(
-                    json.dumps({"skipped": out.skipped, "unchanged": same}))
+                    json.dumps({"skipped": out.skipped, "unchanged": same})
+                )
             return out
 
         engine.train_step = train_step
@@ -320,15 +339,18 @@ def snapshot(engine) -> dict:
     import torch
 
     model = engine.model
-    flat = {f"model.{k}": getattr(v, "ds_tensor", v).detach().clone()
-            for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    flat = {
+        f"model.{k}": getattr(v, "ds_tensor", v).detach().clone()
+        for k, v in [*model.named_parameters(), *model.named_buffers()]
+    }
     optimizer = engine.optimizer
     for g, group in enumerate(optimizer.param_groups):
         for i, param in enumerate(group["params"]):
             flat[f"optim.{g}.{i}"] = param.detach().clone()
             for k, v in optimizer.state.get(param, {}).items():
-                flat[f"optim.{g}.{i}.{k}"] = (v.clone() if isinstance(v, torch.Tensor)
-                                              else torch.tensor(v))
+                flat[f"optim.{g}.{i}.{k}"] = (
+                    v.clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
+                )
     return flat
 
 
@@ -398,6 +420,7 @@ class CommCounter:
         def wrapper(*args, **kwargs):
             self.counts[kind] += 1
             return fn(*args, **kwargs)
+
         return wrapper
 
     def __exit__(self, *exc):
@@ -436,11 +459,15 @@ class WireRecorder:
 
         def sending(fn):
             def send(tensor, dst=None, group=None, tag=0, group_dst=None):
-                peer = dst if group_dst is None else (
-                    group_dst if group is None else dist.get_global_rank(group, group_dst))
+                peer = (
+                    dst
+                    if group_dst is None
+                    else (group_dst if group is None else dist.get_global_rank(group, group_dst))
+                )
                 with self.lock:
                     self.sends.append((peer, tensor.numel() * tensor.element_size()))
                 return fn(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+
             return send
 
         def all_reduce(tensor, *args, **kwargs):
@@ -489,7 +516,7 @@ class CountCollectives:
     def plait_save_checkpoint(self):
         result = yield
         if hasattr(self, "counter"):  # rank 0: a checkpoint's collectives (the layout-free
-            self.counter.take()       # copy joins tp shards) are not the next step's
+            self.counter.take()  # copy joins tp shards) are not the next step's
         return result
 
     @hookimpl
@@ -533,8 +560,11 @@ def after_first_step(engine, callback) -> None:
 
 
 def _trace_stage(stage, actions: list[str]) -> None:
-    forward, backward, weight = (stage.forward_one_chunk, stage.backward_one_chunk,
-                                 stage.backward_weight_one_chunk)
+    forward, backward, weight = (
+        stage.forward_one_chunk,
+        stage.backward_one_chunk,
+        stage.backward_weight_one_chunk,
+    )
     s = stage.stage_index
 
     def forward_one_chunk(mb, *args, **kwargs):
@@ -568,19 +598,27 @@ class DescribeZeroOptimizer:
         engine = yield
         if topology.rank == 0:
             path = Path(cfg.run.dir) / "zero_optimizer.json"
-            after_first_step(engine, lambda: path.write_text(json.dumps(
-                _describe_zero_optimizer(engine.ds.optimizer))))
+            after_first_step(
+                engine,
+                lambda: path.write_text(json.dumps(_describe_zero_optimizer(engine.ds.optimizer))),
+            )
         return engine
 
 
 def _describe_zero_optimizer(zero_optimizer) -> dict:
     inner = zero_optimizer.optimizer
-    states = [t for state in inner.state.values() for t in state.values()
-              if isinstance(t, torch.Tensor) and t.dim() > 0]
-    return {"stepping": type(inner).__name__,
-            "offload_optimizer": bool(getattr(zero_optimizer, "offload_optimizer", False)),
-            "offload_param": bool(getattr(zero_optimizer, "offload_param", False)),
-            "state_devices": sorted({t.device.type for t in states})}
+    states = [
+        t
+        for state in inner.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    ]
+    return {
+        "stepping": type(inner).__name__,
+        "offload_optimizer": bool(getattr(zero_optimizer, "offload_optimizer", False)),
+        "offload_param": bool(getattr(zero_optimizer, "offload_param", False)),
+        "state_devices": sorted({t.device.type for t in states}),
+    }
 
 
 class DescribeZeroGroups:
@@ -603,14 +641,22 @@ class DescribeZeroGroups:
                 pairs = zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat)
             else:  # ZeRO-1/2: the master partition and this rank's part of the flat parameters
                 rank = topology.dp_rank
-                pairs = zip(zero.single_partition_of_fp32_groups,
-                            [parts[rank] for parts in zero.parallel_partitioned_bit16_groups])
+                pairs = zip(
+                    zero.single_partition_of_fp32_groups,
+                    [parts[rank] for parts in zero.parallel_partitioned_bit16_groups],
+                )
             pairs = list(pairs)
-            (Path(cfg.run.dir) / "zero_groups.json").write_text(json.dumps({
-                "partitions": [master.numel() for master, _ in pairs],
-                "sub_group_size": engine.ds.zero_sub_group_size(),
-                "master_is_the_parameter": [master.data_ptr() == low.data_ptr()
-                                            for master, low in pairs]}))
+            (Path(cfg.run.dir) / "zero_groups.json").write_text(
+                json.dumps(
+                    {
+                        "partitions": [master.numel() for master, _ in pairs],
+                        "sub_group_size": engine.ds.zero_sub_group_size(),
+                        "master_is_the_parameter": [
+                            master.data_ptr() == low.data_ptr() for master, low in pairs
+                        ],
+                    }
+                )
+            )
         return engine
 
 
@@ -699,8 +745,10 @@ def assert_steps_2_and_3_skipped(run_dir, scales: list[float]) -> None:
     metrics = read_metrics(run_dir)
     assert [m["skipped_steps"] for m in metrics] == [0, 1, 2, 2]
     assert [m["loss_scale"] / metrics[0]["loss_scale"] for m in metrics] == scales
-    weights = [torch.load(export(str(run_dir / "checkpoints" / f"step_{s:08d}")),
-                          weights_only=True) for s in range(1, 5)]
+    weights = [
+        torch.load(export(str(run_dir / "checkpoints" / f"step_{s:08d}")), weights_only=True)
+        for s in range(1, 5)
+    ]
     changed = [any(not torch.equal(a[k], b[k]) for k in a) for a, b in zip(weights, weights[1:])]
     assert changed == [False, False, True]  # by steps 2, 3 and 4
 
@@ -720,8 +768,10 @@ class OptimizerSettingsAfterLoad:
 
         state = yield
         optimizer = engine.ds.optimizer if hasattr(engine, "ds") else engine.optimizer
-        groups = [{k: v for k, v in g.items() if k in ("lr", "betas", "weight_decay", "eps")}
-                  for g in optimizer.param_groups]
+        groups = [
+            {k: v for k, v in g.items() if k in ("lr", "betas", "weight_decay", "eps")}
+            for g in optimizer.param_groups
+        ]
         if topology.rank == 0:
             Path(cfg.run.dir, "optimizer_after_load.json").write_text(json.dumps(groups))
         return state
@@ -741,14 +791,20 @@ class GradScalerAfterLoad:
         ddp = getattr(engine, "inner", engine)  # a pipeline engine wraps the DDP engine
         if topology.rank == 0:
             scaler = ddp.scaler.state_dict()
-            Path(cfg.run.dir, "grad_scaler_after_load.json").write_text(json.dumps(
-                {"scale": scaler["scale"], "growth_tracker": scaler["_growth_tracker"],
-                 "skipped_steps": ddp.skipped_steps}))
+            Path(cfg.run.dir, "grad_scaler_after_load.json").write_text(
+                json.dumps(
+                    {
+                        "scale": scaler["scale"],
+                        "growth_tracker": scaler["_growth_tracker"],
+                        "skipped_steps": ddp.skipped_steps,
+                    }
+                )
+            )
         return state
 
 
 class HoldWriteThenKill:
-    """For ``fault.async_save``, in the first attempt only: the background write of step
+    """For ``checkpoint.async_save``, in the first attempt only: the background write of step
     ``held_step``'s checkpoint is held (a sleep injected into DCP's file writer on rank 0, so
     the kill surely lands inside the write), and rank 0 SIGKILLs itself at the end of step
     ``kill_step``, while that write is still running."""
@@ -821,7 +877,9 @@ class RecordShards:
                 "mesh": list(p.device_mesh.shape) if is_dtensor else None,
                 "mesh_dims": list(p.device_mesh.mesh_dim_names or ()) if is_dtensor else None,
                 "placements": [str(x) for x in p.placements] if is_dtensor else None,
-                "local": (p.to_local() if is_dtensor else p).numel(), "global": p.numel()}
+                "local": (p.to_local() if is_dtensor else p).numel(),
+                "global": p.numel(),
+            }
         (Path(cfg.run.dir) / f"shards_rank{topology.rank}.json").write_text(json.dumps(held))
         return (yield)
 
@@ -844,8 +902,11 @@ class ExpertProbe:
     @hookimpl(wrapper=True)
     def plait_build_engine(self, cfg, model, topology):
         engine = yield
-        layers = {name: sorted(m.experts.keys(), key=int) for name, m in model.named_modules()
-                  if getattr(m, "is_moe_layer", False)}
+        layers = {
+            name: sorted(m.experts.keys(), key=int)
+            for name, m in model.named_modules()
+            if getattr(m, "is_moe_layer", False)
+        }
         record = {"experts": layers, "zero_groups": _zero_groups(engine)}
         run_dir = Path(cfg.run.dir)
         (run_dir / f"experts_rank{topology.rank}.json").write_text(json.dumps(record))
@@ -858,9 +919,14 @@ def _zero_groups(engine) -> list[dict]:
     if not hasattr(engine, "ds"):
         return []
     zero = engine.ds.optimizer
-    return [{"moe": bool(group.get("moe", False)), "partitions": zero.partition_count[i],
-             "numel": sum(p.numel() for p in zero.bit16_groups[i])}
-            for i, group in enumerate(zero.optimizer.param_groups)]
+    return [
+        {
+            "moe": bool(group.get("moe", False)),
+            "partitions": zero.partition_count[i],
+            "numel": sum(p.numel() for p in zero.bit16_groups[i]),
+        }
+        for i, group in enumerate(zero.optimizer.param_groups)
+    ]
 
 
 class AllToAllCounting:
@@ -868,16 +934,25 @@ class AllToAllCounting:
         self.engine, self.path, self.calls, self.bytes = engine, path, 0, 0
         original = dist.all_to_all_single
 
-        def counting(output, input, output_split_sizes=None, input_split_sizes=None,
-                     group=None, async_op=False):
-            rows = input_split_sizes or [input.shape[0] // dist.get_world_size(group)] * \
-                dist.get_world_size(group)
-            row_bytes = input[:1].numel() * input.element_size() if input.dim() > 1 else \
-                input.element_size()
+        def counting(
+            output,
+            input,
+            output_split_sizes=None,
+            input_split_sizes=None,
+            group=None,
+            async_op=False,
+        ):
+            rows = input_split_sizes or [
+                input.shape[0] // dist.get_world_size(group)
+            ] * dist.get_world_size(group)
+            row_bytes = (
+                input[:1].numel() * input.element_size()
+                if input.dim() > 1
+                else input.element_size()
+            )
             self.calls += 1
             self.bytes += (sum(rows) - rows[dist.get_rank(group)]) * row_bytes
-            return original(output, input, output_split_sizes, input_split_sizes, group,
-                            async_op)
+            return original(output, input, output_split_sizes, input_split_sizes, group, async_op)
 
         dist.all_to_all_single = counting
 
@@ -895,11 +970,16 @@ class AllToAllCounting:
 def read_expert_probe(run_dir) -> tuple[dict[int, dict], dict[int, list[dict]]]:
     """``(experts and ZeRO groups by rank, all-to-all counts per step by rank)``."""
     run_dir = Path(run_dir)
-    held = {int(p.stem.removeprefix("experts_rank")): json.loads(p.read_text())
-            for p in run_dir.glob("experts_rank*.json")}
-    counts = {int(p.stem.removeprefix("alltoall_rank")):
-              [json.loads(line) for line in p.read_text().splitlines()]
-              for p in run_dir.glob("alltoall_rank*.jsonl")}
+    held = {
+        int(p.stem.removeprefix("experts_rank")): json.loads(p.read_text())
+        for p in run_dir.glob("experts_rank*.json")
+    }
+    counts = {
+        int(p.stem.removeprefix("alltoall_rank")): [
+            json.loads(line) for line in p.read_text().splitlines()
+        ]
+        for p in run_dir.glob("alltoall_rank*.jsonl")
+    }
     return held, counts
 
 
@@ -913,8 +993,15 @@ class RecordLayout:
     to ``run.dir/layout_rank<r>.json``; :func:`assert_layout` reads them. A run that silently
     stayed plain data parallel holds whole parameters and sends nothing over a tp group."""
 
-    COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                   "reduce_scatter_tensor", "broadcast", "all_to_all_single")
+    COLLECTIVES = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "broadcast",
+        "all_to_all_single",
+    )
 
     @hookimpl
     def plait_declare(self):
@@ -922,9 +1009,13 @@ class RecordLayout:
 
     @hookimpl(wrapper=True, tryfirst=True)  # outermost: the first step of the whole engine
     def plait_build_engine(self, cfg, model, topology):
-        record = {"params": {name: list(p.shape) for name, p in model.named_parameters()},
-                  "groups": {axis: dist.get_process_group_ranks(topology.group(axis))
-                             for axis in ("dp", "tp", "pp")}}
+        record = {
+            "params": {name: list(p.shape) for name, p in model.named_parameters()},
+            "groups": {
+                axis: dist.get_process_group_ranks(topology.group(axis))
+                for axis in ("dp", "tp", "pp")
+            },
+        }
         engine = yield
         used: set[tuple[str, tuple[int, ...]]] = set()
         path = Path(cfg.run.dir) / f"layout_rank{topology.rank}.json"
@@ -956,8 +1047,9 @@ def _group_ranks(group) -> tuple[int, ...]:
 
     if isinstance(group, AlgorithmGroup):  # comm=ring|hierarchical: the group it runs over
         group = group.group
-    return tuple(dist.get_process_group_ranks(group) if group is not None
-                 else range(dist.get_world_size()))
+    return tuple(
+        dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    )
 
 
 def _recording_group(fn, kind: str, used: set):
@@ -990,8 +1082,9 @@ def whole_model_shapes(run_dir) -> dict[str, list[int]]:
     return json.loads((Path(run_dir) / "layout_rank0.json").read_text())["params"]
 
 
-def assert_layout(run_dir, full: dict[str, list[int]], *, dp: int, tp: int = 1,
-                  pp: int = 1) -> None:
+def assert_layout(
+    run_dir, full: dict[str, list[int]], *, dp: int, tp: int = 1, pp: int = 1
+) -> None:
     """The run's ranks (``RecordLayout``) were the ``(pp, dp, tp)`` mesh and worked as it:
 
     - each rank's dp, tp and pp groups are the mesh's (rank = (pp_i·dp + dp_i)·tp + tp_i);
@@ -1003,21 +1096,25 @@ def assert_layout(run_dir, full: dict[str, list[int]], *, dp: int, tp: int = 1,
       cut; the stages of a pp group hold disjoint parameters that together make the model.
     """
     width = dp * tp
-    layouts = [json.loads((Path(run_dir) / f"layout_rank{r}.json").read_text())
-               for r in range(width * pp)]
+    layouts = [
+        json.loads((Path(run_dir) / f"layout_rank{r}.json").read_text()) for r in range(width * pp)
+    ]
     for r, layout in enumerate(layouts):
         pp_i, dp_i, tp_i = r // width, r % width // tp, r % tp
-        groups = {"dp": [pp_i * width + d * tp + tp_i for d in range(dp)],
-                  "tp": [pp_i * width + dp_i * tp + t for t in range(tp)],
-                  "pp": [p * width + dp_i * tp + tp_i for p in range(pp)]}
+        groups = {
+            "dp": [pp_i * width + d * tp + tp_i for d in range(dp)],
+            "tp": [pp_i * width + dp_i * tp + t for t in range(tp)],
+            "pp": [p * width + dp_i * tp + tp_i for p in range(pp)],
+        }
         assert layout["groups"] == groups, (r, layout["groups"])
         used = {(kind, tuple(ranks)) for kind, ranks in layout["used"]}
         for axis, size in (("tp", tp), ("dp", dp)):
             if size > 1:
                 assert ("collective", tuple(groups[axis])) in used, (r, axis, sorted(used))
         peers = {ranks for kind, ranks in used if kind == "p2p"}
-        neighbours = {tuple(sorted((r, groups["pp"][(pp_i + step) % pp]))) for step in (-1, 1)
-                      if pp > 1}
+        neighbours = {
+            tuple(sorted((r, groups["pp"][(pp_i + step) % pp]))) for step in (-1, 1) if pp > 1
+        }
         assert peers <= neighbours and bool(peers) == (pp > 1), (r, peers)
         cut = 0
         for name, shape in layout["params"].items():
@@ -1052,11 +1149,17 @@ class RecordCompiled:
             from torch._dynamo.eval_frame import OptimizedModule
             from torch._dynamo.utils import counters
 
-            Path(cfg.run.dir, f"compiled_rank{topology.rank}.json").write_text(json.dumps({
-                "wrapper": type(getattr(engine, "wrapped", engine.model)).__name__,
-                "optimized_module": isinstance(getattr(engine, "wrapped", None),
-                                               OptimizedModule),
-                "unique_graphs": counters["stats"]["unique_graphs"]}))
+            Path(cfg.run.dir, f"compiled_rank{topology.rank}.json").write_text(
+                json.dumps(
+                    {
+                        "wrapper": type(getattr(engine, "wrapped", engine.model)).__name__,
+                        "optimized_module": isinstance(
+                            getattr(engine, "wrapped", None), OptimizedModule
+                        ),
+                        "unique_graphs": counters["stats"]["unique_graphs"],
+                    }
+                )
+            )
 
         after_first_step(engine, write)
         return engine
@@ -1095,15 +1198,15 @@ class RecordHeld:
             params = {}
             for name, p in engine.model.named_parameters():
                 part = getattr(p, "ds_tensor", None)
-                local = part if part is not None else (p.to_local() if hasattr(p, "to_local")
-                                                       else p)
+                local = (
+                    part if part is not None else (p.to_local() if hasattr(p, "to_local") else p)
+                )
                 params[name] = local.numel()
             inner = getattr(engine, "inner", engine)
             optimizer = inner.ds.optimizer.optimizer if hasattr(inner, "ds") else inner.optimizer
             moments = [s["exp_avg"] for s in optimizer.state.values() if "exp_avg" in s]
             moments = [m.to_local() if hasattr(m, "to_local") else m for m in moments]  # FSDP
-            record = {"params": params,
-                      "optimizer_elements": sum(m.numel() for m in moments)}
+            record = {"params": params, "optimizer_elements": sum(m.numel() for m in moments)}
             (Path(cfg.run.dir) / f"held_rank{topology.rank}.json").write_text(json.dumps(record))
 
         after_first_step(engine, record)
@@ -1135,7 +1238,8 @@ class RecordReads:
         from plait.plugins.hf.checkpoint_files import CheckpointFiles
 
         (Path(cfg.run.dir) / f"reads_rank{topology.rank}.json").write_text(
-            json.dumps({"elements": CheckpointFiles.plait_elements_read}))
+            json.dumps({"elements": CheckpointFiles.plait_elements_read})
+        )
         return (yield)
 
 
@@ -1147,8 +1251,13 @@ class LayerListLM(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab_size, width)
         self.layers = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
-                                torch.nn.Linear(2 * width, width)) for _ in range(n_layers))
+            torch.nn.Sequential(
+                torch.nn.Linear(width, 2 * width),
+                torch.nn.GELU(),
+                torch.nn.Linear(2 * width, width),
+            )
+            for _ in range(n_layers)
+        )
         self.norm = torch.nn.LayerNorm(width)
         self.head = torch.nn.Linear(width, vocab_size)
 

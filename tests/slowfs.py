@@ -52,8 +52,10 @@ def fetches(log: str | Path) -> list[tuple[float, int, str]]:
     """The shard fetches logged: (time, pid, file name)."""
     if not Path(log).exists():
         return []
-    return [(float(t), int(pid), name) for t, pid, name in
-            (line.split() for line in Path(log).read_text().splitlines())]
+    return [
+        (float(t), int(pid), name)
+        for t, pid, name in (line.split() for line in Path(log).read_text().splitlines())
+    ]
 
 
 register_implementation("slow", SlowFileSystem, clobber=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+import inhouse
 import pytest
 
 from plait.plugins.models.gpt import GPT
@@ -27,8 +28,6 @@ from plait.plugins.zero.estimate import zero_formula
 from plait.testing import TEST_OVERRIDES, compose, read_metrics, run_training
 from plait.types import PlanError
 
-import inhouse
-
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 TOLERANCE = 2e-5
@@ -36,8 +35,12 @@ STEPS = 8  # past the warm-up, into the decay
 STEPS_8 = 4  # the 8-process runs: few steps (2 cores)
 COMMON = ["model.n_layer=3", "train.batch_size=8"]
 PP2_DP2 = ["parallel.pp=2", "launcher.nproc_per_node=4", "pipeline.microbatches=2"]
-PP2_TP2_DP2 = ["parallel.pp=2", "parallel.tp=2", "launcher.nproc_per_node=8",
-               "pipeline.microbatches=2"]
+PP2_TP2_DP2 = [
+    "parallel.pp=2",
+    "parallel.tp=2",
+    "launcher.nproc_per_node=8",
+    "pipeline.microbatches=2",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,13 +48,22 @@ PP2_TP2_DP2 = ["parallel.pp=2", "parallel.tp=2", "launcher.nproc_per_node=8",
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage, reason", [
-    ("zero0", "stage 0 partitions nothing; use strategy=ddp"),
-    ("zero2", "DeepSpeed supports only ZeRO-1 under pipeline parallelism (its pipeline engine "
-              "refuses ZeRO-2 and ZeRO-3: ZeRO-2 partitions gradients"),
-    ("zero3", "DeepSpeed supports only ZeRO-1 under pipeline parallelism (its pipeline engine "
-              "refuses ZeRO-2 and ZeRO-3: ZeRO-3 partitions parameters"),
-])
+@pytest.mark.parametrize(
+    "stage, reason",
+    [
+        ("zero0", "stage 0 partitions nothing; use strategy=ddp"),
+        (
+            "zero2",
+            "DeepSpeed supports only ZeRO-1 under pipeline parallelism (its pipeline engine "
+            "refuses ZeRO-2 and ZeRO-3: ZeRO-2 partitions gradients",
+        ),
+        (
+            "zero3",
+            "DeepSpeed supports only ZeRO-1 under pipeline parallelism (its pipeline engine "
+            "refuses ZeRO-2 and ZeRO-3: ZeRO-3 partitions parameters",
+        ),
+    ],
+)
 def test_zero_stages_other_than_1_are_refused_with_pipeline_stages(stage, reason):
     with pytest.raises(PlanError) as refused:
         compose([*TEST_OVERRIDES, *COMMON, *PP2_DP2, f"strategy={stage}"])
@@ -88,15 +100,21 @@ def runs(tmp_path_factory):
         "one": (["launcher.nproc_per_node=1", "train.grad_accum_steps=4"], STEPS),
         "zero1_pp2_dp2": ([*PP2_DP2, "strategy=zero1"], STEPS),
     }
-    return {name: run_training(root / name, [*COMMON, f"train.steps={steps}", *overrides],
-                               plugins=[inhouse.RecordLayout()])
-            for name, (overrides, steps) in plans.items()}
+    return {
+        name: run_training(
+            root / name,
+            [*COMMON, f"train.steps={steps}", *overrides],
+            plugins=[inhouse.RecordLayout()],
+        )
+        for name, (overrides, steps) in plans.items()
+    }
 
 
 @pytest.mark.slow
 def test_zero1_pp2_dp2_trains_like_one_process(runs):
-    inhouse.assert_layout(runs["zero1_pp2_dp2"], inhouse.whole_model_shapes(runs["one"]), dp=2,
-                          pp=2)
+    inhouse.assert_layout(
+        runs["zero1_pp2_dp2"], inhouse.whole_model_shapes(runs["one"]), dp=2, pp=2
+    )
     assert_same(figures(runs["zero1_pp2_dp2"]), figures(runs["one"]), STEPS)
 
 
@@ -127,8 +145,10 @@ def test_zero1_partitions_each_stages_optimizer_states_over_its_dp_group(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
 def test_pp2_tp2_dp2_on_8_processes_trains_like_one_process(runs, tmp_path, strategy):
-    run = run_training(tmp_path / strategy, [*COMMON, f"train.steps={STEPS_8}", *PP2_TP2_DP2,
-                                             f"strategy={strategy}"],
-                       plugins=[inhouse.RecordLayout()])
+    run = run_training(
+        tmp_path / strategy,
+        [*COMMON, f"train.steps={STEPS_8}", *PP2_TP2_DP2, f"strategy={strategy}"],
+        plugins=[inhouse.RecordLayout()],
+    )
     inhouse.assert_layout(run, inhouse.whole_model_shapes(runs["one"]), dp=2, tp=2, pp=2)
     assert_same(figures(run), figures(runs["one"]), STEPS_8)

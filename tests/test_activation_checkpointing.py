@@ -64,12 +64,16 @@ def without_recompute():
 SCORES = N_LAYER * HEADS * SEQ * SEQ * BATCH * 4
 
 
-@pytest.mark.parametrize("mode, recomputed, freed_at_least", [
-    ("full", [f"blocks.{i}" for i in range(N_LAYER)], None),
-    ("selective", [f"blocks.{i}.attn.core_attention" for i in range(N_LAYER)], 0.9 * SCORES),
-])
-def test_recompute_keeps_gradients_and_holds_fewer_activation_bytes(without_recompute, mode,
-                                                                   recomputed, freed_at_least):
+@pytest.mark.parametrize(
+    "mode, recomputed, freed_at_least",
+    [
+        ("full", [f"blocks.{i}" for i in range(N_LAYER)], None),
+        ("selective", [f"blocks.{i}.attn.core_attention" for i in range(N_LAYER)], 0.9 * SCORES),
+    ],
+)
+def test_recompute_keeps_gradients_and_holds_fewer_activation_bytes(
+    without_recompute, mode, recomputed, freed_at_least
+):
     held_plain, grads_plain = without_recompute
     model, counts = gpt(), RecomputeCounter()
     assert apply_activation_checkpointing(model, mode, counts) == recomputed
@@ -112,24 +116,38 @@ def refusal(*overrides: str, plugins=()) -> str:
     return str(refused.value)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["train.activation_checkpointing=partial"],
-     "train.activation_checkpointing=partial: choose one of none, full, selective"),
-    (["train.activation_checkpointing=selective", "model=llama_tiny"],
-     "train.activation_checkpointing=selective: the model (plait.plugins.models.llama."
-     "build_llama) has no 'selective' entry in its activation_checkpointing_plan (it has: full)"),
-    (["train.activation_checkpointing=full", "model=custom", "model._target_=torch.nn.Identity"],
-     "plugin 'activation_checkpointing' needs 'model:activation_checkpointing_plan', which no "
-     "active plugin provides (installed plugins that provide it: gpt"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["train.activation_checkpointing=partial"],
+            "train.activation_checkpointing=partial: choose one of none, full, selective",
+        ),
+        (
+            ["train.activation_checkpointing=selective", "model=llama_tiny"],
+            "train.activation_checkpointing=selective: the model (plait.plugins.hf.llama."
+            "build_llama) has no 'selective' entry in its activation_checkpointing_plan (it has: full)",
+        ),
+        (
+            [
+                "train.activation_checkpointing=full",
+                "model=custom",
+                "model._target_=torch.nn.Identity",
+            ],
+            "plugin 'activation_checkpointing' needs 'model:activation_checkpointing_plan', which no "
+            "active plugin provides (installed plugins that provide it: gpt",
+        ),
+    ],
+)
 def test_refused_before_launch(overrides, message):
     assert message in refusal(*overrides)
 
 
 def test_a_plugin_that_declares_it_cannot_recompute_is_refused():
     text = refusal("train.activation_checkpointing=selective", plugins=[CountsForwardCalls()])
-    assert ("plugin 'counts_forwards' cannot run together with plugin "
-            "'activation_checkpointing'") in text
+    assert (
+        "plugin 'counts_forwards' cannot run together with plugin 'activation_checkpointing'"
+    ) in text
     compose(TEST_OVERRIDES, [CountsForwardCalls()])  # without recompute it runs
 
 
@@ -142,11 +160,16 @@ def test_plait_estimate_accounts_for_recompute(capsys):
 
     printed = {}
     for mode in ("none", "selective", "full"):
-        overrides = [*TEST_OVERRIDES, "strategy=zero1", f"train.activation_checkpointing={mode}",
-                     "precision=fp32"]
+        overrides = [
+            *TEST_OVERRIDES,
+            "strategy=zero1",
+            f"train.activation_checkpointing={mode}",
+            "precision=fp32",
+        ]
         assert cli.main(["estimate", *overrides]) == 0
-        line = next(line for line in capsys.readouterr().out.splitlines()
-                    if line.startswith("activations"))
+        line = next(
+            line for line in capsys.readouterr().out.splitlines() if line.startswith("activations")
+        )
         assert f"activation checkpointing {mode}" in line
         printed[mode] = int(line.rsplit("(", 1)[1].split(" B)")[0].replace(",", ""))
         model = instantiate(compose(overrides).model)
@@ -164,8 +187,13 @@ def test_plait_estimate_accounts_for_recompute(capsys):
 
 STEPS = 4
 COMMON = [f"train.steps={STEPS}", "model.n_layer=4", "train.grad_accum_steps=2"]
-PP2_TP2 = ["parallel.pp=2", "parallel.tp=2", "launcher.nproc_per_node=4",
-           "pipeline.microbatches=2", "train.grad_accum_steps=1"]
+PP2_TP2 = [
+    "parallel.pp=2",
+    "parallel.tp=2",
+    "launcher.nproc_per_node=4",
+    "pipeline.microbatches=2",
+    "train.grad_accum_steps=1",
+]
 LAYOUTS = {  # name: (overrides, recomputes of the logging rank per step and planned module)
     "ddp": ([], 4 * 2),  # 4 blocks x 2 accumulation micro-batches
     "zero3": (["strategy=zero3"], 4 * 2),
@@ -175,8 +203,9 @@ LAYOUTS = {  # name: (overrides, recomputes of the logging rank per step and pla
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    run = run_training(tmp_path_factory.mktemp("ac") / "one",
-                       [*COMMON, "launcher.nproc_per_node=1"])
+    run = run_training(
+        tmp_path_factory.mktemp("ac") / "one", [*COMMON, "launcher.nproc_per_node=1"]
+    )
     return [m["loss"] for m in read_metrics(run)]
 
 
@@ -185,8 +214,10 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_recompute_trains_like_one_process_under_every_layout(reference, tmp_path, layout, mode):
     overrides, recomputes = LAYOUTS[layout]
-    run = run_training(tmp_path / f"{layout}-{mode}",
-                       [*COMMON, *overrides, f"train.activation_checkpointing={mode}"])
+    run = run_training(
+        tmp_path / f"{layout}-{mode}",
+        [*COMMON, *overrides, f"train.activation_checkpointing={mode}"],
+    )
     metrics = read_metrics(run)
     assert [m["loss"] for m in metrics] == pytest.approx(reference, rel=2e-5)
     assert [m["activation_checkpointing/recomputes"] for m in metrics] == [recomputes] * STEPS

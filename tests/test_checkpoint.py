@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import inhouse
 import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -13,10 +14,12 @@ from plait.plugins.checkpoint import directory
 from plait.testing import compose, read_metrics, run_losses, run_training
 from plait.types import TrainState
 
-import inhouse
-
-RUN = ["train.steps=8", "optimizer.decay_steps=8", "fault.checkpoint_every=3",
-       "launcher.nproc_per_node=2"]
+RUN = [
+    "train.steps=8",
+    "optimizer.decay_steps=8",
+    "fault.checkpoint_every=3",
+    "launcher.nproc_per_node=2",
+]
 
 
 def model_state(run_dir: Path, step: int) -> dict:
@@ -51,8 +54,10 @@ def test_fresh_run_into_a_run_with_checkpoints_is_refused_and_nothing_changes(tm
     (run_dir / "checkpoints" / "latest").write_text("step_00000004")
     (run_dir / "config.yaml").write_text("precious")
     assert main(["train", f"run.root={tmp_path}", "run.name=r", "resume=null"]) == 2
-    assert ("already holds checkpoints (latest: step_00000004) and resume=null starts fresh: "
-            "continue it with resume=auto") in capsys.readouterr().err
+    assert (
+        "already holds checkpoints (latest: step_00000004) and resume=null starts fresh: "
+        "continue it with resume=auto"
+    ) in capsys.readouterr().err
     assert (run_dir / "config.yaml").read_text() == "precious"
 
 
@@ -69,9 +74,14 @@ def test_a_failed_write_leaves_latest_on_the_previous_checkpoint(tmp_path):
     (root / "step_00000002" / "complete.json").write_text('{"files": {}}')
     (root / "latest").write_text("step_00000002")
     with pytest.raises(OSError, match="disk full"):
-        checkpoint.plait_save_checkpoint(cfg=cfg, engine=FailingEngine(), state=TrainState(step=4),
-                                         topology=inhouse.Rank0(), final=False,
-                                         hook=inhouse.NoCapabilities)
+        checkpoint.plait_save_checkpoint(
+            cfg=cfg,
+            engine=FailingEngine(),
+            state=TrainState(step=4),
+            topology=inhouse.Rank0(),
+            final=False,
+            hook=inhouse.NoCapabilities,
+        )
     assert (root / "latest").read_text() == "step_00000002"
     assert not (root / "step_00000004").exists()
     assert directory.resolve_resume(cfg, "latest") == root / "step_00000002"
@@ -79,12 +89,20 @@ def test_a_failed_write_leaves_latest_on_the_previous_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_export_loads_into_the_plain_model_with_the_same_eval_loss(tmp_path):
-    run_dir = run_training(tmp_path / "r", ["train.steps=3", "launcher.nproc_per_node=2",
-                                            "train.eval_every=3", "train.eval_batches=2"])
+    run_dir = run_training(
+        tmp_path / "r",
+        [
+            "train.steps=3",
+            "launcher.nproc_per_node=2",
+            "train.eval_every=3",
+            "train.eval_batches=2",
+        ],
+    )
     assert main(["export", str(run_dir), f"out={tmp_path / 'full.pt'}"]) == 0
+    import numpy as np
+
     from plait.plugins.data import TokenWindows, load_split, token_file
     from plait.plugins.models.gpt import GPT
-    import numpy as np
 
     cfg = compose([f"run.root={tmp_path}", "run.name=other", "train.seq_len=32"])
     model = GPT(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
@@ -97,8 +115,9 @@ def test_export_loads_into_the_plain_model_with_the_same_eval_loss(tmp_path):
         for k in range(2):
             for rank in range(2):
                 x, y = val.batch(list(range((k * 2 + rank) * micro, (k * 2 + rank + 1) * micro)))
-                losses.append(torch.nn.functional.cross_entropy(
-                    model(x).flatten(0, 1), y.flatten()).item())
+                losses.append(
+                    torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+                )
     logged = read_metrics(run_dir)[-1]["eval/loss"]
     assert sum(losses) / len(losses) == pytest.approx(logged, rel=1e-5)
 
@@ -117,17 +136,28 @@ def test_a_checkpoint_missing_a_ranks_random_state_is_refused_not_resumed_around
     """Written at this layout, a checkpoint holds every rank's ``rng_rank<r>.pt``: a resume
     without it could not draw the same dropout masks, so it is an error naming the file, never a
     silent fresh random state. The random state saved is the one a resume restores."""
-    cfg = compose([f"run.root={tmp_path}", "run.name=r", "fault.checkpoint_every=2",
-                   "launcher.nproc_per_node=1"])
+    cfg = compose(
+        [
+            f"run.root={tmp_path}",
+            "run.name=r",
+            "fault.checkpoint_every=2",
+            "launcher.nproc_per_node=1",
+        ]
+    )
     torch.manual_seed(7)
-    checkpoint.plait_save_checkpoint(cfg=cfg, engine=StateFileEngine(), state=TrainState(step=2),
-                                     topology=inhouse.Rank0(), final=False,
-                                     hook=inhouse.NoCapabilities)
+    checkpoint.plait_save_checkpoint(
+        cfg=cfg,
+        engine=StateFileEngine(),
+        state=TrainState(step=2),
+        topology=inhouse.Rank0(),
+        final=False,
+        hook=inhouse.NoCapabilities,
+    )
     after_save = torch.rand(3)
     torch.manual_seed(99)
-    resumed = checkpoint.plait_load_checkpoint(cfg=cfg, engine=StateFileEngine(),
-                                               topology=inhouse.Rank0(),
-                                               hook=inhouse.NoCapabilities)
+    resumed = checkpoint.plait_load_checkpoint(
+        cfg=cfg, engine=StateFileEngine(), topology=inhouse.Rank0(), hook=inhouse.NoCapabilities
+    )
     assert resumed.step == 2 and torch.equal(torch.rand(3), after_save)
 
     saved = tmp_path / "r" / "checkpoints" / "step_00000002"
@@ -136,5 +166,6 @@ def test_a_checkpoint_missing_a_ranks_random_state_is_refused_not_resumed_around
     del files["files"]["rng_rank0.pt"]  # complete by its own record: only the RNG file is gone
     (saved / "complete.json").write_text(json.dumps(files))
     with pytest.raises(FileNotFoundError, match="has no rng_rank0.pt: rank 0's random state"):
-        checkpoint.plait_load_checkpoint(cfg=cfg, engine=StateFileEngine(),
-                                         topology=inhouse.Rank0(), hook=inhouse.NoCapabilities)
+        checkpoint.plait_load_checkpoint(
+            cfg=cfg, engine=StateFileEngine(), topology=inhouse.Rank0(), hook=inhouse.NoCapabilities
+        )

@@ -16,31 +16,45 @@ from plait.types import PlanError
 CONF = Path(__file__).parents[1] / "conf"
 OPTIONS = sorted(
     (group.name, option.stem)
-    for group in CONF.iterdir() if group.is_dir() and not group.name.startswith("_")
+    for group in CONF.iterdir()
+    if group.is_dir() and not group.name.startswith("_")
     for option in group.glob("*.yaml")
 )
-NEEDS = {("data", "text"): ["data.path=README.md"],
-         ("data", "tokens"): ["data.path=__TOKENS__"],
-         ("data", "shards"): ["data.path=__SHARDS__"],
-         ("model", "custom"): ["model._target_=torch.nn.Identity"],
-         ("model", "hf"): ["model.path=__HF__", "model.pretrained=false"]}
+NEEDS = {
+    ("data", "text"): ["data.path=README.md"],
+    ("data", "tokens"): ["data.path=__TOKENS__"],
+    ("data", "shards"): ["data.path=__SHARDS__"],
+    ("model", "custom"): ["model._target_=torch.nn.Identity"],
+    ("model", "hf"): ["model.path=__HF__", "model.pretrained=false"],
+}
 
 
 @pytest.mark.parametrize("group,option", OPTIONS)
 def test_every_option_of_every_group_composes_and_passes_the_checks(group, option, tmp_path):
-    extra = [o.replace("__TOKENS__", str(tmp_path / "t.bin")) for o in NEEDS.get((group, option), [])]
+    extra = [
+        o.replace("__TOKENS__", str(tmp_path / "t.bin")) for o in NEEDS.get((group, option), [])
+    ]
     (tmp_path / "t.bin").write_bytes(b"\0" * 4096)  # 2048 tokens: more than one batch
     extra = [o.replace("README.md", str(CONF.parent / "README.md")) for o in extra]
     if (group, option) == ("data", "shards"):  # the README as byte shards, for the index check
-        prepare(OmegaConf.structured(PrepareDataConfig(path=str(CONF.parent / "README.md"),
-                                                       num_workers=1)),
-                tmp_path / "shards", log=lambda message: None)
+        prepare(
+            OmegaConf.structured(
+                PrepareDataConfig(path=str(CONF.parent / "README.md"), num_workers=1)
+            ),
+            tmp_path / "shards",
+            log=lambda message: None,
+        )
         extra = [o.replace("__SHARDS__", str(tmp_path / "shards")) for o in extra]
     if (group, option) == ("model", "hf"):  # a config-only directory: random weights
         from transformers import LlamaConfig
 
-        LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4).save_pretrained(tmp_path / "hf")
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+        ).save_pretrained(tmp_path / "hf")
         extra = [o.replace("__HF__", str(tmp_path / "hf")) for o in extra]
     cfg = compose([f"{group}={option}", f"run.root={tmp_path}", *extra])
     assert cfg[group] is not None
@@ -66,24 +80,31 @@ def problems(*overrides):
 
 def test_batch_not_divisible_by_accum_times_dp():
     text = problems("train.batch_size=10", "train.grad_accum_steps=2", "launcher.nproc_per_node=2")
-    assert ("train.batch_size=10 is not divisible by train.grad_accum_steps(2) * dp(2) = 4: set "
-            "train.batch_size to a multiple of 4") in text
+    assert (
+        "train.batch_size=10 is not divisible by train.grad_accum_steps(2) * dp(2) = 4: set "
+        "train.batch_size to a multiple of 4"
+    ) in text
 
 
 def test_context_longer_than_the_model():
-    assert ("train.seq_len=128 is longer than the model's context model.block_size=64"
-            in problems("train.seq_len=128"))
+    assert "train.seq_len=128 is longer than the model's context model.block_size=64" in problems(
+        "train.seq_len=128"
+    )
 
 
 def test_missing_data_path():
-    assert "data.path=/no/such/file does not exist" in problems("data=text", "data.path=/no/such/file")
+    assert "data.path=/no/such/file does not exist" in problems(
+        "data=text", "data.path=/no/such/file"
+    )
     assert "data=text needs data.path" in problems("data=text")
 
 
 def test_missing_checkpoint(tmp_path):
     text = problems(f"run.root={tmp_path}", "run.name=x", "resume=latest")
     assert f"resume=latest: no complete checkpoint found in {tmp_path}/x/checkpoints" in text
-    assert "resume=/nowhere: no complete checkpoint found in /nowhere" in problems("resume=/nowhere")
+    assert "resume=/nowhere: no complete checkpoint found in /nowhere" in problems(
+        "resume=/nowhere"
+    )
 
 
 def test_mesh_that_does_not_fill_the_world():

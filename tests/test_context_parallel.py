@@ -13,7 +13,6 @@ names (cp=2 x dp=2, x tp=2, x pp=2) are real ``plait train`` runs against one 1-
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
@@ -59,16 +58,28 @@ def test_context_parallel_refusals_name_the_combination():
     """The issue's three refusals (and the setting's range) are lines of test_refusals.py;
     these are the combinations cp cannot run with."""
     assert "needs 'model:context_parallel' for parallel.cp=2" in refusal(
-        "model=custom", "model._target_=torch.nn.Identity", "parallel.cp=2")
-    assert ("plugin 'local_sgd' does not support cp parallelism (parallel.cp=2)"
-            in refusal("strategy=local_sgd", "parallel.cp=2"))
-    assert ("model.dropout=0.1 with parallel.cp=2: the attention of context-parallel ranks has "
-            "no dropout" in refusal("parallel.cp=2", "model.dropout=0.1"))
+        "model=custom", "model._target_=torch.nn.Identity", "parallel.cp=2"
+    )
+    assert "plugin 'local_sgd' does not support cp parallelism (parallel.cp=2)" in refusal(
+        "strategy=local_sgd", "parallel.cp=2"
+    )
+    assert (
+        "model.dropout=0.1 with parallel.cp=2: the attention of context-parallel ranks has "
+        "no dropout" in refusal("parallel.cp=2", "model.dropout=0.1")
+    )
     assert "dp(1) * cp(2) * tp(2) * pp(1) != world_size(2)" in refusal(
-        "parallel.cp=2", "parallel.tp=2", "parallel.dp=1")
-    assert ("strategy=zero1 with parallel.pp=2 and parallel.cp=2: DeepSpeed sums gradients" in
-            refusal("strategy=zero1", "parallel.cp=2", "parallel.pp=2", "pipeline.microbatches=2",
-                    "launcher.nproc_per_node=4"))
+        "parallel.cp=2", "parallel.tp=2", "parallel.dp=1"
+    )
+    assert (
+        "strategy=zero1 with parallel.pp=2 and parallel.cp=2: DeepSpeed sums gradients"
+        in refusal(
+            "strategy=zero1",
+            "parallel.cp=2",
+            "parallel.pp=2",
+            "pipeline.microbatches=2",
+            "launcher.nproc_per_node=4",
+        )
+    )
 
 
 def test_context_parallel_plans_name_the_axis():
@@ -76,8 +87,9 @@ def test_context_parallel_plans_name_the_axis():
     assert (cfg.parallel.cp, cfg.context_parallel.backend) == (2, "ring")
     from plait.plan import format_plan, make_plan
 
-    text = format_plan(make_plan([*TEST_OVERRIDES, "parallel.cp=2", "parallel.tp=2",
-                                  "launcher.nproc_per_node=8"]))
+    text = format_plan(
+        make_plan([*TEST_OVERRIDES, "parallel.cp=2", "parallel.tp=2", "launcher.nproc_per_node=8"])
+    )
     assert "mesh: world_size=8 = pp 1 x dp 2 x cp 2 x tp 2" in text
 
 
@@ -136,8 +148,9 @@ def train_losses(model, loss_fn, group=None, size=1) -> tuple[list[float], list[
     return losses, norms
 
 
-def context_parallel_gpt(backend: str, group, size: int, rank: int, stats: ExchangeStats,
-                         **model_args) -> tuple[GPT, SequenceLayout]:
+def context_parallel_gpt(
+    backend: str, group, size: int, rank: int, stats: ExchangeStats, **model_args
+) -> tuple[GPT, SequenceLayout]:
     model = tiny_gpt(**model_args)
     layout = layout_for(backend, model.block_size, size, rank)
     apply_context_parallel(model, backend, layout, group, stats)
@@ -177,7 +190,9 @@ def document_losses(logits_of, x, y) -> list[float]:
         start = 0
         for n in lengths:
             logits = logits_of(row, start, n)
-            losses.append(float(F.cross_entropy(logits, y[row, start:start + n], reduction="sum")))
+            losses.append(
+                float(F.cross_entropy(logits, y[row, start : start + n], reduction="sum"))
+            )
             start += n
     return losses
 
@@ -191,8 +206,9 @@ def _attention_group(rank: int, world: int, out: str) -> None:
     # exchanges against full attention, fp64, with and without packed documents
     torch.manual_seed(1)
     q, k, v, grad = (torch.randn(2, 4, SEQ, 8, dtype=torch.float64) for _ in range(4))
-    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths])
-                             for lengths in PACKED[:2]])
+    positions = torch.stack(
+        [torch.cat([torch.arange(n) for n in lengths]) for lengths in PACKED[:2]]
+    )
     for docs in (None, document_ids(positions)):
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         reference = CoreAttention(0.0)(*full, docs)
@@ -204,21 +220,24 @@ def _attention_group(rank: int, world: int, out: str) -> None:
                 mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
                 stats = ExchangeStats()
                 if backend == "ring":
-                    attended = RingAttention.apply(*mine, docs, layout, group, 8 ** -0.5, stats)
+                    attended = RingAttention.apply(*mine, docs, layout, group, 8**-0.5, stats)
                 else:
                     attended = ulysses_attention(CoreAttention(0.0), *mine, docs, group, stats)
                 attended.backward(grad[:, :, index])
                 errors = [(attended - reference[:, :, index]).abs().max().item()]
-                errors += [float((m.grad - f.grad[:, :, index]).abs().max())
-                           for m, f in zip(mine, full)]
+                errors += [
+                    float((m.grad - f.grad[:, :, index]).abs().max()) for m, f in zip(mine, full)
+                ]
                 results[f"exact/{backend}/cp{size}/docs{docs is not None}"] = max(errors)
-                kv = 2 * q[:, :, :layout.local_len].numel() * q.element_size()
+                kv = 2 * q[:, :, : layout.local_len].numel() * q.element_size()
                 results[f"exchanges/{backend}/cp{size}"] = [stats.exchanges, stats.bytes_sent, kv]
 
     # zigzag against contiguous chunks: the attention FLOPs each rank computed, counted
     x, _ = batch_of(0)
-    for name, layout in (("zigzag", SequenceLayout.zigzag(SEQ, world, rank)),
-                         ("contiguous", SequenceLayout.contiguous(SEQ, world, rank, 2))):
+    for name, layout in (
+        ("zigzag", SequenceLayout.zigzag(SEQ, world, rank)),
+        ("contiguous", SequenceLayout.contiguous(SEQ, world, rank, 2)),
+    ):
         stats = ExchangeStats()
         model = tiny_gpt()
         apply_context_parallel(model, "ring", layout, dist.group.WORLD, stats)
@@ -234,7 +253,8 @@ def _attention_group(rank: int, world: int, out: str) -> None:
         for backend in BACKENDS:
             model, layout = context_parallel_gpt(backend, group, size, cp_rank, ExchangeStats())
             results[f"train/{backend}/cp{size}"] = train_losses(
-                model, SequenceShardLoss(cross_entropy, layout), group, size)
+                model, SequenceShardLoss(cross_entropy, layout), group, size
+            )
 
     # packed documents of uneven lengths against each document alone
     x, y, positions = packed_batch()
@@ -242,17 +262,23 @@ def _attention_group(rank: int, world: int, out: str) -> None:
         model = tiny_gpt()
         packed, leaky = model(x, positions), model(x)  # leaky: without positions (and masks)
         results["packed/alone"] = document_losses(
-            lambda row, start, n: model(x[row:row + 1, start:start + n])[0], x, y)
+            lambda row, start, n: model(x[row : row + 1, start : start + n])[0], x, y
+        )
         results["packed/one"] = document_losses(
-            lambda row, start, n: packed[row, start:start + n], x, y)
+            lambda row, start, n: packed[row, start : start + n], x, y
+        )
         results["packed/leaky"] = document_losses(
-            lambda row, start, n: leaky[row, start:start + n], x, y)
+            lambda row, start, n: leaky[row, start : start + n], x, y
+        )
         for backend in BACKENDS:
             group, cp_rank = groups[2]
             model, layout = context_parallel_gpt(backend, group, 2, cp_rank, ExchangeStats())
-            local = SequenceShardLoss(lambda logits, t: F.cross_entropy(
-                logits.flatten(0, 1), t.flatten(), reduction="sum"), layout)(model(x, positions),
-                                                                             y)
+            local = SequenceShardLoss(
+                lambda logits, t: F.cross_entropy(
+                    logits.flatten(0, 1), t.flatten(), reduction="sum"
+                ),
+                layout,
+            )(model(x, positions), y)
             dist.all_reduce(local, group=group)
             results[f"packed/{backend}"] = float(local)
 
@@ -261,8 +287,7 @@ def _attention_group(rank: int, world: int, out: str) -> None:
     results["memory/cp1"] = saved_bytes(tiny_gpt(seq=256), long_x)
     for size, (group, cp_rank) in groups.items():
         for backend in BACKENDS:
-            model, _ = context_parallel_gpt(backend, group, size, cp_rank, ExchangeStats(),
-                                            seq=256)
+            model, _ = context_parallel_gpt(backend, group, size, cp_rank, ExchangeStats(), seq=256)
             results[f"memory/{backend}/cp{size}"] = saved_bytes(model, long_x)
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
@@ -299,7 +324,8 @@ def test_key_value_exchanges_are_counted_as_the_theory_says(group_results):
             # the planner's and the benchmark's formula: per layer, batch 2, width 4 x 8, fp64
             for backend in BACKENDS:
                 assert results[f"exchanges/{backend}/cp{size}"][1] == exchange_bytes(
-                    backend, SEQ, 2, 32, size, 8)
+                    backend, SEQ, 2, 32, size, 8
+                )
 
 
 @pytest.mark.slow
@@ -387,11 +413,18 @@ def test_packed_samples_restart_positions_at_every_document(packed_shards):
     assert (positions[:, 1:] == 0).sum() > len(dataset) // 2  # documents start inside windows
     plain = ShardDataset(index, LocalShards(index), 32, "train", False, 0.0, False, 1)
     assert len(plain.batch([0])) == 2  # unpacked samples stay (inputs, targets)
-    assert ("data.pack=true passes each token's position in its document to the model "
-            "(forward(ids, position_ids)), from which it masks attention across documents; "
-            "model._target_=plait.plugins.models.llama.build_llama takes no position_ids"
-            in refusal("model=llama_tiny", "data=shards", f"data.path={packed_shards}",
-                       "data.pack=true", "data.val_fraction=0"))
+    assert (
+        "data.pack=true passes each token's position in its document to the model "
+        "(forward(ids, position_ids)), from which it masks attention across documents; "
+        "model._target_=plait.plugins.hf.llama.build_llama takes no position_ids"
+        in refusal(
+            "model=llama_tiny",
+            "data=shards",
+            f"data.path={packed_shards}",
+            "data.pack=true",
+            "data.val_fraction=0",
+        )
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,8 +434,7 @@ def test_packed_samples_restart_positions_at_every_document(packed_shards):
 COMMON = [f"train.steps={STEPS}", "train.batch_size=8", "train.seq_len=32"]
 CP2_DP2 = ["parallel.cp=2", "launcher.nproc_per_node=4", "fault.checkpoint_every=10"]
 CP2_TP2 = ["parallel.cp=2", "parallel.tp=2", "launcher.nproc_per_node=4"]
-CP2_PP2 = ["parallel.cp=2", "parallel.pp=2", "pipeline.microbatches=2",
-           "launcher.nproc_per_node=4"]
+CP2_PP2 = ["parallel.cp=2", "parallel.pp=2", "pipeline.microbatches=2", "launcher.nproc_per_node=4"]
 
 
 @pytest.fixture(scope="module")
@@ -411,14 +443,26 @@ def runs(tmp_path_factory, packed_shards):
     position_ids pass through the loader, DDP, tensor parallelism and the pipeline schedule."""
     root = tmp_path_factory.mktemp("cp_runs")
     data = ["data=shards", f"data.path={packed_shards}", "data.pack=true", "data.val_fraction=0"]
-    plans = {"one": ["launcher.nproc_per_node=1"], "cp2_dp2": CP2_DP2, "cp2_tp2": CP2_TP2,
-             "cp2_pp2": CP2_PP2}
-    done = {name: run_training(root / name, [*COMMON, *data, *overrides])
-            for name, overrides in plans.items()}
+    plans = {
+        "one": ["launcher.nproc_per_node=1"],
+        "cp2_dp2": CP2_DP2,
+        "cp2_tp2": CP2_TP2,
+        "cp2_pp2": CP2_PP2,
+    }
+    done = {
+        name: run_training(root / name, [*COMMON, *data, *overrides])
+        for name, overrides in plans.items()
+    }
     # the cp=2 x dp=2 checkpoint of step 10, resumed by one process without cp
-    done["resumed"] = run_training(root / "resumed", [
-        *COMMON, *data, "launcher.nproc_per_node=1",
-        f"resume={done['cp2_dp2'] / 'checkpoints' / 'step_00000010'}"])
+    done["resumed"] = run_training(
+        root / "resumed",
+        [
+            *COMMON,
+            *data,
+            "launcher.nproc_per_node=1",
+            f"resume={done['cp2_dp2'] / 'checkpoints' / 'step_00000010'}",
+        ],
+    )
     return {name: read_metrics(path) for name, path in done.items()}
 
 
@@ -470,13 +514,29 @@ def test_the_planner_enumerates_cp_with_its_activation_term():
     each estimate keeps 1/cp of the activations."""
     from plait.plugins.planner import search_layouts
 
-    args = ["--search", "world_size=4", "--memory-gb", "0.012", "--top", "3",
-            *TEST_OVERRIDES, "train.seq_len=2048", "model.block_size=2048",
-            "train.batch_size=4", "train.peak_flops=1e12", "strategy=ddp", "parallel.tp=1",
-            "parallel.pp=1", "train.activation_checkpointing=none"]
+    args = [
+        "--search",
+        "world_size=4",
+        "--memory-gb",
+        "0.012",
+        "--top",
+        "3",
+        *TEST_OVERRIDES,
+        "train.seq_len=2048",
+        "model.block_size=2048",
+        "train.batch_size=4",
+        "train.peak_flops=1e12",
+        "strategy=ddp",
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "train.activation_checkpointing=none",
+    ]
     result, table, *_ = search_layouts(args)
     assert result.accepted and all(layout.cp == 4 for layout, _ in result.accepted), table
-    by_cp = {layout.cp: cost.memory_bytes for layout, cost in result.estimates
-             if layout.micro_batch_size == 1}
+    by_cp = {
+        layout.cp: cost.memory_bytes
+        for layout, cost in result.estimates
+        if layout.micro_batch_size == 1
+    }
     assert by_cp[4] < by_cp[2] < by_cp[1]
     assert "  cp " in table.splitlines()[1]

@@ -12,8 +12,9 @@ def test_stdlib_default_is_tokenized_once_and_reused(tmp_path, monkeypatch):
     sources = data_plugin.stdlib_sources()[:20]
     calls = []
     real = data_plugin.tokenize_to_cache
-    monkeypatch.setattr(data_plugin, "tokenize_to_cache",
-                        lambda s, f: (calls.append(f), real(s, f)))
+    monkeypatch.setattr(
+        data_plugin, "tokenize_to_cache", lambda s, f: (calls.append(f), real(s, f))
+    )
     first = data_plugin.cached_tokens(sources, tmp_path, local_rank=0)
     second = data_plugin.cached_tokens(sources, tmp_path, local_rank=0)
     assert first == second and len(calls) == 1
@@ -46,8 +47,9 @@ def test_tokens_file_is_used_as_is(tmp_path):
     assert path == tmp_path / "train.bin" and needs_split
 
 
-@pytest.mark.parametrize("magic,version,dtype", [(20240520, 1, np.uint16),
-                                                 (20240801, 7, np.uint32)])
+@pytest.mark.parametrize(
+    "magic,version,dtype", [(20240520, 1, np.uint16), (20240801, 7, np.uint32)]
+)
 def test_llmc_token_files_are_read_after_their_header(tmp_path, magic, version, dtype):
     # llm.c's dev/data/data_common.py write_datafile: 256 int32 (magic, version, count), then ids
     tokens = (np.arange(5000) * 7 % 256).astype(dtype)
@@ -70,8 +72,9 @@ class Local:
 
 
 def sampler(rank=0, dp=1, accum=1, batch=8, n=100):
-    return GlobalOrderSampler(n, epoch_order_of(range(n), seed=1, shuffle=True), batch, accum,
-                              rank, dp)
+    return GlobalOrderSampler(
+        n, epoch_order_of(range(n), seed=1, shuffle=True), batch, accum, rank, dp
+    )
 
 
 def take(steps, k):
@@ -90,7 +93,7 @@ def test_dp_ranks_get_disjoint_shares_that_make_up_the_global_batch():
 def test_positions_run_through_epochs_each_a_permutation():
     ids = [i for step in take(sampler(batch=10).steps(0), 30) for i in step[0]]
     for epoch in range(3):
-        assert sorted(ids[epoch * 100:(epoch + 1) * 100]) == list(range(100))
+        assert sorted(ids[epoch * 100 : (epoch + 1) * 100]) == list(range(100))
     assert ids[:100] != ids[100:200]
 
 

@@ -25,23 +25,38 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import inhouse
+import pytest
 from inhouse import RecordShards
 
 from plait.testing import TEST_OVERRIDES, compose, free_port, read_metrics, run_training
 from plait.types import PlanError
 
 STEPS = 20
-COMMON = [f"train.steps={STEPS}", f"optimizer.decay_steps={STEPS}", "train.grad_clip=0",
-          "precision=fp32", "fault.save_final=false"]
+COMMON = [
+    f"train.steps={STEPS}",
+    f"optimizer.decay_steps={STEPS}",
+    "train.grad_clip=0",
+    "precision=fp32",
+    "fault.save_final=false",
+]
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
 LAYOUTS = {
     "dp2": (["strategy=fsdp", "launcher.nproc_per_node=2"], 2, [2], ["dp"]),
     "tp2": (["strategy=fsdp", "parallel.tp=2", "launcher.nproc_per_node=4"], 4, [2], ["dp"]),
     # torchtitan's 3D: each stage chunk an FSDP root over dp, its layers tp-split
-    "pp2_tp2": (["strategy=fsdp", "parallel.pp=2", "parallel.tp=2", "pipeline.microbatches=2",
-                 "launcher.nproc_per_node=8"], 8, [2], ["dp"]),
+    "pp2_tp2": (
+        [
+            "strategy=fsdp",
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "pipeline.microbatches=2",
+            "launcher.nproc_per_node=8",
+        ],
+        8,
+        [2],
+        ["dp"],
+    ),
 }
 
 
@@ -52,6 +67,9 @@ def assert_sharded(run: Path, ranks: int, mesh: list[int], mesh_dims: list[str])
         for name, p in held.items():
             assert p["dtensor"] and p["mesh"] == mesh and p["mesh_dims"] == mesh_dims, name
             assert p["placements"][-1] == "S(0)", name  # Shard(dim=0)
+            # HSDP: replicas along every other mesh dim, not shards (a shard over both dims
+            # would hold 1/4 and pass the size check below)
+            assert p["placements"][:-1] == ["R"] * (len(mesh) - 1), name  # Replicate()
             assert p["local"] <= -(-p["global"] // shard) < p["global"], name  # 1/shard of it
 
 
@@ -84,19 +102,36 @@ def test_fsdp_equals_one_process_and_really_shards(one_process, layout, tmp_path
         assert held["blocks.0.attn.qkv.weight"]["global"] == 3 * 64 * 64 // 2
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["strategy.replicate=3", "launcher.nproc_per_node=4"],
-     "strategy.replicate=3 does not divide dp=4"),
-    (["comm=ring"], "FSDP reduce-scatters gradients with its own collectives"),
-    (["parallel.pp=2", "pipeline.schedule=zbv", "pipeline.virtual_stages=2",
-      "launcher.nproc_per_node=2"], "pipeline.schedule=zbv with strategy=fsdp: the zero-bubble "
-                                    "schedules split each backward"),
-    (["parallel.pp=2", "strategy.replicate=2", "launcher.nproc_per_node=8"],
-     "strategy.replicate=2 with parallel.pp=2 and strategy=fsdp: fsdp under pipeline stages is "
-     "checked against one process with dp and tp only"),
-    (["strategy.offload=cpu", "device=cpu"], "strategy.offload=cpu with device=cpu"),
-    (["precision=fp16"], "plugin 'fsdp' does not support precision=fp16: choose one of bf16, fp32"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["strategy.replicate=3", "launcher.nproc_per_node=4"],
+            "strategy.replicate=3 does not divide dp=4",
+        ),
+        (["comm=ring"], "FSDP reduce-scatters gradients with its own collectives"),
+        (
+            [
+                "parallel.pp=2",
+                "pipeline.schedule=zbv",
+                "pipeline.virtual_stages=2",
+                "launcher.nproc_per_node=2",
+            ],
+            "pipeline.schedule=zbv with strategy=fsdp: the zero-bubble "
+            "schedules split each backward",
+        ),
+        (
+            ["parallel.pp=2", "strategy.replicate=2", "launcher.nproc_per_node=8"],
+            "strategy.replicate=2 with parallel.pp=2 and strategy=fsdp: fsdp under pipeline stages is "
+            "checked against one process with dp and tp only",
+        ),
+        (["strategy.offload=cpu", "device=cpu"], "strategy.offload=cpu with device=cpu"),
+        (
+            ["precision=fp16"],
+            "plugin 'fsdp' does not support precision=fp16: choose one of bf16, fp32",
+        ),
+    ],
+)
 def test_what_fsdp_cannot_run_is_refused_before_launch(overrides, message):
     with pytest.raises(PlanError) as refused:
         compose(["strategy=fsdp", *overrides])
@@ -111,14 +146,15 @@ SAVED = 10
 def pp2_run(tmp_path_factory) -> Path:
     """FSDP x pp=2 x dp=2 on 4 processes (stages of one block each), checkpointed at step 10."""
     run = tmp_path_factory.mktemp("fsdp_pp") / "pp2"
-    return run_training(run, [*COMMON, *PP2, f"fault.checkpoint_every={SAVED}",
-                              "fault.keep_last=0"],
-                        plugins=[RecordShards(), inhouse.RecordLayout()])
+    return run_training(
+        run,
+        [*COMMON, *PP2, f"fault.checkpoint_every={SAVED}", "fault.keep_last=0"],
+        plugins=[RecordShards(), inhouse.RecordLayout()],
+    )
 
 
 @pytest.mark.slow
-def test_fsdp_under_pipeline_stages_equals_one_process_and_shards_each_stage(one_process,
-                                                                              pp2_run):
+def test_fsdp_under_pipeline_stages_equals_one_process_and_shards_each_stage(one_process, pp2_run):
     """Each stage chunk is its own FSDP root over its stage's dp axis: every rank's parameters
     are DTensors over a 2-rank ``dp`` mesh holding half of its stage's elements, the two dp
     ranks of a stage hold the same names, the stages' names are disjoint and make the model,
@@ -131,8 +167,9 @@ def test_fsdp_under_pipeline_stages_equals_one_process_and_shards_each_stage(one
     inhouse.assert_layout(pp2_run, one_process[2], dp=2, pp=2)
     held = [json.loads((pp2_run / f"shards_rank{r}.json").read_text()) for r in range(4)]
     for rank, stage in enumerate(held):  # rank = pp_rank * 2 + dp_rank
-        assert 2 * sum(p["local"] for p in stage.values()) == sum(p["global"]
-                                                                  for p in stage.values())
+        assert 2 * sum(p["local"] for p in stage.values()) == sum(
+            p["global"] for p in stage.values()
+        )
         assert stage.keys() == held[rank ^ 1].keys(), rank  # the other dp rank of its stage
 
 
@@ -145,7 +182,8 @@ def test_fsdp_pipeline_checkpoint_resumes_exactly_and_reshards(pp2_run, tmp_path
     within 1e-5."""
     saved = pp2_run / "checkpoints" / f"step_{SAVED:08d}"
     assert sorted(p.name for p in saved.glob("fsdp_*.pt")) == [
-        f"fsdp_pp{p}_tp0_dp{d}.pt" for p in range(2) for d in range(2)]
+        f"fsdp_pp{p}_tp0_dp{d}.pt" for p in range(2) for d in range(2)
+    ]
     want = {m["step"]: m["loss"] for m in read_metrics(pp2_run)}
     pp2_dp1 = [*PP2[:-1], "launcher.nproc_per_node=2"]
     for name, layout in (("same", PP2), ("dp2", LAYOUTS["dp2"][0]), ("pp2_dp1", pp2_dp1)):
@@ -161,8 +199,9 @@ def test_fsdp_pipeline_checkpoint_resumes_exactly_and_reshards(pp2_run, tmp_path
 def test_fsdp_with_pipeline_stages_is_planned():
     """fsdp provides ``engine:pipeline`` and ``engine:pipeline_step``: no refusal, and the
     pipeline micro-batches are the step's accumulation micro-batches."""
-    cfg = compose(["strategy=fsdp", "parallel.pp=2", "pipeline.microbatches=2",
-                   "launcher.nproc_per_node=4"])
+    cfg = compose(
+        ["strategy=fsdp", "parallel.pp=2", "pipeline.microbatches=2", "launcher.nproc_per_node=4"]
+    )
     assert cfg.train.grad_accum_steps == 2
 
 
@@ -171,15 +210,33 @@ def test_hsdp_on_two_nodes_equals_one_process(one_process, tmp_path):
     """HSDP on 2 nodes x 2 processes: two launcher agents on loopback (the README's multi-node
     command, no root needed), ``strategy.replicate=2``: each node's two ranks shard the model,
     the nodes are replicas (mesh ``(replicate 2, shard 2)``)."""
-    overrides = [*TEST_OVERRIDES, *COMMON, "strategy=fsdp", "strategy.replicate=2",
-                 "launcher.nnodes=2", "launcher.nproc_per_node=2", "launcher.master_addr=127.0.0.1",
-                 f"launcher.master_port={free_port()}", f"run.root={tmp_path}", "run.name=hsdp",
-                 "+plugins=[inhouse:record_shards]"]
-    env = {**os.environ, "PYTHONPATH": f"{Path(__file__).parent}{os.pathsep}"
-                                       f"{os.environ.get('PYTHONPATH', '')}"}
-    nodes = [subprocess.Popen([sys.executable, "-m", "plait", "train", *overrides,
-                               f"launcher.node_rank={rank}"], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    overrides = [
+        *TEST_OVERRIDES,
+        *COMMON,
+        "strategy=fsdp",
+        "strategy.replicate=2",
+        "launcher.nnodes=2",
+        "launcher.nproc_per_node=2",
+        "launcher.master_addr=127.0.0.1",
+        f"launcher.master_port={free_port()}",
+        f"run.root={tmp_path}",
+        "run.name=hsdp",
+        "+plugins=[inhouse:record_shards]",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{Path(__file__).parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "plait", "train", *overrides, f"launcher.node_rank={rank}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outputs = [node.communicate(timeout=500)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     losses, norms = figures(tmp_path / "hsdp")
@@ -192,11 +249,18 @@ def test_hsdp_on_two_nodes_equals_one_process(one_process, tmp_path):
 def test_fsdp_resumes_from_its_own_checkpoint_exactly(tmp_path):
     """Each rank's shards and Adam states (``save_state``), saved at step 4 of 8: the resumed
     run's steps 5-8 are the uninterrupted run's, exactly."""
-    run = ["strategy=fsdp", "launcher.nproc_per_node=2", "train.steps=8",
-           "optimizer.decay_steps=8", "fault.checkpoint_every=4", "fault.keep_last=0"]
+    run = [
+        "strategy=fsdp",
+        "launcher.nproc_per_node=2",
+        "train.steps=8",
+        "optimizer.decay_steps=8",
+        "fault.checkpoint_every=4",
+        "fault.keep_last=0",
+    ]
     origin = run_training(tmp_path / "origin", run)
-    resumed = run_training(tmp_path / "resumed",
-                           [*run, f"resume={origin / 'checkpoints' / 'step_00000004'}"])
+    resumed = run_training(
+        tmp_path / "resumed", [*run, f"resume={origin / 'checkpoints' / 'step_00000004'}"]
+    )
     want = {m["step"]: m["loss"] for m in read_metrics(origin)}
     got = {m["step"]: m["loss"] for m in read_metrics(resumed)}
     assert sorted(got) == [5, 6, 7, 8]

@@ -44,7 +44,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from hf_models import FAMILIES, corpus_files, family_config, write_checkpoint
 from inhouse import RecordFirstBatch, RecordHeld, RecordReads
 
@@ -70,8 +69,13 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     first = write_checkpoint(root / "llama", "llama")
     dirs = {"llama": first}
     for family in FAMILIES[1:]:
-        dirs[family] = write_checkpoint(root / family, family, seed=1, tokenizer_from=first,
-                                        max_shard_size="500KB" if family == "phi3" else None)
+        dirs[family] = write_checkpoint(
+            root / family,
+            family,
+            seed=1,
+            tokenizer_from=first,
+            max_shard_size="500KB" if family == "phi3" else None,
+        )
     return dirs
 
 
@@ -83,8 +87,18 @@ def shards(checkpoints, tmp_path_factory) -> Path:
     corpus.mkdir()
     for file in corpus_files(20, 6):
         shutil.copy(file, corpus / file.name)
-    assert main(["prepare", f"data.path={corpus}", f"out={root / 'shards'}",
-                 f"data.tokenizer={checkpoints['llama']}", "data.num_workers=1"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                f"data.path={corpus}",
+                f"out={root / 'shards'}",
+                f"data.tokenizer={checkpoints['llama']}",
+                "data.num_workers=1",
+            ]
+        )
+        == 0
+    )
     return root / "shards"
 
 
@@ -102,33 +116,52 @@ def plait_model(path: Path, seed: int = 0) -> torch.nn.Module:
 # every family, no processes
 # ---------------------------------------------------------------------------------------------
 
-LLAMA_LIKE_TP = {"model.embed_tokens": "vocab", "model.layers.*.self_attn.q_proj": "colwise",
-                 "model.layers.*.self_attn.k_proj": "colwise",
-                 "model.layers.*.self_attn.v_proj": "colwise",
-                 "model.layers.*.self_attn.o_proj": "rowwise",
-                 "model.layers.*.mlp.gate_proj": "colwise",
-                 "model.layers.*.mlp.up_proj": "colwise",
-                 "model.layers.*.mlp.down_proj": "rowwise", "lm_head": "vocab"}
-LLAMA_LIKE_PP = {"first": ["model.embed_tokens"], "layers": "model.layers",
-                 "last": ["model.norm", "lm_head"]}
+LLAMA_LIKE_TP = {
+    "model.embed_tokens": "vocab",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "vocab",
+}
+LLAMA_LIKE_PP = {
+    "first": ["model.embed_tokens"],
+    "layers": "model.layers",
+    "last": ["model.norm", "lm_head"],
+}
 EXPECTED_PLANS = {
     "llama": (LLAMA_LIKE_TP, LLAMA_LIKE_PP),
     "qwen2": (LLAMA_LIKE_TP, LLAMA_LIKE_PP),
     "mistral": (LLAMA_LIKE_TP, LLAMA_LIKE_PP),
-    "gpt_neox": ({"gpt_neox.embed_in": "vocab",
-                  "gpt_neox.layers.*.attention.query_key_value": "colwise",
-                  "gpt_neox.layers.*.attention.dense": "rowwise",
-                  "gpt_neox.layers.*.mlp.dense_h_to_4h": "colwise",
-                  "gpt_neox.layers.*.mlp.dense_4h_to_h": "rowwise", "lm_head": "vocab"},
-                 {"first": ["gpt_neox.embed_in", "gpt_neox.emb_dropout"],
-                  "layers": "gpt_neox.layers",
-                  "last": ["gpt_neox.final_layer_norm", "lm_head"]}),
-    "phi3": ({"model.embed_tokens": "vocab",
-              "model.layers.*.self_attn.qkv_proj": "colwise_gather_output",
-              "model.layers.*.self_attn.o_proj": "rowwise_split_input",
-              "model.layers.*.mlp.gate_up_proj": "colwise_gather_output",
-              "model.layers.*.mlp.down_proj": "rowwise_split_input", "lm_head": "vocab"},
-             LLAMA_LIKE_PP),
+    "gpt_neox": (
+        {
+            "gpt_neox.embed_in": "vocab",
+            "gpt_neox.layers.*.attention.query_key_value": "colwise",
+            "gpt_neox.layers.*.attention.dense": "rowwise",
+            "gpt_neox.layers.*.mlp.dense_h_to_4h": "colwise",
+            "gpt_neox.layers.*.mlp.dense_4h_to_h": "rowwise",
+            "lm_head": "vocab",
+        },
+        {
+            "first": ["gpt_neox.embed_in", "gpt_neox.emb_dropout"],
+            "layers": "gpt_neox.layers",
+            "last": ["gpt_neox.final_layer_norm", "lm_head"],
+        },
+    ),
+    "phi3": (
+        {
+            "model.embed_tokens": "vocab",
+            "model.layers.*.self_attn.qkv_proj": "colwise_gather_output",
+            "model.layers.*.self_attn.o_proj": "rowwise_split_input",
+            "model.layers.*.mlp.gate_up_proj": "colwise_gather_output",
+            "model.layers.*.mlp.down_proj": "rowwise_split_input",
+            "lm_head": "vocab",
+        },
+        LLAMA_LIKE_PP,
+    ),
 }
 
 
@@ -157,7 +190,8 @@ def test_step_0_loss_through_plait_equals_transformers_own_forward(family, check
     logits = plait_model(checkpoints[family])(sequence[:, :-1])
     ours = F.cross_entropy(logits.flatten(0, 1), sequence[:, 1:].flatten())
     theirs = AutoModelForCausalLM.from_pretrained(str(checkpoints[family]))(
-        input_ids=sequence, labels=sequence).loss
+        input_ids=sequence, labels=sequence
+    ).loss
     assert abs(ours.item() - theirs.item()) <= 1e-6, family
 
 
@@ -193,8 +227,14 @@ def _tensor_parallel_equals_unsplit(rank, world_size, dirs, out):
         full = plait_model(Path(path))
         with meta_device():
             split = build_hf(path)
-        apply_plan(split, TensorParallelPlan(split.tensor_parallel_plan), dist.group.WORLD, rank,
-                   world_size, sequence_parallel=False)
+        apply_plan(
+            split,
+            TensorParallelPlan(split.tensor_parallel_plan),
+            dist.group.WORLD,
+            rank,
+            world_size,
+            sequence_parallel=False,
+        )
         elements_read = []
 
         def counting_read(self, name, box=None, dtype=torch.float32):
@@ -222,13 +262,18 @@ def _tensor_parallel_equals_unsplit(rank, world_size, dirs, out):
         for name, p in split.named_parameters():
             expected = unsplit[name].grad
             if getattr(p, "tensor_model_parallel", False):
-                expected = split_tensor(expected, p.partition_dim, p.partition_stride, rank,
-                                        world_size)
+                expected = split_tensor(
+                    expected, p.partition_dim, p.partition_stride, rank, world_size
+                )
                 halves += p.numel() * world_size == unsplit[name].numel()
             torch.testing.assert_close(p.grad, expected, **CLOSE, msg=f"{family} {name}")
             held += p.numel()
-        counts[family] = {"held": held, "read": sum(elements_read), "halves": halves,
-                          "whole": sum(p.numel() for p in full.parameters())}
+        counts[family] = {
+            "held": held,
+            "read": sum(elements_read),
+            "halves": halves,
+            "whole": sum(p.numel() for p in full.parameters()),
+        }
     if rank == 0:
         Path(out).write_text(json.dumps(counts))
 
@@ -237,16 +282,21 @@ def _tensor_parallel_equals_unsplit(rank, world_size, dirs, out):
 # gate, up, down; GPT-NeoX: qkv, dense, h_to_4h, 4h_to_h; Phi-3: qkv, o, gate_up, down) and the
 # biases of the column-parallel ones (Qwen2's q, k, v; GPT-NeoX's qkv and h_to_4h), plus the
 # embedding and the head.
-HALVED = {"llama": 4 * 7 + 2, "qwen2": 4 * (7 + 3) + 2, "mistral": 4 * 7 + 2,
-          "gpt_neox": 4 * (4 + 2) + 2, "phi3": 4 * 4 + 2}
+HALVED = {
+    "llama": 4 * 7 + 2,
+    "qwen2": 4 * (7 + 3) + 2,
+    "mistral": 4 * 7 + 2,
+    "gpt_neox": 4 * (4 + 2) + 2,
+    "phi3": 4 * 4 + 2,
+}
 
 
 @pytest.mark.slow
 def test_each_familys_tensor_parallel_split_equals_unsplit_reading_only_its_boxes(
-        checkpoints, tmp_path):
+    checkpoints, tmp_path
+):
     out = tmp_path / "counts.json"
-    spawn(_tensor_parallel_equals_unsplit, 2, {f: str(p) for f, p in checkpoints.items()},
-          str(out))
+    spawn(_tensor_parallel_equals_unsplit, 2, {f: str(p) for f, p in checkpoints.items()}, str(out))
     counts = json.loads(out.read_text())
     for family, c in counts.items():
         assert c["read"] == c["held"] < c["whole"], family  # each element it holds, read once
@@ -257,8 +307,13 @@ def test_each_familys_tensor_parallel_split_equals_unsplit_reading_only_its_boxe
 # 20 steps under each layout against one process
 # ---------------------------------------------------------------------------------------------
 
-COMMON = [f"train.steps={STEPS}", "train.batch_size=8", "train.seq_len=32",
-          "optimizer.warmup_steps=2", "fault.keep_last=1"]
+COMMON = [
+    f"train.steps={STEPS}",
+    "train.batch_size=8",
+    "train.seq_len=32",
+    "optimizer.warmup_steps=2",
+    "fault.keep_last=1",
+]
 PIPELINE = ["parallel.pp=2", "pipeline.microbatches=2"]
 LAYOUTS = {
     "ddp_dp2": ["launcher.nproc_per_node=2"],
@@ -270,21 +325,31 @@ LAYOUTS = {
     "pp2_tp2": [*PIPELINE, "parallel.tp=2", "launcher.nproc_per_node=4"],
     "zero1_pp2_dp2": [*PIPELINE, "strategy=zero1", "launcher.nproc_per_node=4"],
     "cp2_ring": ["parallel.cp=2", "launcher.nproc_per_node=2"],
-    "cp2_ulysses": ["parallel.cp=2", "context_parallel.backend=ulysses",
-                    "launcher.nproc_per_node=2"],
+    "cp2_ulysses": [
+        "parallel.cp=2",
+        "context_parallel.backend=ulysses",
+        "launcher.nproc_per_node=2",
+    ],
 }
 # every family under these; Llama under every layout of LAYOUTS
 FAMILY_LAYOUTS = ("ddp_dp2", "zero3_dp2", "tp2", "pp2", "pp2_tp2")
 EXPORTED = ("pp2_tp2", "fsdp_dp2", "fsdp_dp2_tp2")  # Llama's runs exported with format=hf
 ONE = ["launcher.nproc_per_node=1", "train.grad_accum_steps=2"]
 UNREAD = ["fault.save_final=false"]  # no test reads these runs' checkpoints: none is written
-RUNS = {("llama", "one"): ONE,  # its checkpoint: the one-process weights the exports equal
-        **{("llama", layout): [*overrides, *([] if layout in EXPORTED else UNREAD)]
-           for layout, overrides in LAYOUTS.items()},
-        ("llama", "pp2_tp2"): [*LAYOUTS["pp2_tp2"], "checkpoint.hf_every=10"],
-        **{(family, "one"): [*ONE, *UNREAD] for family in FAMILIES[1:]},
-        **{(family, layout): [*LAYOUTS[layout], *UNREAD] for family in FAMILIES[1:]
-           for layout in FAMILY_LAYOUTS}}
+RUNS = {
+    ("llama", "one"): ONE,  # its checkpoint: the one-process weights the exports equal
+    **{
+        ("llama", layout): [*overrides, *([] if layout in EXPORTED else UNREAD)]
+        for layout, overrides in LAYOUTS.items()
+    },
+    ("llama", "pp2_tp2"): [*LAYOUTS["pp2_tp2"], "checkpoint.hf_every=10"],
+    **{(family, "one"): [*ONE, *UNREAD] for family in FAMILIES[1:]},
+    **{
+        (family, layout): [*LAYOUTS[layout], *UNREAD]
+        for family in FAMILIES[1:]
+        for layout in FAMILY_LAYOUTS
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -295,9 +360,18 @@ def trained(checkpoints, shards, tmp_path_factory):
     def run(family: str, layout: str) -> Path:
         if (family, layout) not in done:
             run_dir = root / f"{family}_{layout}"
-            run_training(run_dir, [*COMMON, "model=hf", f"model.path={checkpoints[family]}",
-                                   "data=shards", f"data.path={shards}", *RUNS[family, layout]],
-                         plugins=[RecordFirstBatch(), RecordHeld(), RecordReads()])
+            run_training(
+                run_dir,
+                [
+                    *COMMON,
+                    "model=hf",
+                    f"model.path={checkpoints[family]}",
+                    "data=shards",
+                    f"data.path={shards}",
+                    *RUNS[family, layout],
+                ],
+                plugins=[RecordFirstBatch(), RecordHeld(), RecordReads()],
+            )
             done[family, layout] = run_dir
         return done[family, layout]
 
@@ -305,13 +379,15 @@ def trained(checkpoints, shards, tmp_path_factory):
 
 
 def per_rank(run_dir: Path, what: str) -> list[dict]:
-    files = sorted(run_dir.glob(f"{what}_rank*.json"),
-                   key=lambda p: int(p.stem.removeprefix(f"{what}_rank")))
+    files = sorted(
+        run_dir.glob(f"{what}_rank*.json"), key=lambda p: int(p.stem.removeprefix(f"{what}_rank"))
+    )
     return [json.loads(p.read_text()) for p in files]
 
 
-def assert_layout_happened(family: str, layout: str, ranks: list[dict], reads: list[dict],
-                           whole: dict[str, int]) -> None:
+def assert_layout_happened(
+    family: str, layout: str, ranks: list[dict], reads: list[dict], whole: dict[str, int]
+) -> None:
     """What each rank held proves the layout: shards of a tp split, disjoint stages, ZeRO
     partitions, or (ddp) whole replicas on each of 2 ranks; and each rank read from the
     checkpoint only what it holds (ZeRO-3: the rows that hold its flat partition)."""
@@ -358,9 +434,13 @@ def figures(run_dir: Path) -> tuple[list[float], list[float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, layout", [*(("llama", layout) for layout in LAYOUTS),
-                                            *((family, layout) for family in FAMILIES[1:]
-                                              for layout in FAMILY_LAYOUTS)])
+@pytest.mark.parametrize(
+    "family, layout",
+    [
+        *(("llama", layout) for layout in LAYOUTS),
+        *((family, layout) for family in FAMILIES[1:] for layout in FAMILY_LAYOUTS),
+    ],
+)
 def test_twenty_steps_under_a_layout_equal_one_process(family, layout, trained, checkpoints):
     from plait.plugins.hf.model import build_hf
 
@@ -373,8 +453,9 @@ def test_twenty_steps_under_a_layout_equal_one_process(family, layout, trained, 
     with meta_device():  # element counts by the model's names (GPT-NeoX's embed_out: lm_head)
         whole = {n: p.numel() for n, p in build_hf(str(checkpoints[family])).named_parameters()}
     run_dir = trained(family, layout)
-    assert_layout_happened(family, layout, per_rank(run_dir, "held"), per_rank(run_dir, "reads"),
-                           whole)
+    assert_layout_happened(
+        family, layout, per_rank(run_dir, "held"), per_rank(run_dir, "reads"), whole
+    )
 
 
 @pytest.mark.slow
@@ -389,7 +470,8 @@ def test_cp2_exchanged_keys_and_values_every_step(trained, backend):
     per_layer = {"ring": 3 * 2 - 2, "ulysses": 8}[backend]
     assert [m["context_parallel/exchanges"] for m in metrics] == [4 * per_layer] * STEPS
     assert [m["context_parallel/exchange_bytes"] for m in metrics] == [
-        4 * exchange_bytes(backend, 32, 8, 64, 2, 4, kv_width=32)] * STEPS
+        4 * exchange_bytes(backend, 32, 8, 64, 2, 4, kv_width=32)
+    ] * STEPS
 
 
 @pytest.mark.slow
@@ -399,9 +481,10 @@ def test_step_0_loss_of_a_real_run_equals_transformers_forward(trained, checkpoi
 
     run_dir = trained("llama", "one")
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoints["llama"]))
-    losses = [hf(input_ids=torch.cat([x, y[:, -1:]], dim=1),
-                 labels=torch.cat([x, y[:, -1:]], dim=1)).loss
-              for x, y in torch.load(run_dir / "first_batch.pt")]
+    losses = [
+        hf(input_ids=torch.cat([x, y[:, -1:]], dim=1), labels=torch.cat([x, y[:, -1:]], dim=1)).loss
+        for x, y in torch.load(run_dir / "first_batch.pt")
+    ]
     assert abs(read_metrics(run_dir)[0]["loss"] - torch.stack(losses).mean().item()) <= 1e-6
 
 
@@ -409,8 +492,9 @@ def test_step_0_loss_of_a_real_run_equals_transformers_forward(trained, checkpoi
 def test_activation_checkpointing_recomputed_the_decoder_layers(trained):
     """The tp=2 run recomputed its 4 decoder layers in every step's backward, and still equals
     one process (above)."""
-    recomputes = [m["activation_checkpointing/recomputes"] for m in read_metrics(
-        trained("llama", "tp2"))]
+    recomputes = [
+        m["activation_checkpointing/recomputes"] for m in read_metrics(trained("llama", "tp2"))
+    ]
     assert recomputes and all(r == 4 for r in recomputes)
 
 
@@ -446,7 +530,8 @@ def exported(trained, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", EXPORTED)
 def test_export_after_a_layout_loads_in_transformers_with_one_process_logits(
-        layout, exported, trained):
+    layout, exported, trained
+):
     """pp=2 x tp=2 (each stage's tp shards joined), fsdp and fsdp x tp=2 (its layout-free copy,
     read offline with DCP): ``from_pretrained`` loads the result, and its logits equal those of
     the one-process run's weights after the same 20 steps."""
@@ -461,8 +546,12 @@ def test_export_after_a_layout_loads_in_transformers_with_one_process_logits(
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=x).logits, one.model(x), rtol=0, atol=1e-5)
     assert {p.name for p in exported(layout).iterdir()} == {
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-        "tokenizer_config.json"}
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
 
 
 @pytest.mark.slow
@@ -470,13 +559,14 @@ def test_hf_every_writes_the_exported_weights_during_training(exported, trained)
     from transformers import AutoModelForCausalLM
 
     hf_dir = trained("llama", "pp2_tp2") / "hf"
-    assert sorted(p.name for p in hf_dir.iterdir()) == ["latest", "step_00000010",
-                                                        "step_00000020"]
+    assert sorted(p.name for p in hf_dir.iterdir()) == ["latest", "step_00000010", "step_00000020"]
     assert (hf_dir / "latest").read_text() == "step_00000020"
     last = hf_dir / "step_00000020"  # one file per pipeline stage, with an index
     assert sorted(p.name for p in last.glob("*.safetensors*")) == [
-        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-        "model.safetensors.index.json"]
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
     during, after = safetensors_of(last), safetensors_of(exported("pp2_tp2"))
     assert during.keys() == after.keys()
     assert all(torch.equal(during[k], after[k]) for k in after)
@@ -486,19 +576,31 @@ def test_hf_every_writes_the_exported_weights_during_training(exported, trained)
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["pp2_tp2", "fsdp_dp2_tp2"])
 def test_sample_from_a_checkpoint_is_the_exported_models_greedy_text(
-        layout, exported, trained, capsys):
+    layout, exported, trained, capsys
+):
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
     out = exported(layout)
     capsys.readouterr()
-    assert main(["sample", str(trained("llama", layout)), "prompt=def main(",
-                 "max_new_tokens=16", "temperature=0"]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                str(trained("llama", layout)),
+                "prompt=def main(",
+                "max_new_tokens=16",
+                "temperature=0",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     ids = torch.tensor([tokenizer.encode("def main(").ids])
     greedy = AutoModelForCausalLM.from_pretrained(str(out)).generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False
+    )
     assert greedy.shape[1] > ids.shape[1]
     assert printed == tokenizer.decode(greedy[0].tolist(), skip_special_tokens=False) + "\n"
 
@@ -509,14 +611,16 @@ def test_hf_to_plait_to_hf_without_training_is_bit_exact(family, dtype, checkpoi
     ``embed_out`` (transformers renames it on load and back on save)."""
     from plait.plugins.hf.writer import write_model
 
-    source = write_checkpoint(tmp_path / "source", family, seed=2, dtype=dtype,
-                              tokenizer_from=checkpoints["llama"])
+    source = write_checkpoint(
+        tmp_path / "source", family, seed=2, dtype=dtype, tokenizer_from=checkpoints["llama"]
+    )
     model = plait_model(source)
     out = write_model(model, model.state_dict(), tmp_path / "out")
     before, after = safetensors_of(source), safetensors_of(out)
     assert after.keys() == before.keys()
-    assert all(after[k].dtype == before[k].dtype and torch.equal(after[k], before[k])
-               for k in before)
+    assert all(
+        after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]) for k in before
+    )
     assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
 
 
@@ -524,25 +628,49 @@ def test_hf_to_plait_to_hf_without_training_is_bit_exact(family, dtype, checkpoi
 # memory while loading, and a round trip through a tp=2 x pp=2 run
 # ---------------------------------------------------------------------------------------------
 
-BIG = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
-           num_key_value_heads=4)  # 23.7M parameters, 95 MB in fp32; no tensor above 2.8 MB
+BIG = dict(
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+)  # 23.7M parameters, 95 MB in fp32; no tensor above 2.8 MB
 LIMIT = 0.6  # of the checkpoint's bytes, above each rank's resident memory before the build
 
 
 @pytest.fixture(scope="module")
 def big_run(checkpoints, shards, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("big")
-    source = write_checkpoint(root / "source", "llama", seed=3,
-                              tokenizer_from=checkpoints["llama"], **BIG)
-    libraries = ImportFirst("transformers", "transformers.models.llama.modeling_llama",
-                            "safetensors.torch", "torch.distributed.pipelining")
+    source = write_checkpoint(
+        root / "source", "llama", seed=3, tokenizer_from=checkpoints["llama"], **BIG
+    )
+    libraries = ImportFirst(
+        "transformers",
+        "transformers.models.llama.modeling_llama",
+        "safetensors.torch",
+        "torch.distributed.pipelining",
+    )
     run_dir = root / "run"
-    run_training(run_dir, ["model=hf", f"model.path={source}", "data=shards",
-                           f"data.path={shards}", "train.steps=1", "train.batch_size=4",
-                           "train.seq_len=16", "optimizer.lr=0", "optimizer.warmup_steps=0",
-                           *PIPELINE, "parallel.tp=2", "launcher.nproc_per_node=4",
-                           "fault.save_final=false", "checkpoint.hf_every=1"],
-                 plugins=[libraries, MemoryProbe()])
+    run_training(
+        run_dir,
+        [
+            "model=hf",
+            f"model.path={source}",
+            "data=shards",
+            f"data.path={shards}",
+            "train.steps=1",
+            "train.batch_size=4",
+            "train.seq_len=16",
+            "optimizer.lr=0",
+            "optimizer.warmup_steps=0",
+            *PIPELINE,
+            "parallel.tp=2",
+            "launcher.nproc_per_node=4",
+            "fault.save_final=false",
+            "checkpoint.hf_every=1",
+        ],
+        plugins=[libraries, MemoryProbe()],
+    )
     return source, run_dir
 
 
@@ -552,8 +680,10 @@ def test_loading_under_tp2_pp2_holds_less_than_0_6_of_the_checkpoint_per_rank(bi
 
     source, run_dir = big_run
     size = CheckpointFiles(source).nbytes
-    peaks = [json.loads((run_dir / "memory" / f"rank{r}.json").read_text())["build_peak"]
-             for r in range(4)]
+    peaks = [
+        json.loads((run_dir / "memory" / f"rank{r}.json").read_text())["build_peak"]
+        for r in range(4)
+    ]
     assert max(peaks) < LIMIT * size, [round(p / size, 3) for p in peaks]
 
 
@@ -564,8 +694,9 @@ def test_a_tp2_pp2_run_writes_the_source_back_bit_for_bit(big_run):
     source, run_dir = big_run
     before, after = safetensors_of(source), safetensors_of(run_dir / "hf" / "step_00000001")
     assert after.keys() == before.keys()
-    assert all(after[k].dtype == before[k].dtype and torch.equal(after[k], before[k])
-               for k in before)
+    assert all(
+        after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]) for k in before
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,69 +727,128 @@ def bad(checkpoints, tmp_path_factory) -> Path:
     save_file(tensors, str(root / "lacks_head" / "model.safetensors"), metadata={"format": "pt"})
     shutil.copytree(llama, root / "quantized")
     config = json.loads((llama / "config.json").read_text())
-    (root / "quantized" / "config.json").write_text(json.dumps(
-        {**config, "quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}}))
+    (root / "quantized" / "config.json").write_text(
+        json.dumps(
+            {
+                **config,
+                "quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True},
+            }
+        )
+    )
     write_checkpoint(root / "bf16", "llama", dtype=torch.bfloat16, tokenizer_from=llama)
     write_checkpoint(root / "small_vocab", "llama", tokenizer_from=llama, vocab_size=256)
     from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
 
-    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=32, n_layer=2, n_head=4,
-                               n_positions=64)).save_pretrained(root / "gpt2")
-    MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=32, intermediate_size=64,
-                                     num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, num_local_experts=2)
-                       ).save_pretrained(root / "mixtral")
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=512, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    ).save_pretrained(root / "gpt2")
+    MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=512,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=2,
+        )
+    ).save_pretrained(root / "mixtral")
     return root
 
 
 def hf_problems(path, *overrides: str, data=("data=stdlib",)) -> str:
     from plait.plan import make_plan
 
-    return "\n".join(make_plan(["tracker=none", "model=hf", f"model.path={path}", *data,
-                                *overrides]).problems)
+    return "\n".join(
+        make_plan(["tracker=none", "model=hf", f"model.path={path}", *data, *overrides]).problems
+    )
 
 
-@pytest.mark.parametrize("name, overrides, message", [
-    ("nowhere", [], "model.path={bad}/nowhere is neither a directory nor a model in the local "
-                    "Hugging Face cache, and plait never downloads"),
-    ("no_config", [], "model.path={bad}/no_config holds no config.json: give a directory written "
-                      "by save_pretrained"),
-    ("truncated", [], "model-00002-of-00002.safetensors is truncated: "),
-    ("missing_shard", [], "model-00002-of-00002.safetensors is missing (named by "
-                          "model.safetensors.index.json): copy the whole checkpoint directory"),
-    ("int8", [], "holds I8 tensors (e.g. lm_head.weight), a dtype the run cannot hold"),
-    ("quantized", [], "model.path={bad}/quantized is quantized (bitsandbytes), a dtype the run "
-                      "cannot hold"),
-    ("bf16", ["precision=fp16"], "precision=fp16 cannot hold model.path={bad}/bf16's bf16 "
-                                 "weights"),
-    ("lacks_head", [], "model.path={bad}/lacks_head lacks 1 of the model's parameters, e.g. "
-                       "['lm_head.weight']"),
-    ("gpt2", ["parallel.pp=2", "pipeline.microbatches=2"],
-     "parallel.pp=2: GPT2LMHeadModel has no base_model_pp_plan in its config, so transformers "
-     "names no pipeline stages: set parallel.pp=1"),
-    ("gpt2", ["parallel.tp=2"], "parallel.tp=2: GPT2LMHeadModel has no base_model_tp_plan in its "
-                                "config: set parallel.tp=1"),
-    ("mixtral", ["parallel.tp=2"],
-     "MixtralForCausalLM's tensor-parallel plan gives 'model.layers.*.mlp.experts.gate_up_proj' "
-     "the style 'packed_colwise', which plait does not honour (plait spreads a mixture of "
-     "experts' experts with parallel.ep, not by tensor parallelism): set parallel.tp=1"),
-    ("llama", ["parallel.tp=3", "launcher.nproc_per_node=3"],
-     "parallel.tp=3 does not divide num_attention_heads=4 (attention heads) of model.path="),
-    ("llama", ["train.seq_len=65"], "train.seq_len=65 is longer than model.path="),
-    ("llama", [], "the data was tokenized with the bytes tokenizer (bytes-v1), not model.path="),
-])
+@pytest.mark.parametrize(
+    "name, overrides, message",
+    [
+        (
+            "nowhere",
+            [],
+            "model.path={bad}/nowhere is neither a directory nor a model in the local "
+            "Hugging Face cache, and plait never downloads",
+        ),
+        (
+            "no_config",
+            [],
+            "model.path={bad}/no_config holds no config.json: give a directory written "
+            "by save_pretrained",
+        ),
+        ("truncated", [], "model-00002-of-00002.safetensors is truncated: "),
+        (
+            "missing_shard",
+            [],
+            "model-00002-of-00002.safetensors is missing (named by "
+            "model.safetensors.index.json): copy the whole checkpoint directory",
+        ),
+        ("int8", [], "holds I8 tensors (e.g. lm_head.weight), a dtype the run cannot hold"),
+        (
+            "quantized",
+            [],
+            "model.path={bad}/quantized is quantized (bitsandbytes), a dtype the run cannot hold",
+        ),
+        (
+            "bf16",
+            ["precision=fp16"],
+            "precision=fp16 cannot hold model.path={bad}/bf16's bf16 weights",
+        ),
+        (
+            "lacks_head",
+            [],
+            "model.path={bad}/lacks_head lacks 1 of the model's parameters, e.g. "
+            "['lm_head.weight']",
+        ),
+        (
+            "gpt2",
+            ["parallel.pp=2", "pipeline.microbatches=2"],
+            "parallel.pp=2: GPT2LMHeadModel has no base_model_pp_plan in its config, so transformers "
+            "names no pipeline stages: set parallel.pp=1",
+        ),
+        (
+            "gpt2",
+            ["parallel.tp=2"],
+            "parallel.tp=2: GPT2LMHeadModel has no base_model_tp_plan in its "
+            "config: set parallel.tp=1",
+        ),
+        (
+            "mixtral",
+            ["parallel.tp=2"],
+            "MixtralForCausalLM's tensor-parallel plan gives 'model.layers.*.mlp.experts.gate_up_proj' "
+            "the style 'packed_colwise', which plait does not honour (plait spreads a mixture of "
+            "experts' experts with parallel.ep, not by tensor parallelism): set parallel.tp=1",
+        ),
+        (
+            "llama",
+            ["parallel.tp=3", "launcher.nproc_per_node=3"],
+            "parallel.tp=3 does not divide num_attention_heads=4 (attention heads) of model.path=",
+        ),
+        ("llama", ["train.seq_len=65"], "train.seq_len=65 is longer than model.path="),
+        (
+            "llama",
+            [],
+            "the data was tokenized with the bytes tokenizer (bytes-v1), not model.path=",
+        ),
+    ],
+)
 def test_bad_checkpoints_are_refused_before_launch(name, overrides, message, bad, checkpoints):
     path = checkpoints[name] if name in checkpoints else bad / name
     assert message.format(bad=bad) in hf_problems(path, *overrides)
 
 
 def test_data_tokenized_beyond_the_models_vocabulary_is_refused(bad, shards):
-    assert ("the data's tokenizer has 512 ids, model.path=" in
-            hf_problems(bad / "small_vocab", data=("data=shards", f"data.path={shards}")))
+    assert "the data's tokenizer has 512 ids, model.path=" in hf_problems(
+        bad / "small_vocab", data=("data=shards", f"data.path={shards}")
+    )
 
 
-def test_the_models_own_tokenizer_and_a_cached_model_name_plan(checkpoints, shards, tmp_path,
-                                                              monkeypatch):
+def test_the_models_own_tokenizer_and_a_cached_model_name_plan(
+    checkpoints, shards, tmp_path, monkeypatch
+):
     """No refusal with the data prepared by the model's tokenizer; a name in the local Hugging
     Face cache resolves without the network (``local_files_only``)."""
     import huggingface_hub
@@ -670,8 +860,17 @@ def test_the_models_own_tokenizer_and_a_cached_model_name_plan(checkpoints, shar
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     data = ("data=shards", f"data.path={shards}")
-    assert hf_problems(checkpoints["llama"], "parallel.tp=2", "parallel.pp=2",
-                       "pipeline.microbatches=2", "launcher.nproc_per_node=4", data=data) == ""
+    assert (
+        hf_problems(
+            checkpoints["llama"],
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "pipeline.microbatches=2",
+            "launcher.nproc_per_node=4",
+            data=data,
+        )
+        == ""
+    )
     assert hf_problems("org/tiny", data=data) == ""
     assert "org/other is neither a directory" in hf_problems("org/other", data=data)
 
@@ -688,10 +887,21 @@ def test_prepare_with_a_model_directory_uses_its_tokenizer_and_end_of_text(check
 
 def test_prepare_with_a_model_directory_without_a_tokenizer_is_refused(bad, tmp_path, capsys):
     (tmp_path / "a.txt").write_text("text")
-    assert main(["prepare", f"data.path={tmp_path / 'a.txt'}", f"out={tmp_path / 'out'}",
-                 f"data.tokenizer={bad / 'gpt2'}"]) == 2
-    assert (f"data.tokenizer={bad / 'gpt2'} is a directory without tokenizer.json"
-            in capsys.readouterr().err)
+    assert (
+        main(
+            [
+                "prepare",
+                f"data.path={tmp_path / 'a.txt'}",
+                f"out={tmp_path / 'out'}",
+                f"data.tokenizer={bad / 'gpt2'}",
+            ]
+        )
+        == 2
+    )
+    assert (
+        f"data.tokenizer={bad / 'gpt2'} is a directory without tokenizer.json"
+        in capsys.readouterr().err
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -715,8 +925,9 @@ def test_random_init_is_transformers_own_by_name_and_the_same_in_every_layout(ch
     std = 0.02  # LlamaConfig's initializer_range
     assert abs(state["model.layers.0.mlp.up_proj.weight"].std().item() - std) < 0.002
     assert torch.equal(state["model.norm.weight"], torch.ones(64))
-    assert not torch.equal(state["lm_head.weight"], plait_model(checkpoints["llama"]).state_dict()[
-        "lm_head.weight"])  # not the checkpoint's
+    assert not torch.equal(
+        state["lm_head.weight"], plait_model(checkpoints["llama"]).state_dict()["lm_head.weight"]
+    )  # not the checkpoint's
     for name, p in shard.named_parameters():
         expected = state[name]
         if getattr(p, "tensor_model_parallel", False):

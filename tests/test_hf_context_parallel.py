@@ -47,12 +47,10 @@ LAYERS, HEAD_DIM = 4, 16  # hf_models.SMALL: 4 layers, 4 heads of 16
 def config_of(family: str, **overrides):
     """``hf_models``' families, and Qwen3 (q/k norms before the rotary embedding) likewise."""
     if family == "qwen3":
+        from hf_models import SMALL
         from transformers import Qwen3Config
 
-        from hf_models import SMALL
-
-        return Qwen3Config(**{**SMALL, "num_key_value_heads": 2, "head_dim": HEAD_DIM,
-                              **overrides})
+        return Qwen3Config(**{**SMALL, "num_key_value_heads": 2, "head_dim": HEAD_DIM, **overrides})
     return family_config(family, **overrides)
 
 
@@ -92,8 +90,8 @@ def test_each_family_plans_its_base_model_and_one_attention_core_per_layer(famil
     attention = "attention" if family == "gpt_neox" else "self_attn"
     assert model.context_parallel_plan == {
         prefix: "sequence_split",
-        **{f"{prefix}.layers.{i}.{attention}.core_attention": "attention"
-           for i in range(LAYERS)}}
+        **{f"{prefix}.layers.{i}.{attention}.core_attention": "attention" for i in range(LAYERS)},
+    }
     assert model.n_head == 4
     assert not any("core_attention" in name for name in model.state_dict())
     assert model.config._attn_implementation == "sdpa"
@@ -107,49 +105,96 @@ def write_config(directory: Path, config) -> Path:
 def cp_problems(path: Path, *overrides: str) -> str:
     from plait.plan import make_plan
 
-    return "\n".join(make_plan([
-        "tracker=none", "model=hf", f"model.path={path}", "model.pretrained=false",
-        "parallel.cp=2", "launcher.nproc_per_node=2", "train.seq_len=32", *overrides]).problems)
+    return "\n".join(
+        make_plan(
+            [
+                "tracker=none",
+                "model=hf",
+                f"model.path={path}",
+                "model.pretrained=false",
+                "parallel.cp=2",
+                "launcher.nproc_per_node=2",
+                "train.seq_len=32",
+                *overrides,
+            ]
+        ).problems
+    )
 
 
 def test_architectures_plait_cannot_serve_are_refused_before_launch(tmp_path):
     from transformers import BloomConfig, Gemma2Config, GPT2Config, GptOssConfig
 
     target = "model._target_=plait.plugins.hf.model.build_hf"
-    bloom = write_config(tmp_path / "bloom", BloomConfig(vocab_size=512, hidden_size=64,
-                                                         n_layer=2, n_head=4))
-    assert (f"parallel.cp=2: plait cannot replace the attention of {target}: BloomForCausalLM's "
-            "attention does not go through transformers' attention interface "
-            "(ALL_ATTENTION_FUNCTIONS), where plait puts its exchange; use a model that has one"
-            in cp_problems(bloom))
-    gemma2 = write_config(tmp_path / "gemma2", Gemma2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64))
-    assert ("Gemma2ForCausalLM soft-caps its attention logits (attn_logit_softcapping)"
-            in cp_problems(gemma2))
+    bloom = write_config(
+        tmp_path / "bloom", BloomConfig(vocab_size=512, hidden_size=64, n_layer=2, n_head=4)
+    )
+    assert (
+        f"parallel.cp=2: plait cannot replace the attention of {target}: BloomForCausalLM's "
+        "attention does not go through transformers' attention interface "
+        "(ALL_ATTENTION_FUNCTIONS), where plait puts its exchange; use a model that has one"
+        in cp_problems(bloom)
+    )
+    gemma2 = write_config(
+        tmp_path / "gemma2",
+        Gemma2Config(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+        ),
+    )
+    assert (
+        "Gemma2ForCausalLM soft-caps its attention logits (attn_logit_softcapping)"
+        in cp_problems(gemma2)
+    )
     window = write_config(tmp_path / "window", config_of("mistral", sliding_window=16))
-    assert (f"parallel.cp=2: model.path={window} attends within a sliding window of 16 tokens "
-            "(sliding_window), shorter than train.seq_len=32; plait's context-parallel attention "
-            "sees every earlier token: set train.seq_len <= 16, or parallel.cp=1"
-            in cp_problems(window))
+    assert (
+        f"parallel.cp=2: model.path={window} attends within a sliding window of 16 tokens "
+        "(sliding_window), shorter than train.seq_len=32; plait's context-parallel attention "
+        "sees every earlier token: set train.seq_len <= 16, or parallel.cp=1" in cp_problems(window)
+    )
     assert cp_problems(window, "train.seq_len=16") == ""  # a window the sequence fits in: served
     dropout = write_config(tmp_path / "dropout", config_of("llama", attention_dropout=0.1))
-    assert (f"parallel.cp=2: model.path={dropout} drops out attention probabilities "
-            "(model.layers.0.self_attn: 0.1); the attention of context-parallel ranks has no "
-            "dropout on its probabilities" in cp_problems(dropout))
-    gpt2 = write_config(tmp_path / "gpt2", GPT2Config(vocab_size=512, n_embd=32, n_layer=2,
-                                                      n_head=4, n_positions=64))
+    assert (
+        f"parallel.cp=2: model.path={dropout} drops out attention probabilities "
+        "(model.layers.0.self_attn: 0.1); the attention of context-parallel ranks has no "
+        "dropout on its probabilities" in cp_problems(dropout)
+    )
+    gpt2 = write_config(
+        tmp_path / "gpt2",
+        GPT2Config(vocab_size=512, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+    )
     assert "(transformer.h.0.attn: 0.1)" in cp_problems(gpt2)  # attn_pdrop's default
-    oss = write_config(tmp_path / "gpt_oss", GptOssConfig(
-        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4))
-    assert ("GptOssForCausalLM's attention module holds parameters of its own "
-            "(model.layers.0.self_attn.sinks) that enter its softmax" in cp_problems(oss))
+    oss = write_config(
+        tmp_path / "gpt_oss",
+        GptOssConfig(
+            vocab_size=512,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=4,
+        ),
+    )
+    assert (
+        "GptOssForCausalLM's attention module holds parameters of its own "
+        "(model.layers.0.self_attn.sinks) that enter its softmax" in cp_problems(oss)
+    )
     llama = write_config(tmp_path / "llama", config_of("llama"))
     assert cp_problems(llama) == cp_problems(llama, "context_parallel.backend=ulysses") == ""
-    assert ("context_parallel.backend=ulysses with parallel.cp=8: the heads (the model's "
-            "n_head=4) are not divisible by cp" in cp_problems(llama, "context_parallel.backend=ulysses",
-                                                 "parallel.cp=8", "launcher.nproc_per_node=8"))
+    assert (
+        "context_parallel.backend=ulysses with parallel.cp=8: the heads (the model's "
+        "n_head=4) are not divisible by cp"
+        in cp_problems(
+            llama, "context_parallel.backend=ulysses", "parallel.cp=8", "launcher.nproc_per_node=8"
+        )
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,7 +215,8 @@ def _train_group(rank: int, world: int, out: str) -> None:
             apply_context_parallel(model, backend, layout, dist.group.WORLD, stats)
             use_core_attention(model)
             results[f"{family}/{backend}"] = train_losses(
-                model, SequenceShardLoss(cross_entropy, layout), dist.group.WORLD, world)
+                model, SequenceShardLoss(cross_entropy, layout), dist.group.WORLD, world
+            )
             results[f"{family}/{backend}/sent"] = stats.take()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
@@ -201,4 +247,5 @@ def test_cp2_ring_and_ulysses_train_like_one_process(group_results, family):
             per_layer = {"ring": 3 * 2 - 2, "ulysses": 8}[backend]
             assert sent["exchanges"] == STEPS * LAYERS * per_layer, backend
             assert sent["bytes_sent"] == STEPS * LAYERS * exchange_bytes(
-                backend, SEQ, 4, 4 * HEAD_DIM, 2, 4, kv_width(family)), backend
+                backend, SEQ, 4, 4 * HEAD_DIM, 2, 4, kv_width(family)
+            ), backend

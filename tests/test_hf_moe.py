@@ -27,11 +27,10 @@ import json
 import os
 from pathlib import Path
 
+import inhouse
 import pytest
 import torch
 import torch.nn.functional as F
-
-import inhouse
 from hf_models import MOE_FAMILIES, write_moe_checkpoint
 
 from plait.cli import main
@@ -42,18 +41,24 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 STEPS = 20
 LOSS, GRAD_NORM = 1e-5, 1e-4  # relative, fp32
-BLOCKS = {"qwen3_moe": ["model.layers.0.mlp", "model.layers.2.mlp"],
-          "mixtral": ["model.layers.0.mlp", "model.layers.1.mlp"]}
-STORED = {"qwen3_moe": "model.layers.{l}.mlp.experts.{e}.{w}.weight",
-          "mixtral": "model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight"}
+BLOCKS = {
+    "qwen3_moe": ["model.layers.0.mlp", "model.layers.2.mlp"],
+    "mixtral": ["model.layers.0.mlp", "model.layers.1.mlp"],
+}
+STORED = {
+    "qwen3_moe": "model.layers.{l}.mlp.experts.{e}.{w}.weight",
+    "mixtral": "model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight",
+}
 WEIGHTS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf_moe")
-    return {family: write_moe_checkpoint(root / family, family, seed=i)
-            for i, family in enumerate(MOE_FAMILIES)}
+    return {
+        family: write_moe_checkpoint(root / family, family, seed=i)
+        for i, family in enumerate(MOE_FAMILIES)
+    }
 
 
 def plait_model(path: Path) -> torch.nn.Module:
@@ -66,8 +71,12 @@ def plait_model(path: Path) -> torch.nn.Module:
 
 def stored_experts(family: str, experts=range(4)) -> set[str]:
     layers = [int(b.split(".")[2]) for b in BLOCKS[family]]
-    return {STORED[family].format(l=layer, e=e, w=w) for layer in layers for e in experts
-            for w in WEIGHTS[family]}
+    return {
+        STORED[family].format(l=layer, e=e, w=w)
+        for layer in layers
+        for e in experts
+        for w in WEIGHTS[family]
+    }
 
 
 def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:
@@ -93,9 +102,11 @@ def test_the_ep_plan_puts_each_block_under_plaits_expert_contract(family, checkp
 
     with meta_device():
         model = build_hf(str(checkpoints[family]))
-    assert model.ep_plan == {"model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
-                             "model.layers.*.mlp.experts.down_proj": "grouped_gemm",
-                             "model.layers.*.mlp.experts": "ep_dispatch_experts"}
+    assert model.ep_plan == {
+        "model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "model.layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "model.layers.*.mlp.experts": "ep_dispatch_experts",
+    }
     assert model.plait_expert_blocks == BLOCKS[family]
     layers = {name: m for name, m in model.named_modules() if getattr(m, "is_moe_layer", False)}
     assert list(layers) == BLOCKS[family]
@@ -136,8 +147,18 @@ def test_hf_to_plait_to_hf_without_training_is_bit_exact(family, checkpoints, tm
 def hf_problems(path, *overrides: str) -> str:
     from plait.plan import make_plan
 
-    return "\n".join(make_plan(["tracker=none", "model=hf", f"model.path={path}", "data=stdlib",
-                                "train.seq_len=32", *overrides]).problems)
+    return "\n".join(
+        make_plan(
+            [
+                "tracker=none",
+                "model=hf",
+                f"model.path={path}",
+                "data=stdlib",
+                "train.seq_len=32",
+                *overrides,
+            ]
+        ).problems
+    )
 
 
 @pytest.fixture(scope="module")
@@ -146,57 +167,107 @@ def configs(tmp_path_factory) -> Path:
     import transformers as T
 
     root = tmp_path_factory.mktemp("configs")
-    small = dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2)
-    T.Qwen2MoeConfig(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
-                     num_experts_per_tok=2, **small).save_pretrained(root / "qwen2_moe")
-    T.Qwen3MoeConfig(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
-                     **small).save_pretrained(root / "qwen3_moe6")
+    small = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    T.Qwen2MoeConfig(
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        **small,
+    ).save_pretrained(root / "qwen2_moe")
+    T.Qwen3MoeConfig(
+        moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2, **small
+    ).save_pretrained(root / "qwen3_moe6")
     return root
 
 
-@pytest.mark.parametrize("name, overrides, message", [
-    ("qwen2_moe", ["parallel.ep=2", "launcher.nproc_per_node=2"],
-     "parallel.ep=2: Qwen2MoeForCausalLM's mixture-of-experts block model.layers.0.mlp cannot be "
-     "spread by plait: its block Qwen2MoeSparseMoeBlock is not one plait serves "
-     "(Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock): set parallel.ep=1"),
-    ("qwen3_moe6", ["parallel.ep=4", "launcher.nproc_per_node=4"],
-     "parallel.ep=4 does not divide the 6 experts per layer of model.path={configs}/qwen3_moe6 "
-     "(num_experts in its config.json): each expert-parallel rank holds num_experts/ep experts; "
-     "choose parallel.ep in [1, 2]"),
-    ("qwen3_moe", ["parallel.ep=2", "parallel.cp=2", "launcher.nproc_per_node=4"],
-     "parallel.ep=2 with parallel.cp=2: expert parallelism is carved out of the dp ranks alone"),
-    ("qwen3_moe", ["parallel.tp=2", "launcher.nproc_per_node=2"],
-     "'model.layers.*.mlp.experts' the style 'moe_tp_experts', which plait does not honour "
-     "(plait spreads a mixture of experts' experts with parallel.ep, not by tensor parallelism)"),
-    ("qwen3_moe", ["precision=fp16"], "precision=fp16 with model.path="),
-])
-def test_what_plait_cannot_serve_is_refused_before_launch(name, overrides, message, configs,
-                                                         checkpoints):
+@pytest.mark.parametrize(
+    "name, overrides, message",
+    [
+        (
+            "qwen2_moe",
+            ["parallel.ep=2", "launcher.nproc_per_node=2"],
+            "parallel.ep=2: Qwen2MoeForCausalLM's mixture-of-experts block model.layers.0.mlp cannot be "
+            "spread by plait: its block Qwen2MoeSparseMoeBlock is not one plait serves "
+            "(Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock): set parallel.ep=1",
+        ),
+        (
+            "qwen3_moe6",
+            ["parallel.ep=4", "launcher.nproc_per_node=4"],
+            "parallel.ep=4 does not divide the 6 experts per layer of model.path={configs}/qwen3_moe6 "
+            "(num_experts in its config.json): each expert-parallel rank holds num_experts/ep experts; "
+            "choose parallel.ep in [1, 2]",
+        ),
+        (
+            "qwen3_moe",
+            ["parallel.ep=2", "parallel.cp=2", "launcher.nproc_per_node=4"],
+            "parallel.ep=2 with parallel.cp=2: expert parallelism is carved out of the dp ranks alone",
+        ),
+        (
+            "qwen3_moe",
+            ["parallel.tp=2", "launcher.nproc_per_node=2"],
+            "'model.layers.*.mlp.experts' the style 'moe_tp_experts', which plait does not honour "
+            "(plait spreads a mixture of experts' experts with parallel.ep, not by tensor parallelism)",
+        ),
+        ("qwen3_moe", ["precision=fp16"], "precision=fp16 with model.path="),
+    ],
+)
+def test_what_plait_cannot_serve_is_refused_before_launch(
+    name, overrides, message, configs, checkpoints
+):
     path = checkpoints[name] if name in checkpoints else configs / name
     pretrained = [] if name in checkpoints else ["model.pretrained=false"]
     assert message.format(configs=configs) in hf_problems(path, *pretrained, *overrides)
 
 
 def test_a_served_model_at_ep2_plans_without_a_problem(checkpoints):
-    assert hf_problems(checkpoints["qwen3_moe"], "parallel.ep=2", "launcher.nproc_per_node=2",
-                       "strategy=zero2") == ""
+    assert (
+        hf_problems(
+            checkpoints["qwen3_moe"], "parallel.ep=2", "launcher.nproc_per_node=2", "strategy=zero2"
+        )
+        == ""
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # 20 steps at ep=2 against one process
 # ---------------------------------------------------------------------------------------------
 
-COMMON = ["model=hf", "data=stdlib", f"train.steps={STEPS}", "train.batch_size=8",
-          "train.seq_len=32", "optimizer.warmup_steps=2", f"optimizer.decay_steps={STEPS}",
-          "fault.keep_last=1"]
+COMMON = [
+    "model=hf",
+    "data=stdlib",
+    f"train.steps={STEPS}",
+    "train.batch_size=8",
+    "train.seq_len=32",
+    "optimizer.warmup_steps=2",
+    f"optimizer.decay_steps={STEPS}",
+    "fault.keep_last=1",
+]
 MICRO_BATCHES = 2  # of 2 sequences per rank and step in every layout (the router's losses are
 # per micro-batch): the reference accumulates 4
-LAYOUTS = {"one": ["launcher.nproc_per_node=1", "train.grad_accum_steps=4"],
-           "ep2": ["launcher.nproc_per_node=2", "parallel.ep=2", "train.grad_accum_steps=2",
-                   "checkpoint.hf_every=20"],
-           "ep2_pp2": ["launcher.nproc_per_node=4", "parallel.ep=2", "parallel.pp=2",
-                       "pipeline.microbatches=2", "strategy=ddp"]}
+LAYOUTS = {
+    "one": ["launcher.nproc_per_node=1", "train.grad_accum_steps=4"],
+    "ep2": [
+        "launcher.nproc_per_node=2",
+        "parallel.ep=2",
+        "train.grad_accum_steps=2",
+        "checkpoint.hf_every=20",
+    ],
+    "ep2_pp2": [
+        "launcher.nproc_per_node=4",
+        "parallel.ep=2",
+        "parallel.pp=2",
+        "pipeline.microbatches=2",
+        "strategy=ddp",
+    ],
+}
 STRATEGY = {"qwen3_moe": "strategy=ddp", "mixtral": "strategy=fsdp"}
 
 
@@ -209,9 +280,11 @@ def trained(checkpoints, tmp_path_factory):
         if (family, layout) not in done:
             run_dir = root / f"{family}_{layout}"
             strategy = STRATEGY[family] if layout == "ep2" else "strategy=ddp"  # (pp: ddp)
-            run_training(run_dir, [*COMMON, f"model.path={checkpoints[family]}", strategy,
-                                   *LAYOUTS[layout]],
-                         plugins=[inhouse.ExpertProbe(), inhouse.RecordReads()])
+            run_training(
+                run_dir,
+                [*COMMON, f"model.path={checkpoints[family]}", strategy, *LAYOUTS[layout]],
+                plugins=[inhouse.ExpertProbe(), inhouse.RecordReads()],
+            )
             done[family, layout] = run_dir
         return done[family, layout]
 
@@ -224,8 +297,9 @@ def figures(run_dir: Path) -> tuple[list[float], list[float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, layout", [(f, "ep2") for f in MOE_FAMILIES] +
-                         [("qwen3_moe", "ep2_pp2")])
+@pytest.mark.parametrize(
+    "family, layout", [(f, "ep2") for f in MOE_FAMILIES] + [("qwen3_moe", "ep2_pp2")]
+)
 def test_ep2_trains_like_one_process(family, layout, trained):
     loss, grad_norm = figures(trained(family, layout))
     loss_1, grad_norm_1 = figures(trained(family, "one"))
@@ -238,7 +312,8 @@ def test_ep2_trains_like_one_process(family, layout, trained):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_each_rank_holds_and_reads_only_its_experts_and_exchanges_tokens_by_all_to_all(
-        family, trained, checkpoints):
+    family, trained, checkpoints
+):
     """ep=2: rank r holds experts 2r and 2r+1 of each MoE layer and read from the checkpoint
     only those of the experts (and the dense tensors, under FSDP their halves); every step it calls all_to_all_single 5 times per
     MoE layer (counts, tokens out and back; the two exchanges again in backward), the bytes
@@ -262,8 +337,11 @@ def test_each_rank_holds_and_reads_only_its_experts_and_exchanges_tokens_by_all_
     metrics = read_metrics(run_dir)
     for step, m in enumerate(metrics):
         per_rank = [counts[r][step] for r in (0, 1)]
-        assert {c["calls"] for c in per_rank} == {5 * len(BLOCKS[family]) * MICRO_BATCHES} == {
-            m["moe/all_to_all_calls"]}
+        assert (
+            {c["calls"] for c in per_rank}
+            == {5 * len(BLOCKS[family]) * MICRO_BATCHES}
+            == {m["moe/all_to_all_calls"]}
+        )
         sent = [c["bytes"] for c in per_rank]
         assert min(sent) > 0
         assert m["moe/all_to_all_bytes"] == pytest.approx(sum(sent) / 2)
@@ -292,8 +370,9 @@ def exported(trained, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_the_ep2_checkpoint_and_export_hold_every_expert_once(family, trained, exported,
-                                                              checkpoints):
+def test_the_ep2_checkpoint_and_export_hold_every_expert_once(
+    family, trained, exported, checkpoints
+):
     """The layout-free copy holds each layer's 4 experts under their global names;
     ``checkpoint.hf_every`` (its experts gathered over the ep group) writes exactly the source's
     tensors (every expert once, ``save_pretrained``'s names), ``plait export format=hf`` the same
@@ -301,8 +380,8 @@ def test_the_ep2_checkpoint_and_export_hold_every_expert_once(family, trained, e
     it gives the logits of the one-process run after the same 20 steps."""
     from transformers import AutoModelForCausalLM
 
+    from plait.engine.layout_free import saved_shapes
     from plait.export import consolidate
-    from plait.plugins.checkpoint.layout_free import saved_shapes
 
     run_dir = trained(family, "ep2")
     saved = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
@@ -331,8 +410,11 @@ def test_under_pipeline_stages_each_rank_holds_its_stages_experts(trained):
     run_dir = trained("qwen3_moe", "ep2_pp2")
     held, _ = inhouse.read_expert_probe(run_dir)
     assert {r: record["experts"] for r, record in held.items()} == {
-        0: {"model.layers.0.mlp": ["0", "1"]}, 1: {"model.layers.0.mlp": ["2", "3"]},
-        2: {"model.layers.2.mlp": ["0", "1"]}, 3: {"model.layers.2.mlp": ["2", "3"]}}
+        0: {"model.layers.0.mlp": ["0", "1"]},
+        1: {"model.layers.0.mlp": ["2", "3"]},
+        2: {"model.layers.2.mlp": ["0", "1"]},
+        3: {"model.layers.2.mlp": ["2", "3"]},
+    }
     calls = [m["moe/all_to_all_calls"] for m in read_metrics(run_dir)]
     assert calls[1:] == [5 * MICRO_BATCHES] * (STEPS - 1) and calls[0] > 5 * MICRO_BATCHES
     assert all(m["moe/all_to_all_bytes"] > 0 for m in read_metrics(run_dir))

@@ -21,18 +21,29 @@ TYPICAL = {
     "gradient_accumulation_steps": 4,
     "gradient_clipping": 1.0,
     "bf16": {"enabled": True},
-    "optimizer": {"type": "AdamW",
-                  "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
-    "scheduler": {"type": "WarmupCosineLR",
-                  "params": {"total_num_steps": 1000, "warmup_num_steps": 100,
-                             "cos_min_ratio": 0.1}},
-    "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
-                          "reduce_bucket_size": 5e8},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
+    },
+    "scheduler": {
+        "type": "WarmupCosineLR",
+        "params": {"total_num_steps": 1000, "warmup_num_steps": 100, "cos_min_ratio": 0.1},
+    },
+    "zero_optimization": {
+        "stage": 2,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 5e8,
+    },
     "steps_per_print": 100,
     "wall_clock_breakdown": False,
 }
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-              "gradient_clipping")
+BATCH_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+)
 
 
 @pytest.fixture
@@ -58,11 +69,19 @@ def deepspeed_lrs(scheduler: dict, lr: float, steps: int) -> list[float]:
 
 
 def test_the_json_as_config_file_is_refused_naming_each_conflict(ds_json):
-    problems = make_plan(["strategy=zero2", f"strategy.config_file={ds_json}", "device=cpu"]).problems
+    problems = make_plan(
+        ["strategy=zero2", f"strategy.config_file={ds_json}", "device=cpu"]
+    ).problems
     assert len(problems) == 6, problems
     text = "\n".join(problems)
-    for owner in ("optimizer=...", "optimizer.*", "train.batch_size=16", "train.grad_accum_steps=1",
-                  "precision=fp32", "train_micro_batch_size_per_gpu"):
+    for owner in (
+        "optimizer=...",
+        "optimizer.*",
+        "train.batch_size=16",
+        "train.grad_accum_steps=1",
+        "precision=fp32",
+        "train_micro_batch_size_per_gpu",
+    ):
         assert owner in text
 
 
@@ -84,7 +103,8 @@ def test_printed_overrides_give_an_accepted_plan_with_the_json_numbers(ds_json, 
     params = engine_config(plan.cfg, plan.dims, optimizer)["optimizer"]["params"]
     json_params = TYPICAL["optimizer"]["params"]
     assert {k: params[k] for k in ("lr", "betas", "eps")} == {
-        k: json_params[k] for k in ("lr", "betas", "eps")}
+        k: json_params[k] for k in ("lr", "betas", "eps")
+    }
     assert [g["weight_decay"] for g in optimizer_param_groups(optimizer)] == [0.1, 0.0]
     # the schedule: DeepSpeed's WarmupCosineLR and plait's agree after the warm-up, as printed
     lr_at = plan.pm.hook.plait_build_lr_schedule(cfg=plan.cfg)
@@ -96,35 +116,61 @@ def test_printed_overrides_give_an_accepted_plan_with_the_json_numbers(ds_json, 
 
 
 def test_other_sections_map_as_deepspeed_would_run_them():
-    out = translate({
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto",
-        "fp16": {"enabled": True, "loss_scale_window": 500},
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},  # Adam is AdamW in DeepSpeed
-        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 500,
-                                                           "warmup_max_lr": 2e-4,
-                                                           "warmup_num_steps": 50}},
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
-                              "stage3_max_live_parameters": 1e9},
-        "tensorboard": {"enabled": True},
-    }, world_size=4)
+    out = translate(
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": "auto",
+            "fp16": {"enabled": True, "loss_scale_window": 500},
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},  # Adam is AdamW in DeepSpeed
+            "scheduler": {
+                "type": "WarmupDecayLR",
+                "params": {"total_num_steps": 500, "warmup_max_lr": 2e-4, "warmup_num_steps": 50},
+            },
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "cpu"},
+                "stage3_max_live_parameters": 1e9,
+            },
+            "tensorboard": {"enabled": True},
+        },
+        world_size=4,
+    )
     assert out.overrides == [
-        "strategy=zero3", "strategy.offload_params=cpu",
+        "strategy=zero3",
+        "strategy.offload_params=cpu",
         "strategy.deepspeed.zero_optimization.stage3_max_live_parameters=1000000000",
-        "launcher.nproc_per_node=4", "train.batch_size=8", "train.grad_accum_steps=1",
-        "strategy.deepspeed.fp16.loss_scale_window=500", "precision=fp16", "train.grad_clip=0",
-        "optimizer.lr=0.0002", "optimizer.betas=[0.9,0.999]", "optimizer.eps=1e-08",
-        "optimizer.weight_decay=0", "optimizer.warmup_steps=50", "optimizer.min_lr=0",
-        "optimizer.decay_steps=500"]
+        "launcher.nproc_per_node=4",
+        "train.batch_size=8",
+        "train.grad_accum_steps=1",
+        "strategy.deepspeed.fp16.loss_scale_window=500",
+        "precision=fp16",
+        "train.grad_clip=0",
+        "optimizer.lr=0.0002",
+        "optimizer.betas=[0.9,0.999]",
+        "optimizer.eps=1e-08",
+        "optimizer.weight_decay=0",
+        "optimizer.warmup_steps=50",
+        "optimizer.min_lr=0",
+        "optimizer.decay_steps=500",
+    ]
     assert any("decays linearly" in d for d in out.differences)
-    assert out.not_mapped == ['tensorboard={"enabled": true}: plait\'s tracker logs the run '
-                              '(tracker=wandb)']
-    constant = translate({"train_batch_size": 8, "optimizer": {"type": "AdamW",
-                                                               "params": {"lr": 1e-3}},
-                          "scheduler": {"type": "WarmupLR", "params": {}}}, world_size=2)
+    assert out.not_mapped == [
+        'tensorboard={"enabled": true}: plait\'s tracker logs the run (tracker=wandb)'
+    ]
+    constant = translate(
+        {
+            "train_batch_size": 8,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "scheduler": {"type": "WarmupLR", "params": {}},
+        },
+        world_size=2,
+    )
     assert constant.settings["optimizer.min_lr"] == constant.settings["optimizer.lr"] == 1e-3
 
 
 def test_batch_numbers_that_disagree_with_the_world_size_exit_2(ds_json, capsys):
     assert main(["import-deepspeed", str(ds_json), "world_size=4"]) == 2
-    assert ("train_batch_size=32 != train_micro_batch_size_per_gpu=4 * "
-            "gradient_accumulation_steps=4 * world_size=4" in capsys.readouterr().err)
+    assert (
+        "train_batch_size=32 != train_micro_batch_size_per_gpu=4 * "
+        "gradient_accumulation_steps=4 * world_size=4" in capsys.readouterr().err
+    )

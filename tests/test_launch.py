@@ -18,20 +18,35 @@ STEPS = ["train.steps=3", "optimizer.decay_steps=3"]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Losses of the same run started by plait's own launcher with 2 worker processes."""
-    return run_losses(tmp_path_factory.mktemp("ref") / "local",
-                      [*STEPS, "launcher.nproc_per_node=2"])
+    return run_losses(
+        tmp_path_factory.mktemp("ref") / "local", [*STEPS, "launcher.nproc_per_node=2"]
+    )
 
 
 def test_torchrun_runs_plait_in_place_with_the_same_losses(reference, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={free_port()}", "-m", "plait", "train", *TEST_OVERRIDES, *STEPS,
-           f"run.root={tmp_path}", "run.name=torchrun"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "plait",
+        "train",
+        *TEST_OVERRIDES,
+        *STEPS,
+        f"run.root={tmp_path}",
+        "run.name=torchrun",
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     losses = [m["loss"] for m in read_metrics(tmp_path / "torchrun")]
     assert losses == pytest.approx(reference, rel=1e-6)
     # one config written (by rank 0) and no per-worker Hydra output directories
     assert sorted(p.name for p in (tmp_path / "torchrun").iterdir()) == [
-        "checkpoints", "config.yaml", "metrics.jsonl"]
+        "checkpoints",
+        "config.yaml",
+        "metrics.jsonl",
+    ]
     assert not list(tmp_path.glob("**/.hydra"))
 
 
@@ -43,15 +58,34 @@ def test_srun_environment_is_translated_for_torch(reference, tmp_path):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
-                   SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_STEP_ID="0",
-                   SLURM_JOB_NODELIST="localhost", SLURM_TASKS_PER_NODE="2",
-                   MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "plait", "train", *TEST_OVERRIDES, *STEPS,
-             f"run.root={tmp_path}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+        env.update(
+            SLURM_PROCID=str(rank),
+            SLURM_NTASKS="2",
+            SLURM_LOCALID=str(rank),
+            SLURM_NODEID="0",
+            SLURM_JOB_ID="4242",
+            SLURM_STEP_ID="0",
+            SLURM_JOB_NODELIST="localhost",
+            SLURM_TASKS_PER_NODE="2",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "plait",
+                    "train",
+                    *TEST_OVERRIDES,
+                    *STEPS,
+                    f"run.root={tmp_path}",
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     outputs = []
     for p in procs:
         out, _ = p.communicate(timeout=300)
@@ -65,14 +99,29 @@ def test_srun_environment_is_translated_for_torch(reference, tmp_path):
 
 
 def test_slurm_variables_map_to_torch_env():
-    task = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
-            "SLURM_NTASKS_PER_NODE": "4", "SLURM_NODEID": "1", "SLURM_JOB_ID": "1234",
-            "SLURM_JOB_NODELIST": "gpu[007-008]", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.99"}
+    task = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NTASKS_PER_NODE": "4",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_ID": "1234",
+        "SLURM_JOB_NODELIST": "gpu[007-008]",
+        "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.99",
+    }
     env = torch_env_from_slurm(task, master_port=0)
     # the master is where rank 0 runs (the job's first host), not the node that ran srun;
     # the local world size is this node's tasks, not the job's
-    assert env == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-                   "GROUP_RANK": "1", "MASTER_ADDR": "gpu007", "MASTER_PORT": str(20000 + 1234)}
+    assert env == {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "gpu007",
+        "MASTER_PORT": str(20000 + 1234),
+    }
     assert torch_env_from_slurm({**task, "RANK": "0"}, 0) == {}  # torchrun inside srun
     # the batch step of an sbatch script: SLURM_PROCID=0 and the job's task count, but no step
     batch_step = {k: v for k, v in task.items() if k != "SLURM_STEP_ID"}
@@ -83,11 +132,24 @@ def test_slurm_host_lists_and_tasks_per_node():
     assert first_host("gpu[003-004,010],cpu1") == "gpu003"
     assert first_host("node7,node8") == "node7"
     assert first_host("a[09-12]-ib") == "a09-ib"
-    assert tasks_on_node({"SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NTASKS": "7",
-                          "SLURM_NODEID": "3"}) == "1"
-    assert tasks_on_node({"SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NTASKS": "7",
-                          "SLURM_NODEID": "2"}) == "2"
+    assert (
+        tasks_on_node({"SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NTASKS": "7", "SLURM_NODEID": "3"})
+        == "1"
+    )
+    assert (
+        tasks_on_node({"SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NTASKS": "7", "SLURM_NODEID": "2"})
+        == "2"
+    )
     # a step of 3 tasks inside that job: its own layout wins
-    assert tasks_on_node({"SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NTASKS_PER_NODE": "2",
-                          "SLURM_STEP_TASKS_PER_NODE": "1(x3)", "SLURM_NODEID": "2",
-                          "SLURM_NTASKS": "3"}) == "1"
+    assert (
+        tasks_on_node(
+            {
+                "SLURM_TASKS_PER_NODE": "2(x3),1",
+                "SLURM_NTASKS_PER_NODE": "2",
+                "SLURM_STEP_TASKS_PER_NODE": "1(x3)",
+                "SLURM_NODEID": "2",
+                "SLURM_NTASKS": "3",
+            }
+        )
+        == "1"
+    )

@@ -39,8 +39,11 @@ def fields_of(schema: type) -> set[str]:
 
 def core_fields() -> set[str]:
     """Every field name in the core's schema: the sections it owns and each group's base."""
-    bases = [cls for cls in vars(core_config).values()
-             if isinstance(cls, type) and dataclasses.is_dataclass(cls)]
+    bases = [
+        cls
+        for cls in vars(core_config).values()
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+    ]
     return set().union(*(fields_of(cls) for cls in bases))
 
 
@@ -60,8 +63,18 @@ def plugin_owned_fields() -> set[str]:
 def test_the_core_schema_holds_no_setting_a_plugin_owns():
     owned = plugin_owned_fields()
     # the settings the house-in-order issue names, and the model fields the MFU used to read
-    assert {"schedule", "microbatches", "virtual_stages", "balance", "plan", "sequence_parallel",
-            "compile", "n_layer", "n_head", "n_embd"} <= owned
+    assert {
+        "schedule",
+        "microbatches",
+        "virtual_stages",
+        "balance",
+        "plan",
+        "sequence_parallel",
+        "compile",
+        "n_layer",
+        "n_head",
+        "n_embd",
+    } <= owned
     assert core_fields() & owned == set()
     metrics = (ROOT / "core" / "metrics.py").read_text()
     assert not [name for name in ("n_layer", "n_head", "n_embd", "block_size") if name in metrics]
@@ -131,7 +144,8 @@ def third_party(tmp_path, monkeypatch):
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text(
         "[plait]\nfancy = thirdparty:fancy\ntinylm = thirdparty:tinylm\n"
-        "sparse_comm = thirdparty:sparse_comm\n")
+        "sparse_comm = thirdparty:sparse_comm\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
 
@@ -147,24 +161,36 @@ def test_third_party_plugins_are_found_by_entry_point(third_party):
 
 def test_third_party_strategy_takes_tensor_parallelism_but_not_pipelines(third_party):
     assert problems("strategy.name=fancy", "parallel.tp=2") == ""
-    assert ("plugin 'pipeline' needs 'engine:pipeline' for parallel.pp=2, which no active plugin "
-            "provides (installed plugins that provide it: ddp (strategy.name=ddp)"
-            in problems("strategy.name=fancy", "parallel.pp=2", "pipeline.microbatches=2"))
+    assert (
+        "plugin 'pipeline' needs 'engine:pipeline' for parallel.pp=2, which no active plugin "
+        "provides (installed plugins that provide it: ddp (strategy.name=ddp)"
+        in problems("strategy.name=fancy", "parallel.pp=2", "pipeline.microbatches=2")
+    )
 
 
 def test_third_party_model_is_split_by_its_own_plan(third_party):
     tiny = ["model=custom", "model._target_=thirdparty.TinyLM", "parallel.tp=2"]
     assert problems(*tiny) == ""
-    assert ("parallel.pp=2: model._target_=thirdparty.TinyLM has no pipeline_plan: name its layer "
-            "list" in problems("model=custom", "model._target_=thirdparty.TinyLM", "parallel.pp=2",
-                               "pipeline.microbatches=2"))
+    assert (
+        "parallel.pp=2: model._target_=thirdparty.TinyLM has no pipeline_plan: name its layer "
+        "list"
+        in problems(
+            "model=custom",
+            "model._target_=thirdparty.TinyLM",
+            "parallel.pp=2",
+            "pipeline.microbatches=2",
+        )
+    )
     # without its plugin the same model declares nothing, and tp is refused before launch
     assert "needs 'model:tensor_parallel_plan' for parallel.tp=2" in problems(
-        "model=custom", "model._target_=torch.nn.Identity", "parallel.tp=2")
+        "model=custom", "model._target_=torch.nn.Identity", "parallel.tp=2"
+    )
 
 
 def test_third_party_comm_plugin_needs_a_strategy_that_takes_a_reducer(third_party):
     assert problems("comm.name=sparse") == ""  # ddp provides engine:grad_reducer
-    assert ("plugin 'sparse_comm' needs 'engine:grad_reducer' for parallel.dp=2, which no "
-            "active plugin provides (installed plugins that provide it: ddp (strategy.name=ddp)"
-            in problems("comm.name=sparse", "strategy=zero1"))
+    assert (
+        "plugin 'sparse_comm' needs 'engine:grad_reducer' for parallel.dp=2, which no "
+        "active plugin provides (installed plugins that provide it: ddp (strategy.name=ddp)"
+        in problems("comm.name=sparse", "strategy=zero1")
+    )

@@ -32,12 +32,11 @@ import sys
 import time
 from pathlib import Path
 
+import inhouse
 import pytest
 
 from plait.plugins.report import report
 from plait.testing import TEST_OVERRIDES, read_metrics, run_training
-
-import inhouse
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 import netns_cluster  # noqa: E402
@@ -45,29 +44,46 @@ import netns_cluster  # noqa: E402
 T = 8.0  # fault.collective_timeout_s
 MARGIN = 30.0
 STEPS = 8
-RUN = [*TEST_OVERRIDES, f"train.steps={STEPS}", f"optimizer.decay_steps={STEPS}",
-       "precision=fp32", "fault.checkpoint_every=2", "fault.keep_last=0"]
+RUN = [
+    *TEST_OVERRIDES,
+    f"train.steps={STEPS}",
+    f"optimizer.decay_steps={STEPS}",
+    "precision=fp32",
+    "fault.checkpoint_every=2",
+    "fault.keep_last=0",
+]
 RDZV = "launcher.rdzv_conf={last_call_timeout:5,keep_alive_interval:2,keep_alive_max_attempt:3}"
 TESTS = str(Path(__file__).parent)
-needs_namespaces = pytest.mark.skipif(netns_cluster.can_make_namespaces() is not None,
-                                      reason=f"{netns_cluster.can_make_namespaces()}")
+needs_namespaces = pytest.mark.skipif(
+    netns_cluster.can_make_namespaces() is not None, reason=f"{netns_cluster.can_make_namespaces()}"
+)
 
 
 @pytest.mark.slow
 def test_a_rank_that_stops_entering_collectives_fails_the_job_naming_it(tmp_path):
     run_dir = tmp_path / "stuck"
-    command = [sys.executable, "-m", "plait", "train", *RUN, f"run.root={tmp_path}",
-               "run.name=stuck", f"fault.collective_timeout_s={T}",
-               "+plugins=[stragglers:stop_rank1_at_step3]"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          env=environment())
+    command = [
+        sys.executable,
+        "-m",
+        "plait",
+        "train",
+        *RUN,
+        f"run.root={tmp_path}",
+        "run.name=stuck",
+        f"fault.collective_timeout_s={T}",
+        "+plugins=[stragglers:stop_rank1_at_step3]",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
     ended = time.time()
     stopped = float((run_dir / "stopped_at").read_text())
     assert done.returncode != 0
     assert ended - stopped < T + MARGIN, (ended - stopped, done.stderr[-3000:])
-    assert re.search(r"plait: rank 0 \(node 0\): a collective failed at step 3, .*"
-                     rf"\(fault.collective_timeout_s={T:g}\): rank 1 \(node 0\) did not arrive: "
-                     r"it is alive at step 3", done.stderr), done.stderr[-3000:]
+    assert re.search(
+        r"plait: rank 0 \(node 0\): a collective failed at step 3, .*"
+        rf"\(fault.collective_timeout_s={T:g}\): rank 1 \(node 0\) did not arrive: "
+        r"it is alive at step 3",
+        done.stderr,
+    ), done.stderr[-3000:]
     assert "Timed out waiting 8000ms" in done.stderr  # gloo's own timeout, set to T
 
 
@@ -86,8 +102,9 @@ class Job:
             self.logs[node.rank] = tmp_path / f"node{node.rank}.log"
             command = netns_cluster.train_command(cluster, node, 1, overrides, nnodes=nnodes)
             with open(self.logs[node.rank], "w") as log:
-                self.procs[node.rank] = cluster.popen(node, command, env={"PYTHONPATH": TESTS},
-                                                      stdout=log, stderr=subprocess.STDOUT)
+                self.procs[node.rank] = cluster.popen(
+                    node, command, env={"PYTHONPATH": TESTS}, stdout=log, stderr=subprocess.STDOUT
+                )
 
     def wait_until(self, done, seconds: float) -> None:
         """Poll until ``done()``, noting when each node's process ends."""
@@ -113,11 +130,20 @@ def cut_after_step_4(tmp_path: Path, nnodes: str, restarts: int) -> tuple[Job, f
     """Run the job, cut node 1's link once both paused after step 4, and wait for both nodes'
     verdicts; returns the job, the time of the cut and when each verdict line appeared."""
     run_dir = tmp_path / "cut"
-    overrides = [*RUN, RDZV, f"fault.collective_timeout_s={T}", f"launcher.max_restarts={restarts}",
-                 f"run.root={tmp_path}", "run.name=cut", "+plugins=[stragglers:pause_after_step_4]"]
-    verdicts = {0: r"plait: rank 0 \(node 0\): a collective failed at step 5.*node 1 was lost",
-                1: r"plait: rank 1 \(node 1\): a collective failed at step 5.*node 0 was lost, or "
-                   r"the link to it: the rendezvous store at 10\.99\.0\.1"}
+    overrides = [
+        *RUN,
+        RDZV,
+        f"fault.collective_timeout_s={T}",
+        f"launcher.max_restarts={restarts}",
+        f"run.root={tmp_path}",
+        "run.name=cut",
+        "+plugins=[stragglers:pause_after_step_4]",
+    ]
+    verdicts = {
+        0: r"plait: rank 0 \(node 0\): a collective failed at step 5.*node 1 was lost",
+        1: r"plait: rank 1 \(node 1\): a collective failed at step 5.*node 0 was lost, or "
+        r"the link to it: the rendezvous store at 10\.99\.0\.1",
+    }
     seen = {}
     with netns_cluster.Cluster(2) as cluster:
         job = Job(cluster, tmp_path, overrides, nnodes)
@@ -145,7 +171,9 @@ def cut_after_step_4(tmp_path: Path, nnodes: str, restarts: int) -> tuple[Job, f
 def test_a_cut_link_ends_both_nodes_naming_the_lost_one(tmp_path):
     job, cut, seen = cut_after_step_4(tmp_path, nnodes="2", restarts=0)
     assert {rank: seen[rank] - cut < T + MARGIN for rank in (0, 1)} == {0: True, 1: True}, (
-        {r: s - cut for r, s in seen.items()}, job.tail())
+        {r: s - cut for r, s in seen.items()},
+        job.tail(),
+    )
     assert {rank: job.ended[rank] - cut < T + MARGIN for rank in (0, 1)} == {0: True, 1: True}
     assert job.procs[0].returncode == 1  # the worker's collective error ends node 0's job
     assert_left(job)
@@ -166,13 +194,16 @@ def assert_left(job: Job) -> None:
 def test_after_a_cut_link_the_surviving_node_goes_on_alone_from_the_checkpoint(tmp_path):
     job, cut, seen = cut_after_step_4(tmp_path, nnodes="1:2", restarts=1)
     assert {rank: seen[rank] - cut < T + MARGIN for rank in (0, 1)} == {0: True, 1: True}, (
-        {r: s - cut for r, s in seen.items()}, job.tail())
+        {r: s - cut for r, s in seen.items()},
+        job.tail(),
+    )
     assert job.ended[1] - cut < T + MARGIN
     assert_left(job)
     assert job.procs[0].returncode == 0, job.tail()
     metrics = read_metrics(tmp_path / "cut")
-    assert [(m["step"], m["world_size"], m["grad_accum_steps"], m["restarts"]) for m in metrics] \
-        == [(s, 2, 1, 0) for s in range(1, 5)] + [(s, 1, 2, 1) for s in range(5, STEPS + 1)]
+    assert [
+        (m["step"], m["world_size"], m["grad_accum_steps"], m["restarts"]) for m in metrics
+    ] == [(s, 2, 1, 0) for s in range(1, 5)] + [(s, 1, 2, 1) for s in range(5, STEPS + 1)]
     assert "plait: resumed from " in job.logs[0].read_text()
     assert "checkpoints/step_00000004 at step 4" in job.logs[0].read_text()
 
@@ -188,35 +219,54 @@ def test_exclude_takes_the_straggling_node_out_and_keeps_the_global_batch(tmp_pa
     steps = 12
     # micro-batches of 8 x 64 tokens: enough work per step that the CPU time of a step is
     # not dominated by the hooks' and the scheduler's fixed costs on a loaded host
-    run = [*RUN, f"train.steps={steps}", f"optimizer.decay_steps={steps}",
-           "train.batch_size=16", "train.seq_len=64"]
+    run = [
+        *RUN,
+        f"train.steps={steps}",
+        f"optimizer.decay_steps={steps}",
+        "train.batch_size=16",
+        "train.seq_len=64",
+    ]
     reference = tmp_path / "one_process"
-    run_training(reference, [*run, "launcher.nproc_per_node=1", "train.grad_accum_steps=2"],
-                 [inhouse.RecordBatches(tmp_path / "rows_reference")])
+    run_training(
+        reference,
+        [*run, "launcher.nproc_per_node=1", "train.grad_accum_steps=2"],
+        [inhouse.RecordBatches(tmp_path / "rows_reference")],
+    )
     want_rows = global_batches(tmp_path / "rows_reference", range(1), 0)
     want_losses = [m["loss"] for m in read_metrics(reference)]
 
     run_dir = tmp_path / "exclude"
-    overrides = [*run, RDZV, "launcher.max_restarts=1", "fault.straggler_action=exclude",
-                 "fault.straggler_window=3", "tracker=none", f"run.root={tmp_path}",
-                 "run.name=exclude", "+plugins=[stragglers:slow_node1,inhouse:record_rows]"]
+    overrides = [
+        *run,
+        RDZV,
+        "launcher.max_restarts=1",
+        "fault.straggler_action=exclude",
+        "fault.straggler_window=3",
+        "tracker=none",
+        f"run.root={tmp_path}",
+        "run.name=exclude",
+        "+plugins=[stragglers:slow_node1,inhouse:record_rows]",
+    ]
     with netns_cluster.Cluster(2) as cluster:
         job = Job(cluster, tmp_path, overrides, "1:2")
         job.wait_until(lambda: len(job.ended) == 2, 400)
     assert job.procs[0].returncode == 0, job.tail()
     assert job.procs[1].returncode == 143, job.tail()
     node0, node1 = (job.logs[n].read_text() for n in (0, 1))
-    excluded = re.search(r"plait: excluding node 1 \(fault.straggler_action=exclude\): rank 1 "
-                         r"computes ([0-9.]+)x the median of the others \(fault.straggler_factor"
-                         r"=1.5\); the group re-forms without it from checkpoint step_0*(\d+)",
-                         node0)
+    excluded = re.search(
+        r"plait: excluding node 1 \(fault.straggler_action=exclude\): rank 1 "
+        r"computes ([0-9.]+)x the median of the others \(fault.straggler_factor"
+        r"=1.5\); the group re-forms without it from checkpoint step_0*(\d+)",
+        node0,
+    )
     assert excluded, job.tail()
     assert float(excluded.group(1)) == pytest.approx(2.0, rel=0.25)
     at = int(excluded.group(2))
     assert "plait: this node leaves the job" in node1
     metrics = read_metrics(run_dir)
     assert [(m["step"], m["world_size"], m["grad_accum_steps"]) for m in metrics] == (
-        [(s, 2, 1) for s in range(1, at + 1)] + [(s, 1, 2) for s in range(at + 1, steps + 1)])
+        [(s, 2, 1) for s in range(1, at + 1)] + [(s, 1, 2) for s in range(at + 1, steps + 1)]
+    )
     assert [m.get("straggler/rank") for m in metrics[:at]][-1] == 1
     rows = run_dir / "rows"
     assert global_batches(rows, range(2), 0)[:at] == want_rows[:at]
@@ -224,10 +274,10 @@ def test_exclude_takes_the_straggling_node_out_and_keeps_the_global_batch(tmp_pa
     assert [m["loss"] for m in metrics] == pytest.approx(want_losses, rel=1e-5)
     # the report shows where the straggler was named, the restart and the membership change
     target, _ = report([str(run_dir)], str(tmp_path / "report.html"))
-    events = re.findall(r"<tr><td>exclude</td><td>(\d+)</td><td>([\w ]+)</td>",
-                        target.read_text())
+    events = re.findall(r"<tr><td>exclude</td><td>(\d+)</td><td>([\w ]+)</td>", target.read_text())
     kinds = {kind: int(step) for step, kind in events}
     assert kinds["restart"] == kinds["membership"] == at + 1
     assert kinds["straggler"] <= at
-    assert json.loads(re.search(r'id="data-loss_by_step">(.*?)</script>',
-                                target.read_text()).group(1))["markers"]["exclude"]
+    assert json.loads(
+        re.search(r'id="data-loss_by_step">(.*?)</script>', target.read_text()).group(1)
+    )["markers"]["exclude"]

@@ -18,16 +18,22 @@ import pytest
 import torch
 from inhouse import RecordInitialWeights
 
+from plait.engine.tensor_shards import merge_tensors
 from plait.plugins.models.gpt import GPT
-from plait.plugins.tensor_parallel.layers import merge_tensors
 from plait.plugins.tensor_parallel.plan import TensorParallelPlan, shard_spec
 from plait.testing import ImportFirst, MemoryProbe, run_training
 
 SEED = 7
 BIG = dict(vocab_size=256, block_size=64, n_layer=6, n_head=8, n_embd=768)
-OVERRIDES = [*(f"model.{k}={v}" for k, v in BIG.items()), f"seed={SEED}", "train.steps=1",
-             "train.batch_size=4", "train.seq_len=16", "optimizer.warmup_steps=0",
-             "launcher.nproc_per_node=4"]
+OVERRIDES = [
+    *(f"model.{k}={v}" for k, v in BIG.items()),
+    f"seed={SEED}",
+    "train.steps=1",
+    "train.batch_size=4",
+    "train.seq_len=16",
+    "optimizer.warmup_steps=0",
+    "launcher.nproc_per_node=4",
+]
 LAYOUTS = {
     "zero3_dp4": ["strategy=zero3"],
     "fsdp_dp4": ["strategy=fsdp"],
@@ -45,10 +51,17 @@ def reference() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def built(request, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("meta") / request.param
-    libraries = ImportFirst("deepspeed", "torch.distributed.fsdp",
-                            "torch.distributed.pipelining", "torch.distributed.checkpoint")
-    run_training(run_dir, [*OVERRIDES, *LAYOUTS[request.param]],
-                 plugins=[libraries, MemoryProbe(), RecordInitialWeights()])
+    libraries = ImportFirst(
+        "deepspeed",
+        "torch.distributed.fsdp",
+        "torch.distributed.pipelining",
+        "torch.distributed.checkpoint",
+    )
+    run_training(
+        run_dir,
+        [*OVERRIDES, *LAYOUTS[request.param]],
+        plugins=[libraries, MemoryProbe(), RecordInitialWeights()],
+    )
     return request.param, run_dir
 
 
@@ -56,8 +69,10 @@ def built(request, tmp_path_factory):
 def test_no_rank_materializes_the_whole_model(built, reference):
     layout, run_dir = built
     full_bytes = sum(t.numel() * 4 for t in reference.values())
-    peaks = [json.loads((run_dir / "memory" / f"rank{r}.json").read_text())["build_peak"]
-             for r in range(4)]
+    peaks = [
+        json.loads((run_dir / "memory" / f"rank{r}.json").read_text())["build_peak"]
+        for r in range(4)
+    ]
     assert max(peaks) < LIMIT * full_bytes, (layout, [p / full_bytes for p in peaks])
 
 
@@ -74,7 +89,7 @@ def test_initial_weights_equal_the_one_process_model_bit_for_bit(built, referenc
     if layout == "zero3_dp4":  # partitions of every parameter, in dp rank order, padded
         for name, full in reference.items():
             flat = torch.cat([ranks[r][f"{name}#zero3"].flatten() for r in range(4)])
-            assert torch.equal(flat[:full.numel()], full.flatten()), name
+            assert torch.equal(flat[: full.numel()], full.flatten()), name
             assert ranks[0][f"{name}#zero3"].numel() == -(-full.numel() // 4)  # 1/dp each
         return
     plan = TensorParallelPlan(GPT.tensor_parallel_plan)
@@ -85,8 +100,9 @@ def test_initial_weights_equal_the_one_process_model_bit_for_bit(built, referenc
     for pp_rank, shards in stages.items():
         for name in shards[0]:
             spec = shard_spec(plan, name)
-            value = shards[0][name] if spec is None else merge_tensors([s[name] for s in shards],
-                                                                       *spec)
+            value = (
+                shards[0][name] if spec is None else merge_tensors([s[name] for s in shards], *spec)
+            )
             assert torch.equal(value, reference[name]), (pp_rank, name)
             if spec is not None:  # the layout happened: each tp rank holds half
                 assert shards[0][name].numel() * 2 == reference[name].numel(), name

@@ -3,8 +3,8 @@
 import torch
 
 from plait.metrics import PEAK_BF16_FLOPS, device_peak_flops, flops_per_token
+from plait.plugins.hf.llama import build_llama
 from plait.plugins.models.gpt import GPT
-from plait.plugins.models.llama import build_llama
 
 
 def test_gpt_counts_attention_on_top_of_six_n():

@@ -21,20 +21,20 @@ import math
 import os
 from types import SimpleNamespace
 
+import inhouse
 import pytest
 import torch
 
-import inhouse
 from plait.cli import main
+from plait.engine.layout_free import saved_shapes
 from plait.meta import ParameterInit, build_model, materialize, meta_model
 from plait.plan import format_plan, make_plan
 from plait.plugin_manager import keep_selected, make_plugin_manager
-from plait.plugins.planner.cost import Layout, Workload, cost
-from plait.plugins.planner.search import enumerate_layouts
-from plait.plugins.checkpoint.layout_free import saved_shapes
 from plait.plugins.expert_parallel import plait_apply_expert_parallel
 from plait.plugins.models.gpt import GPT, MLP
 from plait.plugins.models.moe import MoE, load_balancing_loss, route, z_loss
+from plait.plugins.planner.cost import Layout, Workload, cost, plugin_axis_cost
+from plait.plugins.planner.search import enumerate_layouts
 from plait.testing import compose, read_metrics, read_wandb_run, run_training
 from plait.types import StrategyCost
 
@@ -89,8 +89,9 @@ def test_aux_loss_and_z_loss_equal_their_formulas(router, k):
 def one_hot_layer(capacity_factor, shared=False):
     """4 experts over 4 features; the router is 5·I, so a token that is 5·e_j goes to expert j."""
     torch.manual_seed(0)
-    layer = MoE(4, 4, 1, lambda: MLP(4, 0.0, True, 8), shared_expert=shared,
-                capacity_factor=capacity_factor)
+    layer = MoE(
+        4, 4, 1, lambda: MLP(4, 0.0, True, 8), shared_expert=shared, capacity_factor=capacity_factor
+    )
     with torch.no_grad():
         layer.router.weight.copy_(5 * torch.eye(4))
     return layer
@@ -119,8 +120,8 @@ def test_capacity_drops_the_overflow_as_computed_by_hand():
     assert out[[2, 6]].abs().sum() == 0
     for t in (0, 1, 3, 4, 5, 7):
         gate = routing.gates[t, 0]
-        expected = gate * layer.experts[str(CHOICES[t])](x[t:t + 1])
-        torch.testing.assert_close(out[t:t + 1], expected)
+        expected = gate * layer.experts[str(CHOICES[t])](x[t : t + 1])
+        torch.testing.assert_close(out[t : t + 1], expected)
     # dropless (the default) computes every choice
     assert route(layer.router(x), 1).dropped == 0
 
@@ -135,7 +136,8 @@ def test_dropless_dispatch_equals_a_loop_over_tokens():
     for t in range(tokens.shape[0]):
         gates, experts = probs[t].topk(2)
         expected = layer.shared(tokens[t]) + sum(
-            g * layer.experts[str(int(e))](tokens[t]) for g, e in zip(gates, experts))
+            g * layer.experts[str(int(e))](tokens[t]) for g, e in zip(gates, experts)
+        )
         torch.testing.assert_close(out.reshape(-1, 8)[t], expected, rtol=1e-5, atol=1e-6)
 
 
@@ -152,8 +154,9 @@ def test_the_auxiliary_losses_reach_the_router_scaled_like_the_micro_batch_loss(
     out.sum().backward()
     logits = plain.router(x.reshape(-1, 8))
     routing = route(logits, 2)
-    objective = plain(x).sum() + 0.25 * (0.3 * load_balancing_loss(routing, 2)
-                                         + 0.2 * z_loss(logits))
+    objective = plain(x).sum() + 0.25 * (
+        0.3 * load_balancing_loss(routing, 2) + 0.2 * z_loss(logits)
+    )
     objective.backward()
     torch.testing.assert_close(layer.router.weight.grad, plain.router.weight.grad)
 
@@ -165,8 +168,7 @@ def test_a_rank_keeps_its_experts_initialised_by_their_global_names():
     cfg = compose(["tracker=none", "model.n_experts=4", "seed=7"])
     pm = keep_selected(make_plugin_manager(cfg), cfg)
     model, init = build_model(pm.hook, cfg)
-    topology = SimpleNamespace(dims=SimpleNamespace(ep=2), ep_rank=1,
-                               get_expert_parallel_group=lambda: None)
+    topology = SimpleNamespace(dims=SimpleNamespace(ep=2), ep_rank=1, group=lambda name: None)
     plait_apply_expert_parallel(cfg=cfg, model=model, topology=topology)
     materialize(model, init)
     assert list(model.blocks["1"].mlp.experts.keys()) == ["2", "3"]
@@ -196,15 +198,17 @@ def test_flops_count_the_active_experts():
     dense, moe = GPT(), GPT(n_experts=8, top_k=2)
     router = sum(b.mlp.router.weight.numel() for b in moe.blocks.values())
     assert moe.flops_per_token(64) == dense.flops_per_token(64) + 6 * (
-        router + sum(p.numel() for b in dense.blocks.values() for p in b.mlp.parameters()))
+        router + sum(p.numel() for b in dense.blocks.values() for p in b.mlp.parameters())
+    )
 
 
 def test_the_plan_shows_the_expert_groups_and_the_planner_searches_ep():
     """dp=4, ep=2: ep groups [0, 1] and [2, 3] exchange tokens, edp groups [0, 2] and [1, 3]
     average expert gradients. The planner tries every ep that divides dp and the experts, and
     prices the all-to-all."""
-    plan = make_plan(["tracker=none", "model.n_experts=4", "parallel.ep=2",
-                      "launcher.nproc_per_node=4"]).check()
+    plan = make_plan(
+        ["tracker=none", "model.n_experts=4", "parallel.ep=2", "launcher.nproc_per_node=4"]
+    ).check()
     groups = plan.backend_configs["expert parallelism (parallel.ep)"]
     assert groups["ep groups (exchange tokens)"] == ["[0, 1]", "[2, 3]"]
     assert groups["edp groups (average expert gradients)"] == ["[0, 2]", "[1, 3]"]
@@ -212,8 +216,16 @@ def test_the_plan_shows_the_expert_groups_and_the_planner_searches_ep():
     eps = {(layout.dp, layout.ep) for layout in enumerate_layouts(4, 8, {}, ["ddp"], 6)}
     assert eps == {(4, 1), (4, 2), (2, 1), (2, 2), (1, 1)}  # ep divides dp and the 6 experts
     model = meta_model(plan.pm.hook, plan.cfg)
-    work = Workload(model, 8, 32, "fp32", 1e12, 1e9,
-                    lambda *layout: StrategyCost(params=0, grads=0, optimizer=0))
+    work = Workload(
+        model,
+        8,
+        32,
+        "fp32",
+        1e12,
+        1e9,
+        lambda *layout: StrategyCost(params=0, grads=0, optimizer=0),
+        plugin_axis_cost(plan.pm.hook, plan.cfg, model, 32, "fp32"),
+    )
     one, two = (cost(Layout("ddp", 4, 1, 1, 2, 1, "none", ep), work) for ep in (1, 2))
     # 2 layers x 4 x 1/2 x top 2 x 2 x 32 x 64 x 4 bytes, one micro-batch of 2 sequences
     assert (two.comm_s - one.comm_s) * 1e9 == pytest.approx(2 * 4 * 0.5 * 2 * 2 * 32 * 64 * 4)
@@ -224,19 +236,41 @@ def test_the_plan_shows_the_expert_groups_and_the_planner_searches_ep():
 # ---------------------------------------------------------------------------------------------
 
 STEPS, SAVED = 20, 4
-COMMON = ["model.n_experts=4", "model.top_k=2", f"train.steps={STEPS}", "train.batch_size=8",
-          f"optimizer.decay_steps={STEPS}"]
+COMMON = [
+    "model.n_experts=4",
+    "model.top_k=2",
+    f"train.steps={STEPS}",
+    "train.batch_size=8",
+    f"optimizer.decay_steps={STEPS}",
+]
 LAYOUTS = {
     "one": ["launcher.nproc_per_node=1", "train.grad_accum_steps=4"],
-    "ep4": ["launcher.nproc_per_node=4", "parallel.ep=4", "tracker=wandb",
-            f"fault.checkpoint_every={SAVED}", "fault.keep_last=0"],
+    "ep4": [
+        "launcher.nproc_per_node=4",
+        "parallel.ep=4",
+        "tracker=wandb",
+        f"fault.checkpoint_every={SAVED}",
+        "fault.keep_last=0",
+    ],
     "ep2_dp4_zero2": ["launcher.nproc_per_node=4", "parallel.ep=2", "strategy=zero2"],
-    "ep2_tp2": ["launcher.nproc_per_node=4", "parallel.ep=2", "parallel.tp=2",
-                "train.grad_accum_steps=2"],
-    "ep2_pp2": ["launcher.nproc_per_node=4", "parallel.ep=2", "parallel.pp=2",
-                "pipeline.microbatches=2"],
-    "ep2_fsdp": ["launcher.nproc_per_node=2", "parallel.ep=2", "strategy=fsdp",
-                 "train.grad_accum_steps=2"],
+    "ep2_tp2": [
+        "launcher.nproc_per_node=4",
+        "parallel.ep=2",
+        "parallel.tp=2",
+        "train.grad_accum_steps=2",
+    ],
+    "ep2_pp2": [
+        "launcher.nproc_per_node=4",
+        "parallel.ep=2",
+        "parallel.pp=2",
+        "pipeline.microbatches=2",
+    ],
+    "ep2_fsdp": [
+        "launcher.nproc_per_node=2",
+        "parallel.ep=2",
+        "strategy=fsdp",
+        "train.grad_accum_steps=2",
+    ],
 }
 PROBED = ("one", "ep4", "ep2_dp4_zero2")
 
@@ -244,9 +278,12 @@ PROBED = ("one", "ep4", "ep2_dp4_zero2")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    return {name: run_training(root / name, [*COMMON, *overrides],
-                               [inhouse.ExpertProbe()] if name in PROBED else [])
-            for name, overrides in LAYOUTS.items()}
+    return {
+        name: run_training(
+            root / name, [*COMMON, *overrides], [inhouse.ExpertProbe()] if name in PROBED else []
+        )
+        for name, overrides in LAYOUTS.items()
+    }
 
 
 def figures(run_dir):
@@ -301,7 +338,8 @@ def test_zero2_partitions_experts_over_their_replicas_and_the_rest_over_dp(runs)
         assert {g["partitions"] for g in groups if g["moe"]} == {2}
         assert {g["partitions"] for g in groups if not g["moe"]} == {4}
         assert sum(g["numel"] for g in groups if g["moe"]) == 2 * 2 * sum(
-            p.numel() for p in MLP(64, 0.0, True).parameters())
+            p.numel() for p in MLP(64, 0.0, True).parameters()
+        )
     assert {c["calls"] for r in counts for c in counts[r]} == {10}
 
 
@@ -331,9 +369,13 @@ def checkpoint(run_dir):
     return run_dir / "checkpoints" / f"step_{SAVED:08d}"
 
 
-EXPERT_KEYS = {f"blocks.{b}.mlp.experts.{e}.{layer}.{kind}"
-               for b in (0, 1) for e in range(4) for layer in ("fc", "proj")
-               for kind in ("weight", "bias")}
+EXPERT_KEYS = {
+    f"blocks.{b}.mlp.experts.{e}.{layer}.{kind}"
+    for b in (0, 1)
+    for e in range(4)
+    for layer in ("fc", "proj")
+    for kind in ("weight", "bias")
+}
 
 
 @pytest.mark.slow
@@ -343,11 +385,14 @@ def test_the_ep4_checkpoint_holds_every_expert_once_under_its_global_index(runs,
     saved = checkpoint(runs["ep4"])
     experts = {k for k in saved_shapes(saved) if ".experts." in k}
     assert experts == EXPERT_KEYS
-    files = {r: torch.load(saved / f"model_pp0_tp0_ep{r}.pt", weights_only=True)["model"]
-             for r in range(4)}
+    files = {
+        r: torch.load(saved / f"model_pp0_tp0_ep{r}.pt", weights_only=True)["model"]
+        for r in range(4)
+    }
     for r, state in files.items():
         assert {k for k in state if ".experts." in k} == {
-            k for k in EXPERT_KEYS if f".experts.{r}." in k}
+            k for k in EXPERT_KEYS if f".experts.{r}." in k
+        }
     assert main(["export", str(saved), f"out={tmp_path / 'all.pt'}"]) == 0
     exported = torch.load(tmp_path / "all.pt", weights_only=True)
     assert {k for k in exported if ".experts." in k} == EXPERT_KEYS
@@ -356,11 +401,9 @@ def test_the_ep4_checkpoint_holds_every_expert_once_under_its_global_index(runs,
         assert torch.equal(exported[key], files[owner][key]), key
 
 
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ep2_dp4_zero2", "ep2_fsdp"])
-def test_export_of_a_layout_free_only_checkpoint_holds_the_trained_model(runs, layout,
-                                                                          tmp_path):
+def test_export_of_a_layout_free_only_checkpoint_holds_the_trained_model(runs, layout, tmp_path):
     """ZeRO and FSDP under ``ep`` write only the layout-free copy (each expert under its global
     name); ``plait export`` reads it offline (``layout_free.read_model``): every parameter, equal
     to the ep=4 run's export (its per-rank files joined) after the same 20 steps (1e-5)."""
@@ -374,18 +417,22 @@ def test_export_of_a_layout_free_only_checkpoint_holds_the_trained_model(runs, l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep, overrides", [
-    (2, ["launcher.nproc_per_node=2", "parallel.ep=2", "train.grad_accum_steps=2"]),
-    (1, ["launcher.nproc_per_node=1", "train.grad_accum_steps=4"]),
-])
+@pytest.mark.parametrize(
+    "ep, overrides",
+    [
+        (2, ["launcher.nproc_per_node=2", "parallel.ep=2", "train.grad_accum_steps=2"]),
+        (1, ["launcher.nproc_per_node=1", "train.grad_accum_steps=4"]),
+    ],
+)
 def test_an_ep4_checkpoint_resumes_at_another_ep(runs, tmp_path, ep, overrides):
     """Saved at ep=4 (dp=4) at step 4, resumed at ep=2 (dp=2) and at ep=1 (one process): the
     next losses are the uninterrupted run's (4 steps of the 16 left: the conversion happens once,
     at the resume)."""
-    resumed = run_training(tmp_path / f"ep{ep}", [*COMMON, *overrides, "train.stop_at=8",
-                                                   f"resume={checkpoint(runs['ep4'])}"])
+    resumed = run_training(
+        tmp_path / f"ep{ep}",
+        [*COMMON, *overrides, "train.stop_at=8", f"resume={checkpoint(runs['ep4'])}"],
+    )
     got = {m["step"]: m["loss"] for m in read_metrics(resumed)}
     want = {m["step"]: m["loss"] for m in read_metrics(runs["ep4"])}
     assert sorted(got) == [5, 6, 7, 8]
-    assert [got[s] for s in sorted(got)] == pytest.approx([want[s] for s in sorted(got)],
-                                                          abs=1e-5)
+    assert [got[s] for s in sorted(got)] == pytest.approx([want[s] for s in sorted(got)], abs=1e-5)

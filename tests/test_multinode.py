@@ -80,13 +80,37 @@ def test_readme_multinode_command_trains_like_one_node_with_two_processes(two_no
     readme = readme_multinode_overrides()
     procs = []
     for rank, (ns, hostname, _) in enumerate(two_nodes):
-        command = [o if not o.startswith("launcher.node_rank=") else f"launcher.node_rank={rank}"
-                   for o in readme]  # "with its own node_rank", as the README says
-        procs.append(subprocess.Popen(
-            ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
-             hostname, sys.executable, "-m", "plait", "train", *TEST_OVERRIDES, *STEPS,
-             "launcher.nproc_per_node=1", f"run.root={tmp_path}", *command],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        command = [
+            o if not o.startswith("launcher.node_rank=") else f"launcher.node_rank={rank}"
+            for o in readme
+        ]  # "with its own node_rank", as the README says
+        procs.append(
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "unshare",
+                    "--uts",
+                    "sh",
+                    "-c",
+                    'hostname "$0" && exec "$@"',
+                    hostname,
+                    sys.executable,
+                    "-m",
+                    "plait",
+                    "train",
+                    *TEST_OVERRIDES,
+                    *STEPS,
+                    "launcher.nproc_per_node=1",
+                    f"run.root={tmp_path}",
+                    *command,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     for p in procs:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out.decode()[-3000:]
@@ -99,8 +123,9 @@ def test_multinode_without_run_name_is_refused(tmp_path, capsys, monkeypatch):
     for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
         monkeypatch.delenv(var, raising=False)
     assert main(["train", *TEST_OVERRIDES, f"run.root={tmp_path}", *without_name]) == 2
-    assert ("launcher.nnodes=2 needs run.name=<name>, the same on every node"
-            in capsys.readouterr().err)
+    assert (
+        "launcher.nnodes=2 needs run.name=<name>, the same on every node" in capsys.readouterr().err
+    )
     assert not any(tmp_path.iterdir())
     # an external launcher's job id is the same on every node: the run name follows from it
     monkeypatch.setenv("SLURM_JOB_ID", "4242")

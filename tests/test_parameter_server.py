@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import inhouse
 import pytest
 import torch
 
@@ -20,8 +21,6 @@ from plait.plan import format_plan, make_plan
 from plait.plugins.parameter_server.sharding import shard_by_bytes
 from plait.testing import TEST_OVERRIDES, SlowRank, read_metrics, run_training, spawn
 from plait.topology import Roles
-
-import inhouse
 
 REL = 1e-5
 STEPS = ("train.steps=5",)
@@ -60,24 +59,39 @@ def test_roles_give_every_rank_one_role_and_leave_a_trainer():
 
 
 def test_plan_shows_roles_and_the_trainers_mesh():
-    text = format_plan(make_plan(["tracker=none", "strategy=parameter_server",
-                                  "strategy.servers=1", "launcher.nproc_per_node=3"]))
+    text = format_plan(
+        make_plan(
+            [
+                "tracker=none",
+                "strategy=parameter_server",
+                "strategy.servers=1",
+                "launcher.nproc_per_node=3",
+            ]
+        )
+    )
     assert "mesh: world_size=2 trainers = pp 1 x dp 2 x tp 1" in text
     assert "roles: server [0], trainer [1, 2]" in text
 
 
 def test_bad_settings_are_refused_before_launch():
     ps = ("strategy=parameter_server", "launcher.nproc_per_node=2")
-    assert ("strategy.servers=2 leaves no worker among the 2 processes launched: set "
-            "strategy.servers below 2") in problems(*ps, "strategy.servers=2")
-    assert ("plugin 'parameter_server' does not support tp parallelism (parallel.tp=2)"
-            in problems("strategy=parameter_server", "strategy.mode=async",
-                        "launcher.nproc_per_node=3", "parallel.tp=2"))
+    assert (
+        "strategy.servers=2 leaves no worker among the 2 processes launched: set "
+        "strategy.servers below 2"
+    ) in problems(*ps, "strategy.servers=2")
+    assert "plugin 'parameter_server' does not support tp parallelism (parallel.tp=2)" in problems(
+        "strategy=parameter_server",
+        "strategy.mode=async",
+        "launcher.nproc_per_node=3",
+        "parallel.tp=2",
+    )
     assert "strategy.mode=eventually: choose sync" in problems(*ps, "strategy.mode=eventually")
-    assert "strategy.sync_every=0 is out of range" in problems("strategy=local_sgd",
-                                                               "strategy.sync_every=0")
-    assert "strategy.sync_every=0 is out of range" in problems("strategy=diloco",
-                                                               "strategy.sync_every=0")
+    assert "strategy.sync_every=0 is out of range" in problems(
+        "strategy=local_sgd", "strategy.sync_every=0"
+    )
+    assert "strategy.sync_every=0 is out of range" in problems(
+        "strategy=diloco", "strategy.sync_every=0"
+    )
     # ZeRO is another strategy: its settings have no servers
     with pytest.raises(Exception, match="servers"):
         make_plan(["tracker=none", "strategy=zero2", "strategy.servers=1"])
@@ -96,8 +110,14 @@ def one_process(tmp_path_factory):
 
 
 def sync_overrides(servers: int) -> list[str]:
-    return [*STEPS, *TWO, "strategy=parameter_server", f"strategy.servers={servers}",
-            f"launcher.nproc_per_node={servers + 2}", "fault.checkpoint_every=2"]
+    return [
+        *STEPS,
+        *TWO,
+        "strategy=parameter_server",
+        f"strategy.servers={servers}",
+        f"launcher.nproc_per_node={servers + 2}",
+        "fault.checkpoint_every=2",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +130,14 @@ def sync_runs(tmp_path_factory):
             runs[servers] = tmp_path_factory.mktemp(f"sync{servers}") / "r"
             run_training(runs[servers], sync_overrides(servers))
         return runs[servers]
+
     return run
 
 
 def server_log(run: Path, server: int) -> list[dict]:
-    return [json.loads(line) for line in (run / f"ps_server{server}.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line) for line in (run / f"ps_server{server}.jsonl").read_text().splitlines()
+    ]
 
 
 @pytest.mark.slow
@@ -138,8 +161,11 @@ def test_sync_run_killed_and_restarted_continues_as_if_uninterrupted(tmp_path, s
     their shards, optimizer state and version from the step-2 checkpoint, the workers their
     step, data position and RNG."""
     straight, run = sync_runs(2), tmp_path / "killed"
-    run_training(run, [*sync_overrides(2), "launcher.max_restarts=2"],
-                 plugins=[inhouse.KillAt(step=3, rank=3), inhouse.KillServerAt(step=4, rank=1)])
+    run_training(
+        run,
+        [*sync_overrides(2), "launcher.max_restarts=2"],
+        plugins=[inhouse.KillAt(step=3, rank=3), inhouse.KillServerAt(step=4, rank=1)],
+    )
     assert (run / "server_killed").exists()
     logged = read_metrics(run)
     assert logged[-1]["restarts"] == 2
@@ -149,8 +175,10 @@ def test_sync_run_killed_and_restarted_continues_as_if_uninterrupted(tmp_path, s
     assert resumed == expected  # exactly: the same state, data and summation order
     for s in range(2):  # each server's log continues from the checkpoint's, version by version
         assert [e["version"] for e in server_log(run, s) if e["worker"] == 2] == [1, 2, 3, 4, 5]
-        final = [torch.load(r / "checkpoints" / "step_00000005" / f"ps_server{s}.pt",
-                            weights_only=True) for r in (straight, run)]
+        final = [
+            torch.load(r / "checkpoints" / "step_00000005" / f"ps_server{s}.pt", weights_only=True)
+            for r in (straight, run)
+        ]
         assert all(torch.equal(a, b) for a, b in zip(final[0]["params"], final[1]["params"]))
         assert final[0]["version"] == final[1]["version"] == 5
 
@@ -179,9 +207,17 @@ def async_run(tmp_path_factory):
     """1 server, a fast worker (rank 1, the logging rank) and a slow one (rank 2, 0.8 s before
     every forward pass: many times the fast worker's step on this model)."""
     run = tmp_path_factory.mktemp("async") / "r"
-    run_training(run, ["train.steps=12", "strategy=parameter_server", "strategy.mode=async",
-                       f"strategy.max_staleness={MAX_STALENESS}", "launcher.nproc_per_node=3"],
-                 plugins=[SlowRank(rank=2, seconds=0.8)])
+    run_training(
+        run,
+        [
+            "train.steps=12",
+            "strategy=parameter_server",
+            "strategy.mode=async",
+            f"strategy.max_staleness={MAX_STALENESS}",
+            "launcher.nproc_per_node=3",
+        ],
+        plugins=[SlowRank(rank=2, seconds=0.8)],
+    )
     log = [json.loads(line) for line in (run / "ps_server0.jsonl").read_text().splitlines()]
     return run, log
 
@@ -214,8 +250,10 @@ def test_async_training_learns_and_reports_its_figures(async_run):
     # reported (when the fast worker logs its last step, the straggler's stale pushes may still
     # be on their way: the drops themselves are proven from the servers' log above)
     assert last["ps/server0/busy_fraction"] > 0 and "ps/server0/dropped" in last
-    assert sum(v for k, v in last.items() if k.startswith("ps/staleness/")) == \
-        last["ps/server0/version"]
+    assert (
+        sum(v for k, v in last.items() if k.startswith("ps/staleness/"))
+        == last["ps/server0/version"]
+    )
 
 
 ASYNC_STEPS = 8
@@ -229,11 +267,26 @@ def test_async_job_goes_on_without_a_dead_worker(tmp_path):
     worker's goodbye fails), stops waiting for it, and the first worker finishes its steps."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
     done = subprocess.run(
-        [sys.executable, "-m", "plait", "train", *TEST_OVERRIDES, f"run.root={tmp_path}",
-         "run.name=r", f"train.steps={ASYNC_STEPS}", "strategy=parameter_server",
-         "strategy.mode=async", f"strategy.max_staleness={MAX_STALENESS}",
-         "launcher.nproc_per_node=3", "+plugins=[inhouse:kill_rank2_at_3]"],
-        env=env, capture_output=True, text=True, timeout=500)
+        [
+            sys.executable,
+            "-m",
+            "plait",
+            "train",
+            *TEST_OVERRIDES,
+            f"run.root={tmp_path}",
+            "run.name=r",
+            f"train.steps={ASYNC_STEPS}",
+            "strategy=parameter_server",
+            "strategy.mode=async",
+            f"strategy.max_staleness={MAX_STALENESS}",
+            "launcher.nproc_per_node=3",
+            "+plugins=[inhouse:kill_rank2_at_3]",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "plait: rank 2 died (SIGKILL); the strategy lets the job go on without it" in done.stderr
     assert "parameter server 0: worker rank 2 lost" in done.stderr
@@ -263,17 +316,26 @@ def test_local_sgd_and_diloco_with_h1_equal_ddp(tmp_path):
     reference = tmp_path / "one"
     run_training(reference, [*STEPS, *ONE, *SGD])  # = DDP on 2 processes (tests/test_ddp.py)
     expected = [m["loss"] for m in read_metrics(reference)]
-    for name, extra in [("local_sgd", ()), ("diloco", ("strategy.outer_lr=1",
-                                                       "strategy.outer_momentum=0"))]:
-        run_training(tmp_path / name, [*STEPS, *TWO, *SGD, f"strategy={name}",
-                                       "strategy.sync_every=1", *extra])
-        assert [m["loss"] for m in read_metrics(tmp_path / name)] == \
-            pytest.approx(expected, rel=REL), name
+    for name, extra in [
+        ("local_sgd", ()),
+        ("diloco", ("strategy.outer_lr=1", "strategy.outer_momentum=0")),
+    ]:
+        run_training(
+            tmp_path / name,
+            [*STEPS, *TWO, *SGD, f"strategy={name}", "strategy.sync_every=1", *extra],
+        )
+        assert [m["loss"] for m in read_metrics(tmp_path / name)] == pytest.approx(
+            expected, rel=REL
+        ), name
 
 
 def replicas(run: Path, step: int) -> list[dict[str, torch.Tensor]]:
-    return [torch.load(run / "checkpoints" / f"step_{step:08d}" / f"replica_dp{r}.pt",
-                       weights_only=True)["model"] for r in (0, 1)]
+    return [
+        torch.load(
+            run / "checkpoints" / f"step_{step:08d}" / f"replica_dp{r}.pt", weights_only=True
+        )["model"]
+        for r in (0, 1)
+    ]
 
 
 def identical(a: dict, b: dict) -> bool:
@@ -282,8 +344,14 @@ def identical(a: dict, b: dict) -> bool:
 
 def replica_overrides(name: str) -> list[str]:
     extra = ("strategy.outer_lr=0.7", "strategy.outer_momentum=0.9")[: 2 * (name == "diloco")]
-    return ["train.steps=6", *TWO, f"strategy={name}", "strategy.sync_every=3", *extra,
-            "fault.keep_last=0"]
+    return [
+        "train.steps=6",
+        *TWO,
+        f"strategy={name}",
+        "strategy.sync_every=3",
+        *extra,
+        "fault.keep_last=0",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -297,6 +365,7 @@ def replica_runs(tmp_path_factory):
             runs[name] = tmp_path_factory.mktemp(name) / "r"
             run_training(runs[name], [*replica_overrides(name), "fault.checkpoint_every=1"])
         return runs[name]
+
     return run
 
 
@@ -318,8 +387,11 @@ def test_replicas_resume_diverged_as_if_uninterrupted(tmp_path, replica_runs, na
     hold the outer parameters and the outer Nesterov momentum of step 3's outer step, which
     step 6's outer step needs."""
     straight, run = replica_runs(name), tmp_path / "killed"
-    run_training(run, [*replica_overrides(name), "fault.checkpoint_every=2",
-                       "launcher.max_restarts=1"], plugins=[inhouse.KillAt(step=5, rank=1)])
+    run_training(
+        run,
+        [*replica_overrides(name), "fault.checkpoint_every=2", "launcher.max_restarts=1"],
+        plugins=[inhouse.KillAt(step=5, rank=1)],
+    )
     assert not identical(*replicas(run, 4))
     logged = read_metrics(run)
     assert logged[-1]["restarts"] == 1
@@ -344,8 +416,13 @@ def _diloco_two_parameters(rank: int, world_size: int, config: dict, out: str) -
     with torch.no_grad():
         model.weight.fill_(W0)
         model.bias.fill_(B0)
-    engine = DiLoCoEngine(cfg, model, torch.optim.SGD(model.parameters(), lr=INNER_LR),
-                          torch.nn.functional.mse_loss, topology)
+    engine = DiLoCoEngine(
+        cfg,
+        model,
+        torch.optim.SGD(model.parameters(), lr=INNER_LR),
+        torch.nn.functional.mse_loss,
+        topology,
+    )
     after = []
     for step in range(1, 5):
         x, y = sample(rank, step)
@@ -375,11 +452,22 @@ def test_diloco_outer_step_is_nesterov_at_the_papers_defaults(tmp_path):
 
     from plait.testing import compose
 
-    cfg = compose(["strategy=diloco", "strategy.sync_every=2", "launcher.nproc_per_node=2",
-                   "optimizer=sgd", "train.grad_clip=0"])
+    cfg = compose(
+        [
+            "strategy=diloco",
+            "strategy.sync_every=2",
+            "launcher.nproc_per_node=2",
+            "optimizer=sgd",
+            "train.grad_clip=0",
+        ]
+    )
     assert (cfg.strategy.outer_lr, cfg.strategy.outer_momentum) == (0.7, 0.9)  # the defaults
-    spawn(_diloco_two_parameters, 2, OmegaConf.to_container(cfg, resolve=True),
-          str(tmp_path / "after.json"))
+    spawn(
+        _diloco_two_parameters,
+        2,
+        OmegaConf.to_container(cfg, resolve=True),
+        str(tmp_path / "after.json"),
+    )
 
     lr, momentum = 0.7, 0.9
     theta, buf = [W0, B0], None  # the outer parameters and the outer momentum buffer
@@ -420,18 +508,28 @@ def _replicas_by_node(rank: int, world_size: int, configs: list[dict], out: str)
         topology = Topology.initialize(cfg)
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1)
-        engine = LocalSGDEngine(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                torch.nn.functional.mse_loss, topology)
+        engine = LocalSGDEngine(
+            cfg,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            torch.nn.functional.mse_loss,
+            topology,
+        )
         data = torch.Generator().manual_seed(rank)
         schedule = []
         for _ in range(8):
-            engine.train_step([(torch.randn(8, 4, generator=data),
-                                torch.randn(8, 1, generator=data))], lr=0.1)
+            engine.train_step(
+                [(torch.randn(8, 4, generator=data), torch.randn(8, 1, generator=data))], lr=0.1
+            )
             mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             every = [torch.empty_like(mine) for _ in range(world_size)]
             dist.all_gather(every, mine)
-            schedule.append([torch.equal(every[0], every[1]) and torch.equal(every[2], every[3]),
-                             torch.equal(every[0], every[2])])
+            schedule.append(
+                [
+                    torch.equal(every[0], every[1]) and torch.equal(every[2], every[3]),
+                    torch.equal(every[0], every[2]),
+                ]
+            )
         schedules.append(schedule)
     if rank == 0:
         Path(out).write_text(json.dumps(schedules))
@@ -445,20 +543,35 @@ def test_hierarchical_local_sgd_averages_in_the_node_every_k_and_across_nodes_ev
 
     from plait.testing import compose
 
-    configs = [OmegaConf.to_container(compose(
-        ["strategy=local_sgd", "strategy.sync_every=4", f"strategy.node_sync_every={k}",
-         "launcher.nproc_per_node=4", "optimizer=sgd", "train.grad_clip=0"]), resolve=True)
-        for k in (1, 2)]
+    configs = [
+        OmegaConf.to_container(
+            compose(
+                [
+                    "strategy=local_sgd",
+                    "strategy.sync_every=4",
+                    f"strategy.node_sync_every={k}",
+                    "launcher.nproc_per_node=4",
+                    "optimizer=sgd",
+                    "train.grad_clip=0",
+                ]
+            ),
+            resolve=True,
+        )
+        for k in (1, 2)
+    ]
     spawn(_replicas_by_node, 4, configs, str(tmp_path / "schedules.json"), nproc_per_node=2)
     across = [step % 4 == 0 for step in range(1, 9)]
-    expected = [[[a or b, b] for a, b in zip(in_node, across)]
-                for in_node in ([True] * 8, [False, True] * 4)]
+    expected = [
+        [[a or b, b] for a, b in zip(in_node, across)]
+        for in_node in ([True] * 8, [False, True] * 4)
+    ]
     assert json.loads((tmp_path / "schedules.json").read_text()) == expected
 
 
 def test_node_sync_every_must_be_below_sync_every():
-    assert ("strategy.node_sync_every=4 must be below strategy.sync_every=4"
-            in problems("strategy=local_sgd", "strategy.sync_every=4",
-                        "strategy.node_sync_every=4"))
+    assert "strategy.node_sync_every=4 must be below strategy.sync_every=4" in problems(
+        "strategy=local_sgd", "strategy.sync_every=4", "strategy.node_sync_every=4"
+    )
     assert "strategy.node_sync_every=-1 is out of range" in problems(
-        "strategy=local_sgd", "strategy.node_sync_every=-1")
+        "strategy=local_sgd", "strategy.node_sync_every=-1"
+    )

@@ -14,24 +14,28 @@ import copy
 import json
 import re
 
+import inhouse
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from inhouse import TracePipelineActions
 
 from plait.plan import make_plan
 from plait.plugins.models.gpt import GPT
 from plait.plugins.pipeline.split import build_stage_modules, n_params, split_stages
 from plait.testing import read_metrics, run_training
 
-import inhouse
-from inhouse import TracePipelineActions
-
 TOLERANCE = 2e-5  # relative, fp32
 BF16_TOLERANCE = 2e-2  # relative per-step loss, bf16 against fp32 (as test_ddp's mixed precision)
 STEPS = 8
-COMMON = ["model.n_layer=4", f"train.steps={STEPS}", "train.batch_size=8", "train.eval_every=4",
-          "train.eval_batches=1"]
+COMMON = [
+    "model.n_layer=4",
+    f"train.steps={STEPS}",
+    "train.batch_size=8",
+    "train.eval_every=4",
+    "train.eval_batches=1",
+]
 PP2 = ["parallel.pp=2", "pipeline.microbatches=4"]
 
 
@@ -55,8 +59,10 @@ def test_params_balance_gives_the_stage_with_a_heavy_head_fewer_blocks():
     assert sum(by_params.counts) == 8
     # and the params split really is better balanced by parameter count than 4 + 4
     blocks = list(model.blocks.values())
-    four_four = [n_params([model.embed, *blocks[:4]]),
-                 n_params([*blocks[4:], model.norm, model.head])]
+    four_four = [
+        n_params([model.embed, *blocks[:4]]),
+        n_params([*blocks[4:], model.norm, model.head]),
+    ]
     assert max(by_params.costs) < max(four_four)
 
 
@@ -125,51 +131,102 @@ def problems(*overrides: str) -> str:
     return "\n".join(make_plan(["model=gpt_tiny", "tracker=none", *overrides]).problems)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["parallel.pp=2", "pipeline.microbatches=2", "model.n_layer=1"],
-     "parallel.pp=2 x 1 stage(s) per rank = 2 pipeline stages, but the model has 1 layers"),
-    (["parallel.pp=2", "pipeline.microbatches=3"],
-     "pipeline.microbatches=3 does not divide the batch of each data-parallel rank"),
-    (["parallel.pp=2", "pipeline.schedule=pipedream"],
-     "pipeline.schedule=pipedream: choose one of gpipe, 1f1b, interleaved_1f1b"),
-    (["parallel.pp=2", "pipeline.schedule=interleaved_1f1b"],
-     "pipeline.schedule=interleaved_1f1b needs pipeline.virtual_stages>=2"),
-    (["parallel.pp=2", "pipeline.schedule=zbv"], "set pipeline.virtual_stages=2"),
-    (["parallel.pp=2", "pipeline.virtual_stages=2", "model.n_layer=4"],
-     "pipeline.virtual_stages=2 needs an interleaved schedule"),
-    (["parallel.pp=2", "pipeline.microbatches=1"],
-     "pipeline.schedule=1f1b needs pipeline.microbatches >= pp (1 < 2)"),
-    (["parallel.pp=2", "pipeline.microbatches=4", "train.grad_accum_steps=2"],
-     "train.grad_accum_steps=2 with parallel.pp=2"),
-    (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.balance=[1,2]"],
-     "pipeline.balance=[1, 2] must list 2 layer counts"),
-    (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.balance=speed"],
-     "pipeline.balance=speed: choose one of layers, params, time"),
-    (["parallel.pp=2", "pipeline.microbatches=2", "precision=fp16", "strategy=zero1"],
-     "strategy=zero1 precision=fp16 with parallel.pp=2: the pipeline schedule runs the backward "
-     "outside DeepSpeed"),
-    (["parallel.pp=2", "pipeline.microbatches=2", "model.tie_embeddings=true"],
-     "parallel.pp=2 with a parameter shared by the embedding and the head"),
-    (["parallel.pp=2", "pipeline.microbatches=2", "model=custom",
-      "model._target_=torch.nn.Linear", "+model.in_features=4", "+model.out_features=4"],
-     "parallel.pp=2: model._target_=torch.nn.Linear has no pipeline_plan: name its layer list (a "
-     "ModuleList or ModuleDict of its repeated layers) with pipeline.layers=<module name>, or set "
-     "parallel.pp=1"),
-    (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.layers=blocks.0"],
-     "the pipeline plan's layers 'blocks.0' is not a ModuleList or ModuleDict of GPT"),
-    (["parallel.pp=2", "pipeline.microbatches=2", "pipeline.layers=layers"],
-     "pipeline.layers=layers: GPT (the model) has no child 'layers'"),
-    (["parallel.pp=2", "pipeline.microbatches=2", "model=llama_tiny", "pipeline.balance=time"],
-     "pipeline.balance=time times each layer alone, which model._target_=plait.plugins.models."
-     "llama.build_llama's layers cannot run"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["parallel.pp=2", "pipeline.microbatches=2", "model.n_layer=1"],
+            "parallel.pp=2 x 1 stage(s) per rank = 2 pipeline stages, but the model has 1 layers",
+        ),
+        (
+            ["parallel.pp=2", "pipeline.microbatches=3"],
+            "pipeline.microbatches=3 does not divide the batch of each data-parallel rank",
+        ),
+        (
+            ["parallel.pp=2", "pipeline.schedule=pipedream"],
+            "pipeline.schedule=pipedream: choose one of gpipe, 1f1b, interleaved_1f1b",
+        ),
+        (
+            ["parallel.pp=2", "pipeline.schedule=interleaved_1f1b"],
+            "pipeline.schedule=interleaved_1f1b needs pipeline.virtual_stages>=2",
+        ),
+        (["parallel.pp=2", "pipeline.schedule=zbv"], "set pipeline.virtual_stages=2"),
+        (
+            ["parallel.pp=2", "pipeline.virtual_stages=2", "model.n_layer=4"],
+            "pipeline.virtual_stages=2 needs an interleaved schedule",
+        ),
+        (
+            ["parallel.pp=2", "pipeline.microbatches=1"],
+            "pipeline.schedule=1f1b needs pipeline.microbatches >= pp (1 < 2)",
+        ),
+        (
+            ["parallel.pp=2", "pipeline.microbatches=4", "train.grad_accum_steps=2"],
+            "train.grad_accum_steps=2 with parallel.pp=2",
+        ),
+        (
+            ["parallel.pp=2", "pipeline.microbatches=2", "pipeline.balance=[1,2]"],
+            "pipeline.balance=[1, 2] must list 2 layer counts",
+        ),
+        (
+            ["parallel.pp=2", "pipeline.microbatches=2", "pipeline.balance=speed"],
+            "pipeline.balance=speed: choose one of layers, params, time",
+        ),
+        (
+            ["parallel.pp=2", "pipeline.microbatches=2", "precision=fp16", "strategy=zero1"],
+            "strategy=zero1 precision=fp16 with parallel.pp=2: the pipeline schedule runs the backward "
+            "outside DeepSpeed",
+        ),
+        (
+            ["parallel.pp=2", "pipeline.microbatches=2", "model.tie_embeddings=true"],
+            "parallel.pp=2 with a parameter shared by the embedding and the head",
+        ),
+        (
+            [
+                "parallel.pp=2",
+                "pipeline.microbatches=2",
+                "model=custom",
+                "model._target_=torch.nn.Linear",
+                "+model.in_features=4",
+                "+model.out_features=4",
+            ],
+            "parallel.pp=2: model._target_=torch.nn.Linear has no pipeline_plan: name its layer list (a "
+            "ModuleList or ModuleDict of its repeated layers) with pipeline.layers=<module name>, or set "
+            "parallel.pp=1",
+        ),
+        (
+            ["parallel.pp=2", "pipeline.microbatches=2", "pipeline.layers=blocks.0"],
+            "the pipeline plan's layers 'blocks.0' is not a ModuleList or ModuleDict of GPT",
+        ),
+        (
+            ["parallel.pp=2", "pipeline.microbatches=2", "pipeline.layers=layers"],
+            "pipeline.layers=layers: GPT (the model) has no child 'layers'",
+        ),
+        (
+            [
+                "parallel.pp=2",
+                "pipeline.microbatches=2",
+                "model=llama_tiny",
+                "pipeline.balance=time",
+            ],
+            "pipeline.balance=time times each layer alone, which model._target_=plait.plugins.hf."
+            "llama.build_llama's layers cannot run",
+        ),
+    ],
+)
 def test_impossible_pipeline_plans_are_refused_before_launch(overrides, message):
     assert message in problems(*overrides)
 
 
 def test_a_valid_pipeline_plan_sets_accumulation_to_the_microbatches():
-    plan = make_plan(["model=gpt_tiny", "tracker=none", "parallel.pp=2", "pipeline.microbatches=4",
-                      "model.n_layer=4"])
+    plan = make_plan(
+        [
+            "model=gpt_tiny",
+            "tracker=none",
+            "parallel.pp=2",
+            "pipeline.microbatches=4",
+            "model.n_layer=4",
+        ]
+    )
     assert plan.problems == []
     assert plan.cfg.train.grad_accum_steps == 4
     assert plan.cfg.train.batch_size == 16  # the global batch does not change with pp
@@ -185,18 +242,23 @@ def figures(run_dir) -> dict:
     from plait.export import export
 
     metrics = read_metrics(run_dir)
-    return {"loss": [m["loss"] for m in metrics],
-            "grad_norm": [m["grad_norm"] for m in metrics],
-            "eval/loss": [m["eval/loss"] for m in metrics if "eval/loss" in m],
-            "weights": torch.load(export(str(run_dir)), weights_only=True)}
+    return {
+        "loss": [m["loss"] for m in metrics],
+        "grad_norm": [m["grad_norm"] for m in metrics],
+        "eval/loss": [m["eval/loss"] for m in metrics if "eval/loss" in m],
+        "weights": torch.load(export(str(run_dir)), weights_only=True),
+    }
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, the same global batch in the same 4 micro-batches."""
     run = tmp_path_factory.mktemp("pp") / "reference"
-    run_training(run, [*COMMON, "launcher.nproc_per_node=1", "train.grad_accum_steps=4"],
-                 plugins=[inhouse.RecordLayout()])
+    run_training(
+        run,
+        [*COMMON, "launcher.nproc_per_node=1", "train.grad_accum_steps=4"],
+        plugins=[inhouse.RecordLayout()],
+    )
     return {**figures(run), "shapes": inhouse.whole_model_shapes(run)}
 
 
@@ -210,16 +272,21 @@ def assert_same(run_figures, reference):
     weights, expected = run_figures["weights"], reference["weights"]
     assert weights.keys() == expected.keys()
     for key in expected:
-        torch.testing.assert_close(weights[key], expected[key], rtol=1e-4, atol=1e-5,
-                                   msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            weights[key], expected[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}"
+        )
 
 
 def actions(run_dir, rank: int) -> list[tuple[int, str, int]]:
     """(stage, kind, micro-batch) of each action rank ``rank`` ran in the first step, in order
     (recorded by ``TracePipelineActions``)."""
     names = json.loads((run_dir / f"actions_rank{rank}.json").read_text())
-    return [(int(stage), kind, int(mb)) for stage, kind, mb in
-            (re.fullmatch(r"(\d+)([FBIW])(\d+)", name).groups() for name in names)]
+    return [
+        (int(stage), kind, int(mb))
+        for stage, kind, mb in (
+            re.fullmatch(r"(\d+)([FBIW])(\d+)", name).groups() for name in names
+        )
+    ]
 
 
 # schedule -> (the stages each of the 2 ranks holds, how the backward runs: "B" whole, "IW" split
@@ -252,19 +319,24 @@ def assert_schedule_ran(run_dir, name: str) -> None:
         else:  # forwards and backwards alternate once the pipeline is full
             assert first_backward < last_forward, (rank, ran)
         # a weight backward that does not follow its input backward at once fills a bubble
-        deferred += [a for i, a in enumerate(ran)
-                     if a[1] == "W" and ran[i - 1] != (a[0], "I", a[2])]
+        deferred += [
+            a for i, a in enumerate(ran) if a[1] == "W" and ran[i - 1] != (a[0], "I", a[2])
+        ]
     assert bool(deferred) == (backward == "IW"), (name, deferred)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", [
-    ["pipeline.schedule=gpipe", "pipeline.balance=time"],  # any split gives the same losses
-    ["pipeline.schedule=1f1b"],
-    ["pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"],
-    ["pipeline.schedule=zero_bubble"],
-    ["pipeline.schedule=zbv", "pipeline.virtual_stages=2"],
-], ids=lambda s: s[0].split("=")[1])
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        ["pipeline.schedule=gpipe", "pipeline.balance=time"],  # any split gives the same losses
+        ["pipeline.schedule=1f1b"],
+        ["pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"],
+        ["pipeline.schedule=zero_bubble"],
+        ["pipeline.schedule=zbv", "pipeline.virtual_stages=2"],
+    ],
+    ids=lambda s: s[0].split("=")[1],
+)
 def test_pp2_schedule_matches_one_process(tmp_path, reference, schedule):
     run = tmp_path / "pp2"
     run_training(run, [*COMMON, *PP2, *schedule], plugins=[TracePipelineActions()])
@@ -286,7 +358,7 @@ def test_pp2_in_mixed_precision_trains_close_to_fp32(tmp_path, reference, precis
     behind = skipped[-1]
     assert skipped == [min(step, behind) for step in range(1, len(skipped) + 1)]  # the first ones
     assert behind <= (1 if precision == "fp16" else 0)
-    expected = reference["loss"][:1] * behind + reference["loss"][:len(losses) - behind]
+    expected = reference["loss"][:1] * behind + reference["loss"][: len(losses) - behind]
     assert losses == pytest.approx(expected, rel=BF16_TOLERANCE)
     assert losses != reference["loss"]  # autocast really ran
 
@@ -297,31 +369,56 @@ def test_pp2_fp16_overflow_on_the_last_stage_skips_the_step_on_both(tmp_path):
     loss is) overflows fp16 gradients on both stages: both steps are skipped on every rank
     (weights unchanged bit for bit), counted, and the scale halves each time."""
     run = tmp_path / "fp16"
-    run_training(run, [*inhouse.OVERFLOW_RUN, "model.n_layer=4", "train.batch_size=8",
-                       "parallel.pp=2", "pipeline.microbatches=2", "train.grad_accum_steps=2",
-                       "precision=fp16"], plugins=[inhouse.OverflowAtSteps(2, 3)])
+    run_training(
+        run,
+        [
+            *inhouse.OVERFLOW_RUN,
+            "model.n_layer=4",
+            "train.batch_size=8",
+            "parallel.pp=2",
+            "pipeline.microbatches=2",
+            "train.grad_accum_steps=2",
+            "precision=fp16",
+        ],
+        plugins=[inhouse.OverflowAtSteps(2, 3)],
+    )
     inhouse.assert_steps_2_and_3_skipped(run, scales=[1, 0.5, 0.25, 0.25])
 
 
 @pytest.mark.slow
 def test_pp2_dp2_matches_one_process(tmp_path, reference):
     run = tmp_path / "pp2dp2"
-    run_training(run, [*COMMON, "launcher.nproc_per_node=4", "parallel.pp=2",
-                       "pipeline.microbatches=2", "pipeline.balance=params"],
-                 plugins=[inhouse.RecordLayout()])
+    run_training(
+        run,
+        [
+            *COMMON,
+            "launcher.nproc_per_node=4",
+            "parallel.pp=2",
+            "pipeline.microbatches=2",
+            "pipeline.balance=params",
+        ],
+        plugins=[inhouse.RecordLayout()],
+    )
     inhouse.assert_layout(run, reference["shapes"], dp=2, pp=2)
     assert_same(figures(run), reference)
 
 
 @pytest.mark.slow
 def test_pp_resume_continues_with_identical_losses_and_exports_the_full_model(tmp_path):
-    settings = [*PP2, "model.n_layer=4", "train.steps=8", "fault.checkpoint_every=4",
-                "pipeline.schedule=1f1b"]
+    settings = [
+        *PP2,
+        "model.n_layer=4",
+        "train.steps=8",
+        "fault.checkpoint_every=4",
+        "pipeline.schedule=1f1b",
+    ]
     whole = tmp_path / "whole"
     run_training(whole, settings)
     checkpoint = whole / "checkpoints" / "step_00000004"
-    assert sorted(p.name for p in checkpoint.glob("model_*.pt")) == ["model_pp0_tp0.pt",
-                                                                     "model_pp1_tp0.pt"]
+    assert sorted(p.name for p in checkpoint.glob("model_*.pt")) == [
+        "model_pp0_tp0.pt",
+        "model_pp1_tp0.pt",
+    ]
     resumed = tmp_path / "resumed"
     run_training(resumed, [*settings, f"resume={checkpoint}"])
     assert [m["step"] for m in read_metrics(resumed)] == [5, 6, 7, 8]
@@ -340,9 +437,18 @@ def test_pp2_tp2_matches_one_process(tmp_path, reference):
     """Megatron tensor parallelism inside each stage (4 processes); the global grad norm counts
     each tensor-parallel shard once."""
     run = tmp_path / "pp2tp2"
-    run_training(run, [*COMMON, *PP2, "launcher.nproc_per_node=4", "parallel.tp=2",
-                       "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"],
-                 plugins=[inhouse.RecordLayout()])
+    run_training(
+        run,
+        [
+            *COMMON,
+            *PP2,
+            "launcher.nproc_per_node=4",
+            "parallel.tp=2",
+            "pipeline.schedule=interleaved_1f1b",
+            "pipeline.virtual_stages=2",
+        ],
+        plugins=[inhouse.RecordLayout()],
+    )
     inhouse.assert_layout(run, reference["shapes"], dp=1, tp=2, pp=2)
     assert_same(figures(run), reference)
 
@@ -354,17 +460,31 @@ def test_a_users_module_trains_in_stages_by_naming_its_layer_list(tmp_path):
     from inhouse import LayerListLM, RecordFirstBatch, RecordHeld
 
     run = tmp_path / "custom"
-    run_training(run, ["model=custom", "model._target_=inhouse.LayerListLM", *PP2,
-                       "pipeline.layers=layers", "train.steps=4", "train.batch_size=8", "seed=5"],
-                 plugins=[RecordFirstBatch(), RecordHeld()])
+    run_training(
+        run,
+        [
+            "model=custom",
+            "model._target_=inhouse.LayerListLM",
+            *PP2,
+            "pipeline.layers=layers",
+            "train.steps=4",
+            "train.batch_size=8",
+            "seed=5",
+        ],
+        plugins=[RecordFirstBatch(), RecordHeld()],
+    )
     torch.manual_seed(5)  # the models plugin seeds, then instantiates
     model = LayerListLM()
-    losses = [F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-              for x, y in torch.load(run / "first_batch.pt")]
-    assert read_metrics(run)[0]["loss"] == pytest.approx(torch.stack(losses).mean().item(),
-                                                         abs=1e-5)
+    losses = [
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        for x, y in torch.load(run / "first_batch.pt")
+    ]
+    assert read_metrics(run)[0]["loss"] == pytest.approx(
+        torch.stack(losses).mean().item(), abs=1e-5
+    )
     held = [json.loads((run / f"held_rank{r}.json").read_text())["params"] for r in (0, 1)]
     parts = [sorted({".".join(name.split(".")[:2]) for name in h}) for h in held]
-    assert parts == [["embed.weight", "layers.0", "layers.1"],
-                     ["head.bias", "head.weight", "layers.2", "layers.3", "norm.bias",
-                      "norm.weight"]]
+    assert parts == [
+        ["embed.weight", "layers.0", "layers.1"],
+        ["head.bias", "head.weight", "layers.2", "layers.3", "norm.bias", "norm.weight"],
+    ]

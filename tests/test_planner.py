@@ -15,9 +15,20 @@ from plait.testing import TEST_OVERRIDES, read_metrics
 
 # gpt2_small on 8 ranks of 80 GiB; a batch small enough that tp=8 (12 heads: refused) has the
 # fastest estimate of the meshes without a pipeline (its tied embeddings refuse every pp > 1)
-GPT2_SMALL_ON_8 = ["--search", "world_size=8", "model=gpt2_small", "tracker=none", "device=cpu",
-                   "precision=bf16", "train.peak_flops=989e12", "train.batch_size=8",
-                   "--memory-gb", "80", "--top", "5"]
+GPT2_SMALL_ON_8 = [
+    "--search",
+    "world_size=8",
+    "model=gpt2_small",
+    "tracker=none",
+    "device=cpu",
+    "precision=bf16",
+    "train.peak_flops=989e12",
+    "train.batch_size=8",
+    "--memory-gb",
+    "80",
+    "--top",
+    "5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,20 +62,38 @@ def test_layout_with_tp_not_dividing_the_heads_is_excluded(gpt2_small_on_8):
     # estimated faster than the planner's best, yet not listed: the plan refused it
     assert min(tp8) < result.accepted[0][1].step_s
     assert all(layout.tp != 8 for layout, _ in result.accepted)
-    assert any("parallel.tp=8 does not divide model.n_head=12" in text
-               for text in result.examples.values())
+    assert any(
+        "parallel.tp=8 does not divide model.n_head=12" in text for text in result.examples.values()
+    )
 
 
 def test_a_budget_no_layout_meets_is_refused_naming_the_smallest_need(capsys):
-    code = main(["plan", "--search", "world_size=2", *TEST_OVERRIDES, "train.peak_flops=1e11",
-                 "--memory-gb", "0.0001"])
+    code = main(
+        [
+            "plan",
+            "--search",
+            "world_size=2",
+            *TEST_OVERRIDES,
+            "train.peak_flops=1e11",
+            "--memory-gb",
+            "0.0001",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     need = float(re.search(r"the smallest needs ([\d.]+) GiB per rank", err).group(1))
     assert f"give --memory-gb {need:.3f} or more" in err and need > 0.0001
     # the named need is enough: with it the planner lists that layout
-    result, *_ = search_layouts(["--search", "world_size=2", *TEST_OVERRIDES,
-                                 "train.peak_flops=1e11", "--memory-gb", f"{need + 0.0005}"])
+    result, *_ = search_layouts(
+        [
+            "--search",
+            "world_size=2",
+            *TEST_OVERRIDES,
+            "train.peak_flops=1e11",
+            "--memory-gb",
+            f"{need + 0.0005}",
+        ]
+    )
     assert result.accepted
 
 
@@ -78,9 +107,20 @@ def test_planner_needs_a_memory_budget_on_cpu(capsys):
 def test_confirm_trains_the_top_two_and_prints_measured_against_estimated(tmp_path, capsys):
     """A GPT of 12.9M parameters (n_embd 512, 4 layers), so that its states, not the runtime,
     make the memory a rank spends."""
-    search = ["--search", "world_size=2", "strategy=ddp", *TEST_OVERRIDES, "train.steps=3",
-              "train.peak_flops=1e11", "--memory-gb", "4", "+plugins=[plait.testing:memory_probe]",
-              "model.n_embd=512", "model.n_head=8", "model.n_layer=4"]
+    search = [
+        "--search",
+        "world_size=2",
+        "strategy=ddp",
+        *TEST_OVERRIDES,
+        "train.steps=3",
+        "train.peak_flops=1e11",
+        "--memory-gb",
+        "4",
+        "+plugins=[plait.testing:memory_probe]",
+        "model.n_embd=512",
+        "model.n_head=8",
+        "model.n_layer=4",
+    ]
     code = main(["plan", *search, "--confirm", "2", f"run.root={tmp_path}", "run.name=planned"])
     out = capsys.readouterr().out
     assert code == 0, out[-3000:]
@@ -92,8 +132,14 @@ def test_confirm_trains_the_top_two_and_prints_measured_against_estimated(tmp_pa
     for job, row in zip((0, 1), ranked[:2]):
         cfg = OmegaConf.load(tmp_path / "planned" / str(job) / "config.yaml")
         # the table's columns: # strategy dp cp tp pp ep ...
-        assert [cfg.strategy.name, cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.tp,
-                cfg.parallel.pp, cfg.parallel.ep] == [row[1], *map(int, row[2:7])]
+        assert [
+            cfg.strategy.name,
+            cfg.parallel.dp,
+            cfg.parallel.cp,
+            cfg.parallel.tp,
+            cfg.parallel.pp,
+            cfg.parallel.ep,
+        ] == [row[1], *map(int, row[2:7])]
         assert cfg.train.steps == 3
     # estimated vs measured step time (ms) and memory (GiB), both measured figures real
     for row in measured:
@@ -110,5 +156,8 @@ def test_confirm_trains_the_top_two_and_prints_measured_against_estimated(tmp_pa
     for job, (layout, estimate) in enumerate(result.accepted[:2]):
         last = read_metrics(tmp_path / "planned" / str(job))[-1]
         spent = last["peak_memory_bytes/max"] - last["memory/rss_before_model_bytes"]
-        assert 1 <= spent / estimate.memory_bytes <= 2, (layout.describe(), spent,
-                                                          estimate.memory_bytes)
+        assert 1 <= spent / estimate.memory_bytes <= 2, (
+            layout.describe(),
+            spent,
+            estimate.memory_bytes,
+        )

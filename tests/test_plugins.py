@@ -1,5 +1,6 @@
 """Plugin discovery, selection, conflicts and capabilities (no worker processes)."""
 
+import inhouse
 import pluggy
 import pytest
 
@@ -10,10 +11,20 @@ from plait.plugin_manager import deciders, keep_selected, make_plugin_manager
 from plait.testing import compose
 from plait.types import PlanError
 
-import inhouse
-
-BUILT_INS = {"adamw", "allreduce", "checkpoint", "console", "data", "ddp", "gpt",
-             "local_launcher", "metrics_file", "models", "sharding", "wandb"}
+BUILT_INS = {
+    "adamw",
+    "allreduce",
+    "checkpoint",
+    "console",
+    "data",
+    "ddp",
+    "gpt",
+    "local_launcher",
+    "metrics_file",
+    "models",
+    "sharding",
+    "wandb",
+}
 
 
 def test_built_ins_come_from_the_entry_point_group():
@@ -65,9 +76,12 @@ def test_capabilities_refuse_an_unsupported_precision_and_axis():
 
 def test_unknown_strategy_name_lists_what_is_installed():
     plan = make_plan(["strategy.name=nope"])
-    assert any("strategy.name=nope selects no plugin that decides plait_build_engine; "
-               "installed plugins offer: ddp, diloco, fsdp, local_sgd, parameter_server, zero0, zero1, zero2, "
-               "zero3" in p for p in plan.problems)
+    assert any(
+        "strategy.name=nope selects no plugin that decides plait_build_engine; "
+        "installed plugins offer: ddp, diloco, fsdp, local_sgd, parameter_server, zero0, zero1, zero2, "
+        "zero3" in p
+        for p in plan.problems
+    )
 
 
 def test_hook_with_a_typo_is_caught_at_registration():

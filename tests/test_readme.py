@@ -21,8 +21,9 @@ def test_readme_plugin_example_loads_by_dotted_path_and_its_hooks_fire(tmp_path,
     (package / "loss_log.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path / "src"))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "src"))
-    run_dir = run_training(tmp_path / "r", ["+plugins=[my_team.loss_log:plugin]",
-                                            "launcher.nproc_per_node=2"])
+    run_dir = run_training(
+        tmp_path / "r", ["+plugins=[my_team.loss_log:plugin]", "launcher.nproc_per_node=2"]
+    )
     rows = [line.split("\t") for line in (run_dir / "loss_log.tsv").read_text().splitlines()]
     losses = [m["loss"] for m in read_metrics(run_dir)]
     assert [int(r[0]) for r in rows] == [1, 2, 3, 4]

@@ -19,203 +19,413 @@ from plait.cli import main
 # share a case: the refusal lists every problem at once. {tmp} is the data directory below.
 CASES = [
     # the core's settings
-    ("train.steps=0 train.batch_size=0 train.grad_accum_steps=0 train.seq_len=0 "
-     "train.grad_clip=-1 train.log_every=0 train.eval_every=-5 train.eval_batches=0 "
-     "train.peak_flops=0 train.stop_at=0",
-     ["train.steps=0 is out of range: set train.steps >= 1", "set train.batch_size >= 1",
-      "set train.grad_accum_steps >= 1", "set train.seq_len >= 1",
-      "train.grad_clip=-1.0 is out of range: set train.grad_clip >= 0 (0 turns clipping off)",
-      "set train.log_every >= 1", "set train.eval_every >= 0 (0: no evaluation)",
-      "set train.eval_batches >= 1", "train.peak_flops=0.0 is out of range: set "
-      "train.peak_flops > 0", "train.stop_at=0 is out of range: set train.stop_at >= 1"]),
-    ("parallel.tp=0 parallel.pp=-2 parallel.ep=0 launcher.nproc_per_node=0 launcher.nnodes=0 "
-     "launcher.timeout_s=0 seed=-1",
-     ["parallel.tp=0 is out of range: set parallel.tp >= 1", "set parallel.pp >= 1",
-      "parallel.ep=0 is out of range: set parallel.ep >= 1",
-      "set launcher.nproc_per_node >= 1", "set launcher.nnodes >= 1",
-      "set launcher.timeout_s >= 1", "seed=-1 is out of range: set seed in [0, 4294967295]"]),
+    (
+        "train.steps=0 train.batch_size=0 train.grad_accum_steps=0 train.seq_len=0 "
+        "train.grad_clip=-1 train.log_every=0 train.eval_every=-5 train.eval_batches=0 "
+        "train.peak_flops=0 train.stop_at=0",
+        [
+            "train.steps=0 is out of range: set train.steps >= 1",
+            "set train.batch_size >= 1",
+            "set train.grad_accum_steps >= 1",
+            "set train.seq_len >= 1",
+            "train.grad_clip=-1.0 is out of range: set train.grad_clip >= 0 (0 turns clipping off)",
+            "set train.log_every >= 1",
+            "set train.eval_every >= 0 (0: no evaluation)",
+            "set train.eval_batches >= 1",
+            "train.peak_flops=0.0 is out of range: set train.peak_flops > 0",
+            "train.stop_at=0 is out of range: set train.stop_at >= 1",
+        ],
+    ),
+    (
+        "parallel.tp=0 parallel.pp=-2 parallel.ep=0 launcher.nproc_per_node=0 launcher.nnodes=0 "
+        "launcher.timeout_s=0 seed=-1",
+        [
+            "parallel.tp=0 is out of range: set parallel.tp >= 1",
+            "set parallel.pp >= 1",
+            "parallel.ep=0 is out of range: set parallel.ep >= 1",
+            "set launcher.nproc_per_node >= 1",
+            "set launcher.nnodes >= 1",
+            "set launcher.timeout_s >= 1",
+            "seed=-1 is out of range: set seed in [0, 4294967295]",
+        ],
+    ),
     ("parallel.dp=0", ["parallel.dp=0 is out of range: set parallel.dp >= 1, or -1"]),
     # context parallelism: the setting, the backend, and what the issue names
-    ("parallel.cp=0 context_parallel.backend=flash",
-     ["parallel.cp=0 is out of range: set parallel.cp >= 1"]),
-    ("context_parallel.backend=flash", ["context_parallel.backend=flash: choose one of ring, "
-                                        "ulysses"]),
-    ("parallel.cp=4 launcher.nproc_per_node=4 train.seq_len=36",
-     ["train.seq_len=36 is not divisible by 8 for context_parallel.backend=ring with "
-      "parallel.cp=4 (zigzag load balancing cuts each sequence into 2·cp chunks): choose "
-      "train.seq_len as a multiple of 8"]),
-    ("parallel.cp=4 launcher.nproc_per_node=4 context_parallel.backend=ulysses model.n_head=2",
-     ["context_parallel.backend=ulysses with parallel.cp=4: the heads (model.n_head=2) are not "
-      "divisible by cp, and Ulysses gives each rank heads / cp of them: choose parallel.cp "
-      "dividing 2, or context_parallel.backend=ring"]),
-    ("model=custom model._target_=torch.nn.Identity parallel.cp=2",
-     ["parallel.cp=2: plait cannot replace the attention of model._target_=torch.nn.Identity: "
-      "the model carries no context_parallel_plan"]),
-    ("model=hf model.path={tmp}/bloom model.pretrained=false parallel.cp=2 "
-     "launcher.nproc_per_node=2 train.seq_len=32",
-     ["parallel.cp=2: plait cannot replace the attention of model._target_="
-      "plait.plugins.hf.model.build_hf: BloomForCausalLM's attention does not go through "
-      "transformers' attention interface (ALL_ATTENTION_FUNCTIONS), where plait puts its "
-      "exchange; use a model that has one (plait's GPT: model=gpt_tiny, gpt2_small; model=hf "
-      "with Llama-family attention) or parallel.cp=1"]),
+    (
+        "parallel.cp=0 context_parallel.backend=flash",
+        ["parallel.cp=0 is out of range: set parallel.cp >= 1"],
+    ),
+    (
+        "context_parallel.backend=flash",
+        ["context_parallel.backend=flash: choose one of ring, ulysses"],
+    ),
+    (
+        "parallel.cp=4 launcher.nproc_per_node=4 train.seq_len=36",
+        [
+            "train.seq_len=36 is not divisible by 8 for context_parallel.backend=ring with "
+            "parallel.cp=4 (zigzag load balancing cuts each sequence into 2·cp chunks): choose "
+            "train.seq_len as a multiple of 8"
+        ],
+    ),
+    (
+        "parallel.cp=4 launcher.nproc_per_node=4 context_parallel.backend=ulysses model.n_head=2",
+        [
+            "context_parallel.backend=ulysses with parallel.cp=4: the heads (model.n_head=2) are not "
+            "divisible by cp, and Ulysses gives each rank heads / cp of them: choose parallel.cp "
+            "dividing 2, or context_parallel.backend=ring"
+        ],
+    ),
+    (
+        "model=custom model._target_=torch.nn.Identity parallel.cp=2",
+        [
+            "parallel.cp=2: plait cannot replace the attention of model._target_=torch.nn.Identity: "
+            "the model carries no context_parallel_plan"
+        ],
+    ),
+    (
+        "model=hf model.path={tmp}/bloom model.pretrained=false parallel.cp=2 "
+        "launcher.nproc_per_node=2 train.seq_len=32",
+        [
+            "parallel.cp=2: plait cannot replace the attention of model._target_="
+            "plait.plugins.hf.model.build_hf: BloomForCausalLM's attention does not go through "
+            "transformers' attention interface (ALL_ATTENTION_FUNCTIONS), where plait puts its "
+            "exchange; use a model that has one (plait's GPT: model=gpt_tiny, gpt2_small; model=hf "
+            "with Llama-family attention) or parallel.cp=1"
+        ],
+    ),
     ("device=tpu", ["device=tpu: choose auto, cpu or cuda"]),
     # adamw
-    ("optimizer.lr=-1 optimizer.min_lr=-1e-4 optimizer.warmup_steps=-1 optimizer.decay_steps=0 "
-     "optimizer.weight_decay=-0.1 optimizer.betas=[0.9,1.5] optimizer.eps=-1e-8",
-     ["optimizer.lr=-1.0 is out of range: set optimizer.lr >= 0", "set optimizer.min_lr >= 0",
-      "set optimizer.warmup_steps >= 0 (0: no warm-up)", "set optimizer.decay_steps >= 1",
-      "set optimizer.weight_decay >= 0", "optimizer.betas=[0.9, 1.5] is out of range: set each "
-      "of optimizer.betas in [0, 1)", "set optimizer.eps >= 0"]),
+    (
+        "optimizer.lr=-1 optimizer.min_lr=-1e-4 optimizer.warmup_steps=-1 optimizer.decay_steps=0 "
+        "optimizer.weight_decay=-0.1 optimizer.betas=[0.9,1.5] optimizer.eps=-1e-8",
+        [
+            "optimizer.lr=-1.0 is out of range: set optimizer.lr >= 0",
+            "set optimizer.min_lr >= 0",
+            "set optimizer.warmup_steps >= 0 (0: no warm-up)",
+            "set optimizer.decay_steps >= 1",
+            "set optimizer.weight_decay >= 0",
+            "optimizer.betas=[0.9, 1.5] is out of range: set each of optimizer.betas in [0, 1)",
+            "set optimizer.eps >= 0",
+        ],
+    ),
     ("optimizer.betas=[0.9]", ["optimizer.betas=[0.9] needs two numbers (beta1, beta2)"]),
     # checkpoint, pipeline, local launcher, W&B: each plugin checks its own
-    ("fault.checkpoint_every=-1 fault.keep_last=-1 pipeline.microbatches=0 "
-     "pipeline.virtual_stages=0 launcher.node_rank=-1 launcher.master_port=70000 "
-     "launcher.max_restarts=-1 launcher.start_method=thread tracker=wandb tracker.mode=loud",
-     ["set fault.checkpoint_every >= 0 (0: only at the end)",
-      "set fault.keep_last >= 0 (0 keeps all)", "set pipeline.microbatches >= 1",
-      "set pipeline.virtual_stages >= 1", "set launcher.node_rank >= 0",
-      "set launcher.master_port in [0, 65535]", "set launcher.max_restarts >= 0",
-      "launcher.start_method=thread: choose one of forkserver, spawn",
-      "tracker.mode=loud: choose offline, online or disabled"]),
-    ("fault.max_bad_steps=0 fault.spike_factor=-1",
-     ["set fault.max_bad_steps >= 1", "set fault.spike_factor >= 0 (0: off)"]),
+    (
+        "checkpoint.every=-1 checkpoint.keep_last=-1 pipeline.microbatches=0 "
+        "pipeline.virtual_stages=0 launcher.node_rank=-1 launcher.master_port=70000 "
+        "launcher.max_restarts=-1 launcher.start_method=thread tracker=wandb tracker.mode=loud",
+        [
+            "set checkpoint.every >= 0 (0: only at the end)",
+            "set checkpoint.keep_last >= 0 (0 keeps all)",
+            "set pipeline.microbatches >= 1",
+            "set pipeline.virtual_stages >= 1",
+            "set launcher.node_rank >= 0",
+            "set launcher.master_port in [0, 65535]",
+            "set launcher.max_restarts >= 0",
+            "launcher.start_method=thread: choose one of forkserver, spawn",
+            "tracker.mode=loud: choose offline, online or disabled",
+        ],
+    ),
+    (
+        "fault.max_bad_steps=0 fault.spike_factor=-1",
+        ["set fault.max_bad_steps >= 1", "set fault.spike_factor >= 0 (0: off)"],
+    ),
     # the straggler detector and the collective watchdog
-    ("fault.straggler_factor=0.5 fault.straggler_window=0 fault.straggler_action=kill "
-     "fault.collective_timeout_s=0",
-     ["fault.straggler_factor=0.5 is out of range: set fault.straggler_factor > 1 (or 0: off)",
-      "set fault.straggler_window >= 1", "fault.straggler_action=kill: choose warn or exclude",
-      "fault.collective_timeout_s=0.0 is out of range: set fault.collective_timeout_s > 0 (or "
-      "null: off)"]),
-    ("fault.straggler_action=exclude fault.straggler_factor=0",
-     ["fault.straggler_action=exclude takes the straggler's node out of an elastic job, but "
-      "launcher.nnodes=1 is fixed: give a range (e.g. launcher.nnodes=1:2)",
-      "but fault.checkpoint_every=0 writes one only at the end: set fault.checkpoint_every=N",
-      "fault.straggler_action=exclude with fault.straggler_factor=0 (the detector off)"]),
+    (
+        "fault.straggler_factor=0.5 fault.straggler_window=0 fault.straggler_action=kill "
+        "fault.collective_timeout_s=0",
+        [
+            "fault.straggler_factor=0.5 is out of range: set fault.straggler_factor > 1 (or 0: off)",
+            "set fault.straggler_window >= 1",
+            "fault.straggler_action=kill: choose warn or exclude",
+            "fault.collective_timeout_s=0.0 is out of range: set fault.collective_timeout_s > 0 (or "
+            "null: off)",
+        ],
+    ),
+    (
+        "fault.straggler_action=exclude fault.straggler_factor=0",
+        [
+            "fault.straggler_action=exclude takes the straggler's node out of an elastic job, but "
+            "launcher.nnodes=1 is fixed: give a range (e.g. launcher.nnodes=1:2)",
+            "but checkpoint.every=0 writes one only at the end: set checkpoint.every=N",
+            "fault.straggler_action=exclude with fault.straggler_factor=0 (the detector off)",
+        ],
+    ),
     # replication: node-local checkpoints and their peers
-    ("fault.replicas=-1", ["fault.replicas=-1 is out of range: set fault.replicas >= 0"]),
-    ("fault.replicas=1", ["fault.replicas=1 keeps each node's checkpoint part on peer nodes' own "
-                          "disks, but without fault.local_dir every node writes into the shared",
-                          "set fault.local_dir=<a directory on each node's own disk>",
-                          "fault.replicas=1 with 1 node(s): a node's part is kept on "
-                          "fault.replicas other nodes, so it must be below the node count: set "
-                          "fault.replicas=0 (launcher.nnodes=1 has no peer node)"]),
-    ("launcher.nnodes=2 launcher.master_port=29500 fault.local_dir={tmp}/local fault.replicas=2",
-     ["fault.replicas=2 with 2 node(s)", "set fault.replicas=1"]),
-    ("fault.local_dir={tmp}/local fault.async_save=true",
-     ["fault.async_save=true cannot write node-local checkpoints (fault.local_dir): set "
-      "fault.async_save=false, or unset fault.local_dir"]),
-    ("launcher.node_rank=1", ["launcher.node_rank=1 with launcher.nnodes=1: give each node its "
-                              "rank, 0 to 0"]),
+    (
+        "checkpoint.replicas=-1",
+        ["checkpoint.replicas=-1 is out of range: set checkpoint.replicas >= 0"],
+    ),
+    (
+        "checkpoint.replicas=1",
+        [
+            "checkpoint.replicas=1 keeps each node's checkpoint part on peer nodes' own "
+            "disks, but without checkpoint.local_dir every node writes into the shared",
+            "set checkpoint.local_dir=<a directory on each node's own disk>",
+            "checkpoint.replicas=1 with 1 node(s): a node's part is kept on "
+            "checkpoint.replicas other nodes, so it must be below the node count: set "
+            "checkpoint.replicas=0 (launcher.nnodes=1 has no peer node)",
+        ],
+    ),
+    (
+        "launcher.nnodes=2 launcher.master_port=29500 checkpoint.local_dir={tmp}/local checkpoint.replicas=2",
+        ["checkpoint.replicas=2 with 2 node(s)", "set checkpoint.replicas=1"],
+    ),
+    (
+        "checkpoint.local_dir={tmp}/local checkpoint.async_save=true",
+        [
+            "checkpoint.async_save=true cannot write node-local checkpoints (checkpoint.local_dir): set "
+            "checkpoint.async_save=false, or unset checkpoint.local_dir"
+        ],
+    ),
+    (
+        "launcher.node_rank=1",
+        ["launcher.node_rank=1 with launcher.nnodes=1: give each node its rank, 0 to 0"],
+    ),
     ("launcher.nnodes=2 run.name=r", ["launcher.nnodes=2 needs launcher.master_port=<port>"]),
     # elastic: launcher.nnodes=MIN:MAX
-    ("launcher.nnodes=2:1", ["launcher.nnodes=2:1 is out of range: set launcher.nnodes >= 1, or "
-                             "MIN:MAX with 1 <= MIN <= MAX"]),
-    ("launcher.nnodes=1:2 parallel.dp=2 parallel.pp=2 pipeline.microbatches=2",
-     ["launcher.nnodes=1:2 needs launcher.master_port=<port>",
-      "launcher.nnodes=1:2 goes on after a node leaves by restarting the group at the smaller "
-      "size, which spends a restart: set launcher.max_restarts >= 1",
-      "launcher.nnodes=1:2 changes the world size, but parallel.dp=2 is fixed: set "
-      "parallel.dp=-1",
-      "launcher.nnodes=1:2 with parallel.pp=2: a smaller world keeps the global batch by "
-      "accumulating more micro-batches, but the schedule's pipeline.microbatches is fixed"]),
-    ("launcher.nnodes=3:4 launcher.nproc_per_node=1 launcher.master_port=29500 "
-     "launcher.max_restarts=1",
-     ["launcher.nnodes=3:4: at 3 node(s) dp is 3, which cannot share the 4 micro-batches of a "
-      "step (train.grad_accum_steps=1 x dp 4 at 4 nodes), so train.batch_size=64 cannot be "
-      "kept: set train.grad_accum_steps to a multiple of 3"]),
+    (
+        "launcher.nnodes=2:1",
+        [
+            "launcher.nnodes=2:1 is out of range: set launcher.nnodes >= 1, or "
+            "MIN:MAX with 1 <= MIN <= MAX"
+        ],
+    ),
+    (
+        "launcher.nnodes=1:2 parallel.dp=2 parallel.pp=2 pipeline.microbatches=2",
+        [
+            "launcher.nnodes=1:2 needs launcher.master_port=<port>",
+            "launcher.nnodes=1:2 goes on after a node leaves by restarting the group at the smaller "
+            "size, which spends a restart: set launcher.max_restarts >= 1",
+            "launcher.nnodes=1:2 changes the world size, but parallel.dp=2 is fixed: set "
+            "parallel.dp=-1",
+            "launcher.nnodes=1:2 with parallel.pp=2: a smaller world keeps the global batch by "
+            "accumulating more micro-batches, but the schedule's pipeline.microbatches is fixed",
+        ],
+    ),
+    (
+        "launcher.nnodes=3:4 launcher.nproc_per_node=1 launcher.master_port=29500 "
+        "launcher.max_restarts=1",
+        [
+            "launcher.nnodes=3:4: at 3 node(s) dp is 3, which cannot share the 4 micro-batches of a "
+            "step (train.grad_accum_steps=1 x dp 4 at 4 nodes), so train.batch_size=64 cannot be "
+            "kept: set train.grad_accum_steps to a multiple of 3"
+        ],
+    ),
     # models; with tp and pp on, the plugins that build the model to check it skip quietly
-    ("model.n_layer=0 model.n_head=0 model.n_embd=0 model.block_size=0 model.dropout=1.0 "
-     "parallel.tp=2 parallel.pp=2 launcher.nproc_per_node=4 pipeline.microbatches=2",
-     ["model.n_layer=0 is out of range: set model.n_layer >= 1", "set model.n_head >= 1",
-      "set model.n_embd >= 1", "set model.block_size >= 1", "set model.dropout in [0, 1)"]),
-    ("model=llama_tiny model.num_key_value_heads=0 model.rms_norm_eps=0",
-     ["set model.num_key_value_heads >= 1", "set model.rms_norm_eps > 0"]),
-    ("model=custom model._target_=torch.nn.Embedding +model.num_embeddings=-3 "
-     "+model.embedding_dim=4",
-     ["model._target_=torch.nn.Embedding cannot be built with these settings (RuntimeError"]),
+    (
+        "model.n_layer=0 model.n_head=0 model.n_embd=0 model.block_size=0 model.dropout=1.0 "
+        "parallel.tp=2 parallel.pp=2 launcher.nproc_per_node=4 pipeline.microbatches=2",
+        [
+            "model.n_layer=0 is out of range: set model.n_layer >= 1",
+            "set model.n_head >= 1",
+            "set model.n_embd >= 1",
+            "set model.block_size >= 1",
+            "set model.dropout in [0, 1)",
+        ],
+    ),
+    (
+        "model=llama_tiny model.num_key_value_heads=0 model.rms_norm_eps=0",
+        ["set model.num_key_value_heads >= 1", "set model.rms_norm_eps > 0"],
+    ),
+    (
+        "model=custom model._target_=torch.nn.Embedding +model.num_embeddings=-3 "
+        "+model.embedding_dim=4",
+        ["model._target_=torch.nn.Embedding cannot be built with these settings (RuntimeError"],
+    ),
     # mixture of experts and expert parallelism
-    ("model.n_experts=-1 model.top_k=0 model.moe_every=0 model.aux_loss_coeff=-1 "
-     "model.z_loss_coeff=-0.1 model.capacity_factor=0 model.expert_hidden=0",
-     ["model.n_experts=-1 is out of range: set model.n_experts >= 0 (0: dense MLPs)",
-      "set model.top_k >= 1", "set model.moe_every >= 1", "set model.aux_loss_coeff >= 0",
-      "set model.z_loss_coeff >= 0", "model.capacity_factor=0.0 is out of range: set "
-      "model.capacity_factor > 0", "set model.expert_hidden >= 1"]),
-    ("model.n_experts=6 parallel.ep=4 launcher.nproc_per_node=4",
-     ["parallel.ep=4 does not divide model.n_experts=6: each expert-parallel rank holds "
-      "n_experts/ep experts; choose parallel.ep in [1, 2], or model.n_experts as a multiple "
-      "of 4"]),
-    ("model.n_experts=4 parallel.ep=4", ["parallel.ep=4 is larger than the data-parallel world "
-                                         "dp=2: experts are spread over data-parallel ranks"]),
-    ("model.n_experts=4 parallel.ep=3 launcher.nproc_per_node=4",
-     ["parallel.ep=3 does not divide the data-parallel world dp=4: choose parallel.ep in "
-      "[1, 2, 4]"]),
-    ("model.n_experts=4 model.top_k=5 model.router=tanh",
-     ["model.top_k=5 is larger than model.n_experts=4: each token goes to top_k different "
-      "experts; set model.top_k <= 4", "model.router=tanh: choose one of softmax, sigmoid"]),
-    ("parallel.ep=2", ["parallel.ep=2 spreads a mixture of experts' experts over ranks, but "
-                       "model.n_experts=0 (dense MLPs): set model.n_experts to a multiple of 2"]),
-    ("model.n_experts=4 parallel.ep=2 strategy=zero3",
-     ["strategy=zero3 with parallel.ep=2: DeepSpeed partitions ZeRO-3 parameters over the whole "
-      "dp group"]),
-    ("model.n_experts=4 parallel.ep=2 strategy=zero0", ["strategy=zero0 with parallel.ep=2: "
-                                                        "DeepSpeed's stage-0 gradient norm"]),
-    ("model.n_experts=4 parallel.ep=2 strategy=fsdp strategy.replicate=2 "
-     "launcher.nproc_per_node=4",
-     ["strategy.replicate=2 with parallel.ep=2: plait shards experts over their "
-      "expert-data-parallel group, not over HSDP's replica groups"]),
-    ("strategy=fsdp parallel.pp=2 pipeline.schedule=zero_bubble launcher.nproc_per_node=2",
-     ["pipeline.schedule=zero_bubble with strategy=fsdp: the zero-bubble schedules split each "
-      "backward into input and weight gradients"]),
-    ("model.n_experts=4 parallel.ep=2 strategy=local_sgd",
-     ["plugin 'local_sgd' does not support ep parallelism (parallel.ep=2)"]),
-    ("model.n_experts=4 precision=fp16", ["precision=fp16 with model.n_experts: the router's "
-                                          "auxiliary losses enter the backward unscaled"]),
-    ("model.n_experts=4 parallel.tp=2 tensor_parallel.sequence_parallel=true",
-     ["tensor_parallel.sequence_parallel=true: the tensor-parallel plan of model._target_="
-      "plait.plugins.models.gpt.GPT has no 'sequence_scatter' entry"]),
+    (
+        "model.n_experts=-1 model.top_k=0 model.moe_every=0 model.aux_loss_coeff=-1 "
+        "model.z_loss_coeff=-0.1 model.capacity_factor=0 model.expert_hidden=0",
+        [
+            "model.n_experts=-1 is out of range: set model.n_experts >= 0 (0: dense MLPs)",
+            "set model.top_k >= 1",
+            "set model.moe_every >= 1",
+            "set model.aux_loss_coeff >= 0",
+            "set model.z_loss_coeff >= 0",
+            "model.capacity_factor=0.0 is out of range: set model.capacity_factor > 0",
+            "set model.expert_hidden >= 1",
+        ],
+    ),
+    (
+        "model.n_experts=6 parallel.ep=4 launcher.nproc_per_node=4",
+        [
+            "parallel.ep=4 does not divide model.n_experts=6: each expert-parallel rank holds "
+            "n_experts/ep experts; choose parallel.ep in [1, 2], or model.n_experts as a multiple "
+            "of 4"
+        ],
+    ),
+    (
+        "model.n_experts=4 parallel.ep=4",
+        [
+            "parallel.ep=4 is larger than the data-parallel world "
+            "dp=2: experts are spread over data-parallel ranks"
+        ],
+    ),
+    (
+        "model.n_experts=4 parallel.ep=3 launcher.nproc_per_node=4",
+        [
+            "parallel.ep=3 does not divide the data-parallel world dp=4: choose parallel.ep in "
+            "[1, 2, 4]"
+        ],
+    ),
+    (
+        "model.n_experts=4 model.top_k=5 model.router=tanh",
+        [
+            "model.top_k=5 is larger than model.n_experts=4: each token goes to top_k different "
+            "experts; set model.top_k <= 4",
+            "model.router=tanh: choose one of softmax, sigmoid",
+        ],
+    ),
+    (
+        "parallel.ep=2",
+        [
+            "parallel.ep=2 spreads a mixture of experts' experts over ranks, but "
+            "model.n_experts=0 (dense MLPs): set model.n_experts to a multiple of 2"
+        ],
+    ),
+    (
+        "model.n_experts=4 parallel.ep=2 strategy=zero3",
+        [
+            "strategy=zero3 with parallel.ep=2: DeepSpeed partitions ZeRO-3 parameters over the whole "
+            "dp group"
+        ],
+    ),
+    (
+        "model.n_experts=4 parallel.ep=2 strategy=zero0",
+        ["strategy=zero0 with parallel.ep=2: DeepSpeed's stage-0 gradient norm"],
+    ),
+    (
+        "model.n_experts=4 parallel.ep=2 strategy=fsdp strategy.replicate=2 "
+        "launcher.nproc_per_node=4",
+        [
+            "strategy.replicate=2 with parallel.ep=2: plait shards experts over their "
+            "expert-data-parallel group, not over HSDP's replica groups"
+        ],
+    ),
+    (
+        "strategy=fsdp parallel.pp=2 pipeline.schedule=zero_bubble launcher.nproc_per_node=2",
+        [
+            "pipeline.schedule=zero_bubble with strategy=fsdp: the zero-bubble schedules split each "
+            "backward into input and weight gradients"
+        ],
+    ),
+    (
+        "model.n_experts=4 parallel.ep=2 strategy=local_sgd",
+        ["plugin 'local_sgd' does not support ep parallelism (parallel.ep=2)"],
+    ),
+    (
+        "model.n_experts=4 precision=fp16",
+        [
+            "precision=fp16 with model.n_experts: the router's "
+            "auxiliary losses enter the backward unscaled"
+        ],
+    ),
+    (
+        "model.n_experts=4 parallel.tp=2 tensor_parallel.sequence_parallel=true",
+        [
+            "tensor_parallel.sequence_parallel=true: the tensor-parallel plan of model._target_="
+            "plait.plugins.models.gpt.GPT has no 'sequence_scatter' entry"
+        ],
+    ),
     # model=hf, checkpoint.hf_every, pipeline.layers (tests/test_hf.py: the checkpoint files)
-    ("model=hf", ["model=hf needs model.path=<a directory with config.json and *.safetensors, or a "
-                  "model name already in the local Hugging Face cache>"]),
-    ("checkpoint.hf_every=-1 parallel.pp=2 pipeline.microbatches=2 pipeline.layers=nosuch",
-     ["checkpoint.hf_every=-1 is out of range: set checkpoint.hf_every >= 0 (0: never)",
-      "pipeline.layers=nosuch: GPT (the model) has no child 'nosuch'; it has ['embed', 'blocks', "
-      "'norm', 'head']"]),
+    (
+        "model=hf",
+        [
+            "model=hf needs model.path=<a directory with config.json and *.safetensors, or a "
+            "model name already in the local Hugging Face cache>"
+        ],
+    ),
+    (
+        "checkpoint.hf_every=-1 parallel.pp=2 pipeline.microbatches=2 pipeline.layers=nosuch",
+        [
+            "checkpoint.hf_every=-1 is out of range: set checkpoint.hf_every >= 0 (0: never)",
+            "pipeline.layers=nosuch: GPT (the model) has no child 'nosuch'; it has ['embed', 'blocks', "
+            "'norm', 'head']",
+        ],
+    ),
     # model=hf mixtures of experts under parallel.ep (tests/test_hf_moe.py: the checkpoints)
-    ("model=hf model.path={tmp}/qwen3_moe6 model.pretrained=false train.seq_len=32 "
-     "parallel.ep=4 launcher.nproc_per_node=4",
-     ["parallel.ep=4 does not divide the 6 experts per layer of model.path={tmp}/qwen3_moe6 "
-      "(num_experts in its config.json): each expert-parallel rank holds num_experts/ep "
-      "experts; choose parallel.ep in [1, 2]"]),
-    ("model=hf model.path={tmp}/llama model.pretrained=false train.seq_len=32 parallel.ep=2",
-     ["parallel.ep=2: LlamaForCausalLM (model.path={tmp}/llama) has no base_model_ep_plan in its "
-      "config, so it has no mixture-of-experts layers to spread: set parallel.ep=1"]),
-    ("checkpoint.hf_every=5", ["checkpoint.hf_every=5 writes Hugging Face's format, which needs a "
-                               "transformers model (model=hf, llama_tiny), not model._target_="
-                               "plait.plugins.models.gpt.GPT: set checkpoint.hf_every=0"]),
+    (
+        "model=hf model.path={tmp}/qwen3_moe6 model.pretrained=false train.seq_len=32 "
+        "parallel.ep=4 launcher.nproc_per_node=4",
+        [
+            "parallel.ep=4 does not divide the 6 experts per layer of model.path={tmp}/qwen3_moe6 "
+            "(num_experts in its config.json): each expert-parallel rank holds num_experts/ep "
+            "experts; choose parallel.ep in [1, 2]"
+        ],
+    ),
+    (
+        "model=hf model.path={tmp}/llama model.pretrained=false train.seq_len=32 parallel.ep=2",
+        [
+            "parallel.ep=2: LlamaForCausalLM (model.path={tmp}/llama) has no base_model_ep_plan in its "
+            "config, so it has no mixture-of-experts layers to spread: set parallel.ep=1"
+        ],
+    ),
+    (
+        "checkpoint.hf_every=5",
+        [
+            "checkpoint.hf_every=5 writes Hugging Face's format, which needs a "
+            "transformers model (model._target_=plait.plugins.hf.model."
+            "build_hf or model._target_=plait.plugins.hf.llama.build_llama), "
+            "not model._target_=plait.plugins.models.gpt.GPT: set "
+            "checkpoint.hf_every=0"
+        ],
+    ),
     # DeepSpeed's own checks of the zero_optimization section
-    ("strategy=zero2 strategy.deepspeed.zero_optimization.reduce_bucket_size=-1",
-     ["strategy.deepspeed.zero_optimization.reduce_bucket_size=-1 is refused by DeepSpeed "
-      "(Input should be greater than 0)"]),
+    (
+        "strategy=zero2 strategy.deepspeed.zero_optimization.reduce_bucket_size=-1",
+        [
+            "strategy.deepspeed.zero_optimization.reduce_bucket_size=-1 is refused by DeepSpeed "
+            "(Input should be greater than 0)"
+        ],
+    ),
     # data
-    ("data.val_fraction=1", ["data.val_fraction=1.0 is out of range: set data.val_fraction in "
-                             "[0, 1)"]),
-    ("train.eval_every=5 data.val_fraction=0", ["train.eval_every=5 with data.val_fraction=0 "
-                                                "leaves no validation split"]),
-    ("data.path={tmp}/corpus.txt", ["data.path={tmp}/corpus.txt is ignored by data=stdlib (the "
-                                    "standard library's source): add data=text"]),
-    ("data=tokens data.path={tmp}/corpus.txt", ["looks like text, not tokens: to train on it as "
-                                                "text use data=text data.path={tmp}/corpus.txt"]),
-    ("data=tokens data.path={tmp}/odd.bin", ["has 4097 bytes, not a whole number of uint16 "
-                                             "tokens"]),
-    ("data=tokens data.path={tmp}/truncated.bin", ["starts with llm.c's magic 20240520 but does "
-                                                   "not fit its layout"]),
-    ("data=tokens data.path={tmp}/gpt2.bin", ["holds token ids up to 50256, but the model's "
-                                              "embedding has 256 rows"]),
+    (
+        "data.val_fraction=1",
+        ["data.val_fraction=1.0 is out of range: set data.val_fraction in [0, 1)"],
+    ),
+    (
+        "train.eval_every=5 data.val_fraction=0",
+        ["train.eval_every=5 with data.val_fraction=0 leaves no validation split"],
+    ),
+    (
+        "data.path={tmp}/corpus.txt",
+        [
+            "data.path={tmp}/corpus.txt is ignored by data=stdlib (the "
+            "standard library's source): add data=text"
+        ],
+    ),
+    (
+        "data=tokens data.path={tmp}/corpus.txt",
+        [
+            "looks like text, not tokens: to train on it as "
+            "text use data=text data.path={tmp}/corpus.txt"
+        ],
+    ),
+    (
+        "data=tokens data.path={tmp}/odd.bin",
+        ["has 4097 bytes, not a whole number of uint16 tokens"],
+    ),
+    (
+        "data=tokens data.path={tmp}/truncated.bin",
+        ["starts with llm.c's magic 20240520 but does not fit its layout"],
+    ),
+    (
+        "data=tokens data.path={tmp}/gpt2.bin",
+        ["holds token ids up to 50256, but the model's embedding has 256 rows"],
+    ),
     ("data=tokens data.path={tmp} train.eval_every=5", ["is a directory without val.bin"]),
-    ("data=text data.path={tmp}/corpus.txt", ["fewer than one global batch of "
-                                              "train.batch_size=64"]),
-    ("model.vocab_size=128", ["data=stdlib holds token ids up to 255, but the model's embedding "
-                              "has 128 rows: raise the model's vocabulary to at least 256"]),
+    (
+        "data=text data.path={tmp}/corpus.txt",
+        ["fewer than one global batch of train.batch_size=64"],
+    ),
+    (
+        "model.vocab_size=128",
+        [
+            "data=stdlib holds token ids up to 255, but the model's embedding "
+            "has 128 rows: raise the model's vocabulary to at least 256"
+        ],
+    ),
 ]
 
 
@@ -234,22 +444,38 @@ def data_files(tmp_path_factory):
     (tmp / "train.bin").write_bytes(np.zeros(20000, np.uint16).tobytes())  # a dir without val.bin
     import transformers as T  # config-only model=hf directories
 
-    small = dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2)
+    small = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     T.LlamaConfig(**small).save_pretrained(tmp / "llama")
-    T.Qwen3MoeConfig(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
-                     **small).save_pretrained(tmp / "qwen3_moe6")
+    T.Qwen3MoeConfig(
+        moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2, **small
+    ).save_pretrained(tmp / "qwen3_moe6")
     # Bloom: ALiBi attention of its own, no context parallelism
     T.BloomConfig(vocab_size=512, hidden_size=64, n_layer=2, n_head=4).save_pretrained(
-        tmp / "bloom")
+        tmp / "bloom"
+    )
     return tmp
 
 
 @pytest.mark.parametrize("overrides,messages", CASES, ids=[c[0][:40] for c in CASES])
 def test_bad_input_is_refused_before_launch(overrides, messages, data_files, tmp_path, capsys):
     overrides = overrides.format(tmp=data_files).split()
-    code = main(["train", "device=cpu", "train.batch_size=64", f"run.root={tmp_path}",
-                 "run.name=r", *overrides])
+    code = main(
+        [
+            "train",
+            "device=cpu",
+            "train.batch_size=64",
+            f"run.root={tmp_path}",
+            "run.name=r",
+            *overrides,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2, err
     assert "plait: plait refused this plan:" in err
@@ -260,10 +486,23 @@ def test_bad_input_is_refused_before_launch(overrides, messages, data_files, tmp
 
 def test_refusal_reaches_the_terminal_without_a_traceback(data_files, tmp_path):
     """The two inputs the issue names, through a real `python -m plait` process."""
-    done = subprocess.run([sys.executable, "-m", "plait", "train", "device=cpu",
-                           f"run.root={tmp_path}", "run.name=r", "optimizer.lr=-1",
-                           "data=tokens", f"data.path={data_files}/corpus.txt"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "plait",
+            "train",
+            "device=cpu",
+            f"run.root={tmp_path}",
+            "run.name=r",
+            "optimizer.lr=-1",
+            "data=tokens",
+            f"data.path={data_files}/corpus.txt",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert "optimizer.lr=-1.0 is out of range: set optimizer.lr >= 0" in done.stderr
     assert f"use data=text data.path={data_files}/corpus.txt" in done.stderr
@@ -279,16 +518,19 @@ def test_an_unknown_value_is_refused_once_and_lists_only_what_a_user_can_choose(
     err = capsys.readouterr().err
     assert code == 2, err
     assert [line for line in err.splitlines() if "fp7" in line] == [
-        "  - precision=fp7: choose one of fp32, bf16, fp16"]
+        "  - precision=fp7: choose one of fp32, bf16, fp16"
+    ]
     assert [line for line in err.splitlines() if "tpu" in line] == [
-        "  - device=tpu: choose auto, cpu or cuda (each process takes the GPU of its local rank)"]
+        "  - device=tpu: choose auto, cpu or cuda (each process takes the GPU of its local rank)"
+    ]
     options = Path(plait.conf.__file__).parent / "strategy"
     strategies = sorted(p.stem for p in options.glob("*.yaml"))
     for command in (["train"], ["plan"], ["train", "-m"]):
         code = main([*command, "strategy=zero9", f"run.root={tmp_path}", "run.name=r"])
         err = capsys.readouterr().err
         assert code == 2, err
-        assert err.splitlines() == ["plait: plait refused this plan:",
-                                    "  - strategy=zero9: no such option; choose one of "
-                                    f"{', '.join(strategies)}"]
+        assert err.splitlines() == [
+            "plait: plait refused this plan:",
+            f"  - strategy=zero9: no such option; choose one of {', '.join(strategies)}",
+        ]
     assert not any(tmp_path.iterdir())

@@ -21,9 +21,9 @@ import json
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+import stragglers
 
 from plait import api
 from plait.cli import main
@@ -32,16 +32,28 @@ from plait.plugins.report import report
 from plait.plugins.report.compare import relative_difference
 from plait.testing import TEST_OVERRIDES, read_metrics, read_wandb_run, run_training
 
-import stragglers
-
 STEPS = 100
-RUN = [*TEST_OVERRIDES, f"train.steps={STEPS}", f"optimizer.decay_steps={STEPS}",
-       "train.batch_size=16", "train.seq_len=64", "precision=fp32",
-       "train.peak_flops=1e12"]  # an assumed peak, so the CPU runs log an MFU
+RUN = [
+    *TEST_OVERRIDES,
+    f"train.steps={STEPS}",
+    f"optimizer.decay_steps={STEPS}",
+    "train.batch_size=16",
+    "train.seq_len=64",
+    "precision=fp32",
+    "train.peak_flops=1e12",
+]  # an assumed peak, so the CPU runs log an MFU
 SHORT = ["train.steps=12", "optimizer.decay_steps=12"]
 DELAY = 0.1  # seconds rank 1's all-reduce result is held back in the victim run
-FIGURES = {"loss_by_step", "loss_by_tokens", "tokens_per_s", "mfu", "peak_memory",
-           "step_time_band", "step_time_heatmap", "phases"}
+FIGURES = {
+    "loss_by_step",
+    "loss_by_tokens",
+    "tokens_per_s",
+    "mfu",
+    "peak_memory",
+    "step_time_band",
+    "step_time_heatmap",
+    "phases",
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,26 +63,37 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sweep(root):
-    api.multirun([*RUN, "strategy=ddp,zero2", "train.eval_every=50", f"run.root={root}",
-                  "run.name=sweep"])
+    api.multirun(
+        [*RUN, "strategy=ddp,zero2", "train.eval_every=50", f"run.root={root}", "run.name=sweep"]
+    )
     return root / "sweep"
 
 
 @pytest.fixture(scope="module")
 def slow(root):
-    return run_training(root / "slow", [*RUN, *SHORT, "optimizer.lr=2e-3", "tracker=wandb"],
-                        [stragglers.DoubleCompute([1])])
+    return run_training(
+        root / "slow",
+        [*RUN, *SHORT, "optimizer.lr=2e-3", "tracker=wandb"],
+        [stragglers.DoubleCompute([1])],
+    )
 
 
 @pytest.fixture(scope="module")
 def victim(root):
-    return run_training(root / "victim", [*RUN, "train.steps=20", "optimizer.decay_steps=20"],
-                        [stragglers.SlowWait(1, DELAY)])
+    return run_training(
+        root / "victim",
+        [*RUN, "train.steps=20", "optimizer.decay_steps=20"],
+        [stragglers.SlowWait(1, DELAY)],
+    )
 
 
 def embedded(html: str) -> dict[str, dict]:
-    return {m.group(1): json.loads(m.group(2).replace("<\\/", "</")) for m in re.finditer(
-        r'<script type="application/json" id="data-([\w]+)">(.*?)</script>', html, re.S)}
+    return {
+        m.group(1): json.loads(m.group(2).replace("<\\/", "</"))
+        for m in re.finditer(
+            r'<script type="application/json" id="data-([\w]+)">(.*?)</script>', html, re.S
+        )
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,31 +109,40 @@ def test_the_report_of_a_sweep_plots_every_job_from_its_metrics(sweep, tmp_path,
     data = embedded(html)
     assert set(data) == FIGURES
     jobs = {f"sweep/{n}": read_metrics(sweep / str(n)) for n in (0, 1)}
-    labels = {label.split()[0]: label for label in
-              {s["run"] for s in data["loss_by_step"]["series"]}}
+    labels = {
+        label.split()[0]: label for label in {s["run"] for s in data["loss_by_step"]["series"]}
+    }
     assert set(labels) == set(jobs) and "strategy=zero2" in labels["sweep/1"]
     for job, metrics in jobs.items():
         label = labels[job]
 
         def series(figure, metric):
-            [found] = [s for s in data[figure]["series"]
-                       if s["run"] == label and s["metric"] == metric]
+            [found] = [
+                s for s in data[figure]["series"] if s["run"] == label and s["metric"] == metric
+            ]
             return found["x"], found["y"]
 
         steps = [m["step"] for m in metrics]
         assert series("loss_by_step", "loss") == (steps, [m["loss"] for m in metrics])
         evaluated = [m for m in metrics if "eval/loss" in m]
         assert [m["step"] for m in evaluated] == [50, 100]
-        assert series("loss_by_step", "eval/loss") == ([50, 100],
-                                                       [m["eval/loss"] for m in evaluated])
-        assert series("loss_by_tokens", "loss") == ([m["tokens"] for m in metrics],
-                                                    [m["loss"] for m in metrics])
+        assert series("loss_by_step", "eval/loss") == (
+            [50, 100],
+            [m["eval/loss"] for m in evaluated],
+        )
+        assert series("loss_by_tokens", "loss") == (
+            [m["tokens"] for m in metrics],
+            [m["loss"] for m in metrics],
+        )
         assert [m["tokens"] for m in metrics] == [s * 16 * 64 for s in steps]
         for metric in ("tokens_per_s", "mfu"):
             assert series(metric, metric) == (steps, [m[metric] for m in metrics])
         [band] = [b for b in data["step_time_band"]["bands"] if b["run"] == label]
         assert (band["x"], band["min"], band["max"]) == (
-            steps, [m["step_time_s/min"] for m in metrics], [m["step_time_s/max"] for m in metrics])
+            steps,
+            [m["step_time_s/min"] for m in metrics],
+            [m["step_time_s/max"] for m in metrics],
+        )
         [heat] = [p for p in data["step_time_heatmap"]["panels"] if p["run"] == label]
         assert heat["ranks"] == [0, 1] and heat["steps"] == steps
         assert heat["seconds"] == [[m[f"step_time_s/rank{r}"] for m in metrics] for r in (0, 1)]
@@ -119,16 +151,20 @@ def test_the_report_of_a_sweep_plots_every_job_from_its_metrics(sweep, tmp_path,
         assert max(bars["bytes"]) == metrics[-1]["peak_memory_bytes/max"]
         [phases] = [p for p in data["phases"]["panels"] if p["run"] == label]
         assert phases["seconds"]["comm_wait_s"] == pytest.approx(
-            [sum(m[f"comm_wait_s/rank{r}"] for m in metrics) / STEPS for r in (0, 1)])
+            [sum(m[f"comm_wait_s/rank{r}"] for m in metrics) / STEPS for r in (0, 1)]
+        )
     # each figure is embedded as a PNG and written beside the report, the same bytes
     for figure in FIGURES:
-        tag = re.search(rf'<figure id="figure-{figure}"><img alt="[^"]*" '
-                        r'src="data:image/png;base64,([^"]+)"', html)
+        tag = re.search(
+            rf'<figure id="figure-{figure}"><img alt="[^"]*" '
+            r'src="data:image/png;base64,([^"]+)"',
+            html,
+        )
         png = base64.b64decode(tag.group(1))
         assert png.startswith(b"\x89PNG") and len(png) > 1000
         assert (tmp_path / f"report-{figure}.png").read_bytes() == png
     # the layouts, from each job's config.yaml; nothing fetched from elsewhere
-    runs_table = html[html.index('<table id="runs">'):]
+    runs_table = html[html.index('<table id="runs">') :]
     assert "<td>ddp</td>" in runs_table and "<td>zero2</td>" in runs_table
     assert "<td>2 x 1 x 1</td>" in runs_table
     assert not re.search(r"(src|href)=\"(https?:)?//", html) and "<link" not in html
@@ -138,9 +174,20 @@ def test_a_live_run_is_reported_as_far_as_it_got(tmp_path):
     """A run being written: its last line is cut short; the report shows the complete ones."""
     run = tmp_path / "live"
     run.mkdir()
-    lines = [json.dumps({"step": s, "loss": 5.0 - s / 10, "grad_norm": 1.0,
-                         "step_time_s/min": 0.1, "step_time_s/max": 0.2,
-                         "step_time_s/rank0": 0.1, "step_time_s/rank1": 0.2}) for s in (1, 2, 3)]
+    lines = [
+        json.dumps(
+            {
+                "step": s,
+                "loss": 5.0 - s / 10,
+                "grad_norm": 1.0,
+                "step_time_s/min": 0.1,
+                "step_time_s/max": 0.2,
+                "step_time_s/rank0": 0.1,
+                "step_time_s/rank1": 0.2,
+            }
+        )
+        for s in (1, 2, 3)
+    ]
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n" + lines[0][:17])
     target, pngs = report([str(run)], str(tmp_path / "live.html"))
     data = embedded(target.read_text())
@@ -162,13 +209,24 @@ def test_stragglers_restarts_and_skipped_steps_are_marked_where_they_happened(sl
     assert {m["step"] for m in marks} <= {step for step, _, _ in verdicts}
     run = tmp_path / "faults"
     run.mkdir()
-    rows = [{"step": s, "loss": 5.0, "restarts": float(s >= 3), "skipped_steps": float(s >= 5),
-             "world_size": 4.0 if s < 7 else 2.0} for s in range(1, 9)]
+    rows = [
+        {
+            "step": s,
+            "loss": 5.0,
+            "restarts": float(s >= 3),
+            "skipped_steps": float(s >= 5),
+            "world_size": 4.0 if s < 7 else 2.0,
+        }
+        for s in range(1, 9)
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = embedded(report([str(run)], str(tmp_path / "faults.html"))[0].read_text())
     [marks] = data["loss_by_step"]["markers"].values()
     assert [(m["kind"], m["step"]) for m in marks] == [
-        ("restart", 3), ("skipped step", 5), ("membership", 7)]
+        ("restart", 3),
+        ("skipped step", 5),
+        ("membership", 7),
+    ]
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -185,26 +243,41 @@ window.addEventListener("load", () => {
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (Debian's package; scripts/setup.sh "
-                                             "installs it where root and apt are available)")
+@pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="needs chromium (Debian's package; scripts/test.sh "
+    "installs it where root and apt are available)",
+)
 def test_the_report_opens_in_a_headless_browser_with_every_figure_drawn(sweep, tmp_path):
     report([str(sweep)], str(tmp_path / "report.html"))
     probed = tmp_path / "probed.html"
-    probed.write_text((tmp_path / "report.html").read_text().replace("</body>",
-                                                                     PROBE + "</body>"))
+    probed.write_text((tmp_path / "report.html").read_text().replace("</body>", PROBE + "</body>"))
     done = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
-         "--v=0", "--host-resolver-rules=MAP * ~NOTFOUND",  # no network: nothing may be fetched
-         "--virtual-time-budget=5000", "--dump-dom", probed.as_uri()],
-        capture_output=True, text=True, timeout=120)
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--host-resolver-rules=MAP * ~NOTFOUND",  # no network: nothing may be fetched
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+            probed.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     sizes = json.loads(re.search(r'<pre id="probe">(.*?)</pre>', done.stdout).group(1))
     assert len(sizes) == len(FIGURES)
     assert all(w > 0 and h > 0 and shown > 0 for _, w, h, shown in sizes), sizes
     console = [line for line in done.stderr.splitlines() if "CONSOLE" in line]
     assert console == [], console
-    failed = [line for line in done.stderr.splitlines()
-              if re.search(r"ERR_|Failed to load|net::", line)]
+    failed = [
+        line for line in done.stderr.splitlines() if re.search(r"ERR_|Failed to load|net::", line)
+    ]
     assert failed == [], failed
 
 
@@ -226,9 +299,12 @@ def test_compare_says_same_for_ddp_and_zero2(sweep, capsys):
 @pytest.mark.slow
 def test_compare_says_differs_at_the_first_step_two_learning_rates_part(sweep, slow, capsys):
     ddp, other = read_metrics(sweep / "0")[:12], read_metrics(slow)
-    want = next(a["step"] for a, b in zip(ddp, other)
-                if relative_difference(a["loss"], b["loss"]) > 1e-4
-                or relative_difference(a["grad_norm"], b["grad_norm"]) > 1e-3)
+    want = next(
+        a["step"]
+        for a, b in zip(ddp, other)
+        if relative_difference(a["loss"], b["loss"]) > 1e-4
+        or relative_difference(a["grad_norm"], b["grad_norm"]) > 1e-3
+    )
     assert want > 1  # step 1's loss is taken before either learning rate acted
     code = main(["compare", str(sweep / "0"), str(slow)])
     out = capsys.readouterr().out
@@ -250,8 +326,11 @@ def test_compare_refuses_what_it_cannot_compare(tmp_path, capsys):
 
 
 def named(metrics: list[dict]) -> list[tuple[int, int, float]]:
-    return [(m["step"], int(m["straggler/rank"]), m["straggler/slowdown"]) for m in metrics
-            if "straggler/rank" in m]
+    return [
+        (m["step"], int(m["straggler/rank"]), m["straggler/slowdown"])
+        for m in metrics
+        if "straggler/rank" in m
+    ]
 
 
 @pytest.mark.slow
@@ -264,12 +343,20 @@ def test_a_rank_computing_twice_as_long_is_named_within_10_steps(slow):
     # the phases, per rank, in metrics.jsonl and in the same run's W&B history
     history = {h["_step"]: h for h in read_wandb_run(slow)["history"]}
     for m in metrics:
-        for phase in ("forward_s", "backward_s", "optimizer_s", "comm_wait_s", "data_wait_s",
-                      "step_time_s", "compute_s"):
+        for phase in (
+            "forward_s",
+            "backward_s",
+            "optimizer_s",
+            "comm_wait_s",
+            "data_wait_s",
+            "step_time_s",
+            "compute_s",
+        ):
             assert {f"{phase}/rank{r}" for r in (0, 1)} <= set(m)
             assert history[m["step"]][f"{phase}/rank1"] == m[f"{phase}/rank1"]
     assert [(s, history[s]["straggler/rank"]) for s, _, _ in verdicts] == [
-        (s, 1) for s, _, _ in verdicts]
+        (s, 1) for s, _, _ in verdicts
+    ]
 
 
 @pytest.mark.slow

@@ -35,8 +35,10 @@ def test_greedy_sample_is_the_checkpoints_most_likely_bytes(gpt_run, capsys):
         for _ in range(20):
             ids.append(int(found.model(torch.tensor([ids[-64:]]))[0, -1].argmax()))
     expected = bytes(ids).decode("utf-8", errors="replace")
-    assert sampled(capsys, str(gpt_run), "prompt=def ", "max_new_tokens=20",
-                   "temperature=0") == expected + "\n"
+    assert (
+        sampled(capsys, str(gpt_run), "prompt=def ", "max_new_tokens=20", "temperature=0")
+        == expected + "\n"
+    )
 
 
 @pytest.mark.slow
@@ -45,8 +47,7 @@ def test_sampling_follows_its_seed_and_top_k(gpt_run, capsys):
     first = sampled(capsys, *args, "seed=1")
     assert sampled(capsys, *args, "seed=1") == first
     assert sampled(capsys, *args, "seed=2") != first
-    greedy = sampled(capsys, str(gpt_run), "prompt=import ", "max_new_tokens=30",
-                     "temperature=0")
+    greedy = sampled(capsys, str(gpt_run), "prompt=import ", "max_new_tokens=30", "temperature=0")
     assert sampled(capsys, *args, "top_k=1", "seed=3") == greedy  # only the likeliest is left
     assert len(first.encode()) >= len("import ") + 30  # 30 new bytes (a few may not decode)
 
@@ -56,16 +57,20 @@ def test_bad_sample_and_export_settings_are_refused(gpt_run, capsys):
     capsys.readouterr()
     assert main(["sample", str(gpt_run), "max_new_tokens=0", "temperature=-1", "top_k=0"]) == 2
     err = capsys.readouterr().err
-    for message in ("max_new_tokens=0 is out of range: set max_new_tokens >= 1",
-                    "temperature=-1.0 is out of range: set temperature >= 0",
-                    "top_k=0 is out of range: set top_k >= 1"):
+    for message in (
+        "max_new_tokens=0 is out of range: set max_new_tokens >= 1",
+        "temperature=-1.0 is out of range: set temperature >= 0",
+        "top_k=0 is out of range: set top_k >= 1",
+    ):
         assert message in err
     assert "Traceback" not in err
     assert main(["sample", str(gpt_run), "temperature=hot"]) == 2
     assert "temperature=hot is not a number" in capsys.readouterr().err
     assert main(["export", str(gpt_run), "format=hf"]) == 2
-    assert ("format=hf: no active plugin writes it; choose format=pt or a format of the run's "
-            "model (format=hf for model=hf)" in capsys.readouterr().err)
+    assert (
+        "format=hf: no active plugin writes it; choose format=pt or a format of the run's "
+        "model (format=hf for model=hf)" in capsys.readouterr().err
+    )
 
 
 @pytest.mark.slow
@@ -85,6 +90,8 @@ def test_a_checkpoint_no_plugin_reads_is_refused_by_name(gpt_run, tmp_path, caps
         capsys.readouterr()
         assert main(command) == 2
         err = capsys.readouterr().err
-        assert ("no active plugin reads the checkpoints of strategy=local_sgd offline "
-                "(plait_read_model_shards), so it cannot be exported or sampled from" in err)
+        assert (
+            "no active plugin reads the checkpoints of strategy=local_sgd offline "
+            "(plait_read_model_shards), so it cannot be exported or sampled from" in err
+        )
         assert "Traceback" not in err

@@ -17,12 +17,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import inhouse
 import numpy as np
 import pytest
+import slowfs
 from omegaconf import OmegaConf
 
-import inhouse
-import slowfs
 from plait.cli import main
 from plait.plan import make_plan
 from plait.plugins.data import stdlib_sources
@@ -56,11 +56,19 @@ def prepare_into(out: Path, path, **settings) -> Path:
     return prepare(data, out, log=lambda message: None)
 
 
-def dataset_of(directory, split="train", pack=False, shuffle=True, shuffle_block=1 << 18,
-               seq_len=32, val_fraction=0.0) -> ShardDataset:
+def dataset_of(
+    directory,
+    split="train",
+    pack=False,
+    shuffle=True,
+    shuffle_block=1 << 18,
+    seq_len=32,
+    val_fraction=0.0,
+) -> ShardDataset:
     index = read_index(str(directory))
-    return ShardDataset(index, LocalShards(index), seq_len, split, pack, val_fraction, shuffle,
-                        shuffle_block)
+    return ShardDataset(
+        index, LocalShards(index), seq_len, split, pack, val_fraction, shuffle, shuffle_block
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,23 +80,37 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bpe_shards(corpus, tmp_path_factory):
     """The corpus, BPE of 512 ids trained on it, shards of 32k tokens, 2 workers."""
-    return prepare_into(tmp_path_factory.mktemp("bpe") / "out", corpus, tokenizer="bpe",
-                        vocab_size=512, shard_tokens=1 << 15, num_workers=2)
+    return prepare_into(
+        tmp_path_factory.mktemp("bpe") / "out",
+        corpus,
+        tokenizer="bpe",
+        vocab_size=512,
+        shard_tokens=1 << 15,
+        num_workers=2,
+    )
 
 
 @pytest.fixture(scope="module")
 def small_shards(tmp_path_factory):
     """Bytes, ~9 kB in shards of 2048 tokens: ~270 samples of 32 tokens, 5 shards."""
     root = tmp_path_factory.mktemp("small")
-    return prepare_into(root / "out", copy_corpus(root / "text", 9_000, min_file=1_500),
-                        shard_tokens=2048, num_workers=1)
+    return prepare_into(
+        root / "out",
+        copy_corpus(root / "text", 9_000, min_file=1_500),
+        shard_tokens=2048,
+        num_workers=1,
+    )
 
 
 @pytest.fixture(scope="module")
 def other_small_shards(tmp_path_factory):
     root = tmp_path_factory.mktemp("other")
-    return prepare_into(root / "out", copy_corpus(root / "text", 20_000, min_file=5_000),
-                        shard_tokens=4096, num_workers=1)
+    return prepare_into(
+        root / "out",
+        copy_corpus(root / "text", 20_000, min_file=5_000),
+        shard_tokens=4096,
+        num_workers=1,
+    )
 
 
 def files_of(directory: Path) -> dict[str, bytes]:
@@ -103,8 +125,12 @@ def files_of(directory: Path) -> dict[str, bytes]:
 def test_bpe_round_trips_text_exactly(bpe_shards, corpus):
     tokenizer = load_tokenizer_file(bpe_shards / "tokenizer.json")
     index = read_index(str(bpe_shards))
-    assert index.tokenizer == {"name": "bpe", "identity": tokenizer.identity, "vocab_size": 512,
-                               "eot": 0}
+    assert index.tokenizer == {
+        "name": "bpe",
+        "identity": tokenizer.identity,
+        "vocab_size": 512,
+        "eot": 0,
+    }
     odd = "tabs\tand  spaces \r\n ünïcödé ☃ 😀 \x00 ends with a space "
     assert tokenizer.decode(tokenizer.encode_batch([odd.encode()])[0]) == odd
     # the shards hold every file's text, each followed by <|endoftext|>, at the indexed offsets
@@ -129,10 +155,23 @@ def test_prepare_is_deterministic_and_resumes_after_a_kill(corpus, bpe_shards, t
     """A prepare SIGKILLed after its first task and run again ends with the same files as the
     uninterrupted one (which used 2 workers; this one 1, then 2), keeping what it had written."""
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "plait", "prepare", f"data.path={corpus}", f"out={out}",
-               "data.tokenizer=bpe", "data.vocab_size=512", f"data.shard_tokens={1 << 15}"]
-    first = subprocess.Popen([*command, "data.num_workers=1"], start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = [
+        sys.executable,
+        "-m",
+        "plait",
+        "prepare",
+        f"data.path={corpus}",
+        f"out={out}",
+        "data.tokenizer=bpe",
+        "data.vocab_size=512",
+        f"data.shard_tokens={1 << 15}",
+    ]
+    first = subprocess.Popen(
+        [*command, "data.num_workers=1"],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     # progress is saved after each task that completes a shard: kill once shard 2 and a
     # finished task are on disk (a kill inside the first task would rightly start over)
     while not (out / shard_name(2)).exists() or tasks_done(out) < 1:
@@ -153,8 +192,10 @@ def test_prepare_refuses_bad_settings_and_leaves_nothing(tmp_path, corpus, small
     out = tmp_path / "out"
     for overrides, message in [
         ([f"data.path={tmp_path}/none*.txt"], "data.path entry .*none\\*.txt matches no file"),
-        ([f"data.path={corpus}", "data.tokenizer=bpe", "data.vocab_size=100"],
-         "data.vocab_size=100 cannot hold byte-level BPE"),
+        (
+            [f"data.path={corpus}", "data.tokenizer=bpe", "data.vocab_size=100"],
+            "data.vocab_size=100 cannot hold byte-level BPE",
+        ),
         ([f"data.path={corpus}", "data.tokenizer=gpt9"], "data.tokenizer=gpt9: choose bytes"),
         ([f"data.path={corpus}"], "plait prepare needs out="),
     ]:
@@ -191,15 +232,17 @@ def test_epoch_order_is_a_seeded_permutation_that_stays_on_a_few_shards(bpe_shar
     assert not (order == dataset.epoch_order(7, 1)).all()
     assert len(dataset.index.shard_sizes) > 15 and len(dataset) / 20 > 256
     for block in range(0, len(order) - 256, 256):  # a block: one or two shards (and the next
-        assert len(dataset.shard_keys(order[block:block + 256].tolist())) <= 4  # ones' heads)
+        assert len(dataset.shard_keys(order[block : block + 256].tolist())) <= 4  # ones' heads)
 
 
-def test_a_blend_of_070_030_draws_within_2_percent_over_10000_samples(small_shards,
-                                                                       other_small_shards):
+def test_a_blend_of_070_030_draws_within_2_percent_over_10000_samples(
+    small_shards, other_small_shards
+):
     a, b = dataset_of(small_shards), dataset_of(other_small_shards)
     blend = BlendedDataset([a, b], [0.7, 0.3])
-    sampler = GlobalOrderSampler(len(blend), lambda epoch: blend.epoch_order(3, epoch), 100, 1,
-                                 0, 1)
+    sampler = GlobalOrderSampler(
+        len(blend), lambda epoch: blend.epoch_order(3, epoch), 100, 1, 0, 1
+    )
     ids = sampler.samples(0, 10_000)
     sources = Counter(j for j, _ in blend.locate(ids))
     assert abs(sources[0] / 10_000 - 0.7) <= 0.02 and abs(sources[1] / 10_000 - 0.3) <= 0.02
@@ -219,21 +262,27 @@ def refused(*overrides: str) -> str:
     return "\n".join(plan.problems)
 
 
-def test_bad_shard_input_is_refused_before_launch(tmp_path, small_shards, bpe_shards,
-                                                  other_small_shards, capsys):
+def test_bad_shard_input_is_refused_before_launch(
+    tmp_path, small_shards, bpe_shards, other_small_shards, capsys
+):
     assert refused(f"data.path={small_shards}") == ""
     # every source's index is checked, and all problems are reported at once
     partial = tmp_path / "partial"
     partial.mkdir()
     (partial / "progress.npz").touch()
-    sources = {tmp_path: "holds no index.json: make one with `plait prepare data.path=<text "
-                         f"files> out={tmp_path}`",
-               partial: "its plait prepare did not finish: run the same plait prepare again"}
+    sources = {
+        tmp_path: "holds no index.json: make one with `plait prepare data.path=<text "
+        f"files> out={tmp_path}`",
+        partial: "its plait prepare did not finish: run the same plait prepare again",
+    }
     for name, damage, message in [
         ("index.json", lambda p: p.write_text("{"), "index.json or documents.npy is corrupt"),
         ("documents.npy", lambda p: p.write_bytes(b"x"), "index.json or documents.npy is corrupt"),
-        (shard_name(1), lambda p: p.write_bytes(p.read_bytes()[:100]),
-         f"{shard_name(1)} holds 100 bytes, not 5120"),
+        (
+            shard_name(1),
+            lambda p: p.write_bytes(p.read_bytes()[:100]),
+            f"{shard_name(1)} holds 100 bytes, not 5120",
+        ),
         (shard_name(2), lambda p: p.unlink(), f"{shard_name(2)} is missing"),
     ]:
         broken = tmp_path / name.replace(".", "_")
@@ -247,26 +296,50 @@ def test_bad_shard_input_is_refused_before_launch(tmp_path, small_shards, bpe_sh
     for k, (problem, message) in enumerate(zip(problems, sources.values())):
         assert re.search(f"data.sources\\[{k}\\].path=.*{message}", problem), problem
     # settings that do not fit the data
-    assert re.search("the sources were tokenized differently.*\n.*the model's output has 256 ids, "
-                     "fewer than the tokenizer's vocabulary of 512 .*: set model.vocab_size=512",
-                     refused(f"data.sources=[{{path: {small_shards}}}, {{path: {bpe_shards}}}]"))
+    assert re.search(
+        "the sources were tokenized differently.*\n.*the model's output has 256 ids, "
+        "fewer than the tokenizer's vocabulary of 512 .*: set model.vocab_size=512",
+        refused(f"data.sources=[{{path: {small_shards}}}, {{path: {bpe_shards}}}]"),
+    )
     assert "weights [0.5, -0.5] must be non-negative and sum to a positive number" in refused(
         f"data.sources=[{{path: {small_shards}, weight: 0.5}}, "
-        f"{{path: {other_small_shards}, weight: -0.5}}]")
-    assert re.search("data.cache_limit_gb=1e-06 is smaller than one shard of slow://.*\n.*fewer "
-                     "than one global batch of train.batch_size=4096", refused(
-                         f"data.path=slow://{small_shards}", "data.cache_limit_gb=0.000001",
-                         "train.batch_size=4096"))
-    assert re.search("train.eval_every=5: the validation split holds 0 samples .* fewer than "
-                     "one per-rank batch of 4: raise data.val_fraction", refused(
-                         f"data.path={small_shards}", "train.eval_every=5", "data.val_fraction=0"))
-    out_of_range = refused(f"data.path={small_shards}", "data.shuffle_block=0",
-                           "data.num_workers=-1", "data.prefetch=0")
+        f"{{path: {other_small_shards}, weight: -0.5}}]"
+    )
+    assert re.search(
+        "data.cache_limit_gb=1e-06 is smaller than one shard of slow://.*\n.*fewer "
+        "than one global batch of train.batch_size=4096",
+        refused(
+            f"data.path=slow://{small_shards}",
+            "data.cache_limit_gb=0.000001",
+            "train.batch_size=4096",
+        ),
+    )
+    assert re.search(
+        "train.eval_every=5: the validation split holds 0 samples .* fewer than "
+        "one per-rank batch of 4: raise data.val_fraction",
+        refused(f"data.path={small_shards}", "train.eval_every=5", "data.val_fraction=0"),
+    )
+    out_of_range = refused(
+        f"data.path={small_shards}",
+        "data.shuffle_block=0",
+        "data.num_workers=-1",
+        "data.prefetch=0",
+    )
     for setting in ("data.shuffle_block=0", "data.num_workers=-1", "data.prefetch=0"):
         assert f"{setting} is out of range" in out_of_range
     # what a user sees: exit 2, the message, no run directory
-    assert main(["train", "data=shards", f"data.path={tmp_path}", f"run.root={tmp_path}/runs",
-                 "tracker=none"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "data=shards",
+                f"data.path={tmp_path}",
+                f"run.root={tmp_path}/runs",
+                "tracker=none",
+            ]
+        )
+        == 2
+    )
     assert "holds no index.json" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
@@ -277,7 +350,8 @@ def test_bad_shard_input_is_refused_before_launch(tmp_path, small_shards, bpe_sh
 
 
 def test_cache_fetches_once_and_stays_under_its_limit_with_concurrent_readers(
-        small_shards, tmp_path, monkeypatch):
+    small_shards, tmp_path, monkeypatch
+):
     """Four threads read random windows through a cache holding 2.5 of the 5 shards."""
     monkeypatch.setenv("PLAIT_SLOWFS_LOG", str(tmp_path / "fetches.log"))
     monkeypatch.setenv("PLAIT_SLOWFS_BYTES_PER_S", "2000000")
@@ -360,8 +434,7 @@ def test_prefetch_shards_fetches_that_many_shards_ahead_of_the_loader():
             events.append(f"fetch {key}")
             fetched.release()
 
-        prefetcher = ShardPrefetcher(iter([[k] for k in range(8)]), lambda ids: ids, fetch,
-                                     depth)
+        prefetcher = ShardPrefetcher(iter([[k] for k in range(8)]), lambda ids: ids, fetch, depth)
         try:
             for step in range(1, 5):
                 for _ in range(depth if step == 1 else min(depth, 1)):
@@ -374,10 +447,27 @@ def test_prefetch_shards_fetches_that_many_shards_ahead_of_the_loader():
             prefetcher.stop()
         return events
 
-    assert events_for(2) == ["fetch 0", "fetch 1", "advance 1", "fetch 2", "advance 2",
-                             "fetch 3", "advance 3", "fetch 4"]
-    assert events_for(3) == ["fetch 0", "fetch 1", "fetch 2", "advance 1", "fetch 3",
-                             "advance 2", "fetch 4", "advance 3", "fetch 5"]
+    assert events_for(2) == [
+        "fetch 0",
+        "fetch 1",
+        "advance 1",
+        "fetch 2",
+        "advance 2",
+        "fetch 3",
+        "advance 3",
+        "fetch 4",
+    ]
+    assert events_for(3) == [
+        "fetch 0",
+        "fetch 1",
+        "fetch 2",
+        "advance 1",
+        "fetch 3",
+        "advance 2",
+        "fetch 4",
+        "advance 3",
+        "fetch 5",
+    ]
     assert events_for(0) == ["advance 1", "advance 2", "advance 3"]
 
 
@@ -389,18 +479,29 @@ def test_prefetch_shards_fetches_that_many_shards_ahead_of_the_loader():
 def global_steps(record: Path, dp: int) -> list[list[str]]:
     """The rows each step fed the model, ranks in order (one list of attempts per rank)."""
     ranks = [inhouse.recorded_steps(record, r) for r in range(dp)]
-    return [[row for rank in ranks for row in rank[attempt][step]]
-            for attempt in range(len(ranks[0])) for step in range(len(ranks[0][attempt]))]
+    return [
+        [row for rank in ranks for row in rank[attempt][step]]
+        for attempt in range(len(ranks[0]))
+        for step in range(len(ranks[0][attempt]))
+    ]
 
 
 @pytest.mark.slow
 def test_dp2_feeds_the_samples_of_dp1_and_a_killed_run_resumes_exactly_at_any_dp(
-        small_shards, tmp_path):
+    small_shards, tmp_path
+):
     """dp=1 with 2 accumulation steps is the reference. A dp=2 run whose rank 0 is SIGKILLed
     after step 5 (checkpoint at 4) fed the same rows; resumed at dp=1 it continues with the
     reference's steps 5-8, and resumed at dp=2 as well."""
-    common = [*SEQ, "data=shards", f"data.path={small_shards}", "train.steps=8",
-              "optimizer.decay_steps=8", "fault.checkpoint_every=2", "fault.keep_last=0"]
+    common = [
+        *SEQ,
+        "data=shards",
+        f"data.path={small_shards}",
+        "train.steps=8",
+        "optimizer.decay_steps=8",
+        "fault.checkpoint_every=2",
+        "fault.keep_last=0",
+    ]
     one = [*common, "launcher.nproc_per_node=1", "train.grad_accum_steps=2"]
     reference = run_losses(tmp_path / "ref", one, [inhouse.RecordBatches(tmp_path / "rec_ref")])
     expected = global_steps(tmp_path / "rec_ref", 1)
@@ -408,17 +509,24 @@ def test_dp2_feeds_the_samples_of_dp1_and_a_killed_run_resumes_exactly_at_any_dp
 
     killed = tmp_path / "killed"
     with pytest.raises(Exception):
-        run_training(killed, [*common, "launcher.nproc_per_node=2"],
-                     [inhouse.RecordBatches(tmp_path / "rec_killed", kill_at=5)])
+        run_training(
+            killed,
+            [*common, "launcher.nproc_per_node=2"],
+            [inhouse.RecordBatches(tmp_path / "rec_killed", kill_at=5)],
+        )
     assert global_steps(tmp_path / "rec_killed", 2)[:4] == expected[:4]
 
     # at dp=1, in a new run directory, from the killed run's last checkpoint (step 4)
-    run_training(tmp_path / "dp1", [*one, f"resume={killed}"],
-                 [inhouse.RecordBatches(tmp_path / "rec_dp1")])
+    run_training(
+        tmp_path / "dp1", [*one, f"resume={killed}"], [inhouse.RecordBatches(tmp_path / "rec_dp1")]
+    )
     assert global_steps(tmp_path / "rec_dp1", 1) == expected[4:]
     # at dp=2, in place
-    run_training(killed, [*common, "launcher.nproc_per_node=2", "resume=latest"],
-                 [inhouse.RecordBatches(tmp_path / "rec_killed")])
+    run_training(
+        killed,
+        [*common, "launcher.nproc_per_node=2", "resume=latest"],
+        [inhouse.RecordBatches(tmp_path / "rec_killed")],
+    )
     assert global_steps(tmp_path / "rec_killed", 2)[-4:] == expected[4:]
     resumed = [m["loss"] for m in read_metrics(killed)][-4:]
     assert resumed == pytest.approx(reference[4:], rel=1e-5)
@@ -426,7 +534,8 @@ def test_dp2_feeds_the_samples_of_dp1_and_a_killed_run_resumes_exactly_at_any_dp
 
 @pytest.mark.slow
 def test_a_slow_remote_is_fetched_once_per_node_then_read_from_the_cache(
-        small_shards, tmp_path, monkeypatch):
+    small_shards, tmp_path, monkeypatch
+):
     """Two ranks on one node, two epochs from ``slow://``, a DataLoader worker each: every
     shard is fetched once, all in the first epoch, and the cache never exceeds its limit (the
     size of the shards: no room to spare)."""
@@ -449,12 +558,22 @@ def test_a_slow_remote_is_fetched_once_per_node_then_read_from_the_cache(
     watcher.start()
     clock = tmp_path / "clock"
     try:
-        run_training(tmp_path / "run", [
-            *SEQ, "data=shards", f"data.path=slow://{small_shards}",
-            f"data.cache_dir={tmp_path / 'cache'}", f"data.cache_limit_gb={limit / 2**30}",
-            "data.val_fraction=0",
-            "data.num_workers=1", "launcher.nproc_per_node=2", f"train.steps={2 * epoch_steps}",
-            "+plugins=[slowfs]"], [StepClock(clock)])
+        run_training(
+            tmp_path / "run",
+            [
+                *SEQ,
+                "data=shards",
+                f"data.path=slow://{small_shards}",
+                f"data.cache_dir={tmp_path / 'cache'}",
+                f"data.cache_limit_gb={limit / 2**30}",
+                "data.val_fraction=0",
+                "data.num_workers=1",
+                "launcher.nproc_per_node=2",
+                f"train.steps={2 * epoch_steps}",
+                "+plugins=[slowfs]",
+            ],
+            [StepClock(clock)],
+        )
     finally:
         done.set()
         watcher.join()
@@ -467,9 +586,18 @@ def test_a_slow_remote_is_fetched_once_per_node_then_read_from_the_cache(
 
 @pytest.mark.slow
 def test_a_model_trains_on_bpe_shards(bpe_shards, tmp_path):
-    losses = run_losses(tmp_path / "run", [
-        "data=shards", f"data.path={bpe_shards}", "model.vocab_size=512", "train.steps=30",
-        "train.seq_len=64", "train.batch_size=16", "optimizer.lr=3e-3",
-        "launcher.nproc_per_node=1"])
+    losses = run_losses(
+        tmp_path / "run",
+        [
+            "data=shards",
+            f"data.path={bpe_shards}",
+            "model.vocab_size=512",
+            "train.steps=30",
+            "train.seq_len=64",
+            "train.batch_size=16",
+            "optimizer.lr=3e-3",
+            "launcher.nproc_per_node=1",
+        ],
+    )
     assert losses[0] == pytest.approx(np.log(512), abs=0.3)  # uniform over the 512 ids
     assert np.mean(losses[-5:]) < losses[0] - 0.75

@@ -1,5 +1,5 @@
 """A real SLURM on this machine: Debian's slurm-wlm and munge, one controller and one node daemon
-on localhost, started by the fixture (installed by scripts/setup.sh where root and apt-get are
+on localhost, started by the fixture (installed by scripts/test.sh where root and apt-get are
 available, never by a test; skipped, with the reason, where they are absent or cannot run).
 ``plait train launcher=slurm`` submits through Hydra's submitit launcher; ``plait train`` in the
 batch step of an sbatch script starts its own workers."""
@@ -27,12 +27,14 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 
 
 def slurm_missing() -> str | None:
-    """Why SLURM cannot run here, or None. The tests install nothing: ``scripts/setup.sh``
+    """Why SLURM cannot run here, or None. The tests install nothing: ``scripts/test.sh``
     installs slurm-wlm and munge where root and apt-get are available."""
     missing = [d for d in DAEMONS if not (shutil.which(d) or Path(f"/usr/sbin/{d}").exists())]
     if missing:
-        return (f"{', '.join(missing)} not installed (scripts/setup.sh installs slurm-wlm and "
-                "munge where it runs as root with apt-get)")
+        return (
+            f"{', '.join(missing)} not installed (scripts/test.sh installs slurm-wlm and "
+            "munge where it runs as root with apt-get)"
+        )
     return None
 
 
@@ -86,11 +88,19 @@ def slurm(tmp_path_factory):
     env = {**os.environ, "SLURM_CONF": str(conf)}
     started = []
     try:
-        for cmd in ([_sbin("munged"), "--force", f"--key-file={key}",
-                     f"--socket={root}/munge.socket", f"--pid-file={root}/munged.pid",
-                     f"--log-file={root}/munged.log", f"--seed-file={root}/munge.seed"],
-                    [_sbin("slurmctld"), "-f", str(conf)],
-                    [_sbin("slurmd"), "-f", str(conf)]):
+        for cmd in (
+            [
+                _sbin("munged"),
+                "--force",
+                f"--key-file={key}",
+                f"--socket={root}/munge.socket",
+                f"--pid-file={root}/munged.pid",
+                f"--log-file={root}/munged.log",
+                f"--seed-file={root}/munge.seed",
+            ],
+            [_sbin("slurmctld"), "-f", str(conf)],
+            [_sbin("slurmd"), "-f", str(conf)],
+        ):
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
             if done.returncode:
                 pytest.skip(f"no SLURM: {Path(cmd[0]).name} did not start: {done.stderr[-500:]}")
@@ -103,8 +113,12 @@ def slurm(tmp_path_factory):
         if "slurmd" in started:  # let jobs end before their daemons go
             subprocess.run(["scancel", "--full", "--user=root"], env=env, timeout=30)
             deadline = time.time() + 60
-            while time.time() < deadline and subprocess.run(
-                    ["squeue", "-h"], env=env, capture_output=True, text=True).stdout.strip():
+            while (
+                time.time() < deadline
+                and subprocess.run(
+                    ["squeue", "-h"], env=env, capture_output=True, text=True
+                ).stdout.strip()
+            ):
                 time.sleep(1)
         for name in reversed(started):
             pid_file = root / f"{name}.pid"
@@ -119,8 +133,9 @@ def _sbin(name: str) -> str:
 def _node_idle(env) -> bool:
     deadline = time.time() + 60
     while time.time() < deadline:
-        state = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
-                               text=True).stdout.strip()
+        state = subprocess.run(
+            ["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True
+        ).stdout.strip()
         if state.startswith("idle") or state.startswith("mixed"):
             return True
         time.sleep(1)
@@ -132,8 +147,9 @@ def final_state(env, job_id: str) -> str:
     the tasks wrote their results, while SLURM is still ending the job)."""
     deadline = time.time() + 120
     while True:
-        shown = subprocess.run(["scontrol", "show", "job", job_id], env=env,
-                               capture_output=True, text=True).stdout
+        shown = subprocess.run(
+            ["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True
+        ).stdout
         state = re.search(r"JobState=(\w+)", shown)[1]
         if state not in ("PENDING", "RUNNING", "COMPLETING") or time.time() > deadline:
             return state
@@ -143,14 +159,25 @@ def final_state(env, job_id: str) -> str:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Losses of the same run started locally with 2 worker processes."""
-    return run_losses(tmp_path_factory.mktemp("ref") / "local", [*STEPS,
-                                                                 "launcher.nproc_per_node=2"])
+    return run_losses(
+        tmp_path_factory.mktemp("ref") / "local", [*STEPS, "launcher.nproc_per_node=2"]
+    )
 
 
 def test_launcher_slurm_submits_and_each_task_joins_the_job(slurm, reference, tmp_path):
-    cmd = [sys.executable, "-m", "plait", "train", "launcher=slurm",
-           "launcher.tasks_per_node=2", "launcher.time=10", *TEST_OVERRIDES, *STEPS,
-           f"run.root={tmp_path}", "run.name=sub"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "plait",
+        "train",
+        "launcher=slurm",
+        "launcher.tasks_per_node=2",
+        "launcher.time=10",
+        *TEST_OVERRIDES,
+        *STEPS,
+        f"run.root={tmp_path}",
+        "run.name=sub",
+    ]
     done = subprocess.run(cmd, env=slurm, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # one SLURM job (submitit's folder is named by its id) that completed
@@ -164,11 +191,26 @@ def test_launcher_slurm_submits_and_each_task_joins_the_job(slurm, reference, tm
 def test_plait_in_an_sbatch_batch_step_starts_its_own_workers(slurm, reference, tmp_path):
     # The batch step has SLURM_PROCID=0 and SLURM_NTASKS=2 but is one process: taking it for a
     # task of srun would wait for a second rank that never comes.
-    train = " ".join([sys.executable, "-m", "plait", "train", "launcher.nproc_per_node=2",
-                      *TEST_OVERRIDES, *STEPS, f"run.root={tmp_path}", "run.name=batch"])
-    done = subprocess.run(["sbatch", "--wait", "--ntasks=2", f"--output={tmp_path}/batch.out",
-                           f"--wrap={train}"], env=slurm, capture_output=True, text=True,
-                          timeout=600)
+    train = " ".join(
+        [
+            sys.executable,
+            "-m",
+            "plait",
+            "train",
+            "launcher.nproc_per_node=2",
+            *TEST_OVERRIDES,
+            *STEPS,
+            f"run.root={tmp_path}",
+            "run.name=batch",
+        ]
+    )
+    done = subprocess.run(
+        ["sbatch", "--wait", "--ntasks=2", f"--output={tmp_path}/batch.out", f"--wrap={train}"],
+        env=slurm,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     output = (tmp_path / "batch.out").read_text() if (tmp_path / "batch.out").exists() else ""
     assert done.returncode == 0, done.stderr + output[-3000:]
     losses = [m["loss"] for m in read_metrics(tmp_path / "batch")]

@@ -17,8 +17,19 @@ STEPS = ["train.steps=3", "optimizer.decay_steps=3"]
 
 @pytest.mark.slow
 def test_multirun_over_two_strategies(tmp_path, capsys):
-    code = main(["train", "-m", "strategy=ddp,zero2", *TEST_OVERRIDES, *STEPS, "tracker=wandb",
-                 "launcher.nproc_per_node=2", f"run.root={tmp_path}", "run.name=sweep"])
+    code = main(
+        [
+            "train",
+            "-m",
+            "strategy=ddp,zero2",
+            *TEST_OVERRIDES,
+            *STEPS,
+            "tracker=wandb",
+            "launcher.nproc_per_node=2",
+            f"run.root={tmp_path}",
+            "run.name=sweep",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out[-3000:]
     jobs = [tmp_path / "sweep" / str(n) for n in (0, 1)]
@@ -32,7 +43,9 @@ def test_multirun_over_two_strategies(tmp_path, capsys):
     # two W&B runs, one group: the sweep
     runs = [read_wandb_run(j) for j in jobs]
     assert [(r["name"], r["group"], r["job_type"]) for r in runs] == [
-        ("sweep/0", "sweep", "trial"), ("sweep/1", "sweep", "trial")]
+        ("sweep/0", "sweep", "trial"),
+        ("sweep/1", "sweep", "trial"),
+    ]
     assert runs[0]["id"] != runs[1]["id"]
     assert [r["config"]["strategy"]["name"] for r in runs] == ["ddp", "zero2"]
 
@@ -56,23 +69,40 @@ def test_hydra_flags_work_on_plait_train(capsys, caplog, restore_logging):
     assert "hydra/sweeper/optuna" in caplog.text  # Hydra logs the defaults list
 
 
-@pytest.mark.parametrize("overrides,message", [
-    # a value of a swept setting, refused before the first job runs
-    (["parallel.tp=2", "launcher.nproc_per_node=2,3"],
-     "world_size(3) is not divisible by tp(2) * pp(1)"),
-    # either end of a searched interval
-    (["hydra/sweeper=optuna", "optimizer.lr=tag(log,interval(1e-4,1e-2))",
-      "optimizer.warmup_steps=int(interval(-2,4))"],
-     "optimizer.warmup_steps=-2 is out of range: set optimizer.warmup_steps >= 0"),
-    # a SLURM job's settings, before sbatch
-    (["launcher=slurm", "launcher.time=0", "launcher.gpus_per_node=-1"],
-     "launcher.time=0 is out of range: set launcher.time >= 1 (minutes)"),
-    (["launcher=slurm", "launcher.gpus_per_node=-1"],
-     "launcher.gpus_per_node=-1 is out of range: set launcher.gpus_per_node >= 0"),
-    # the sweepers' own settings
-    (["hydra/sweeper=pbt", "hydra.sweeper.population=1", "optimizer.lr=1e-3,1e-2"],
-     "hydra.sweeper: population >= 2"),
-], ids=["grid", "optuna-interval", "slurm-time", "slurm-gpus", "pbt"])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        # a value of a swept setting, refused before the first job runs
+        (
+            ["parallel.tp=2", "launcher.nproc_per_node=2,3"],
+            "world_size(3) is not divisible by tp(2) * pp(1)",
+        ),
+        # either end of a searched interval
+        (
+            [
+                "hydra/sweeper=optuna",
+                "optimizer.lr=tag(log,interval(1e-4,1e-2))",
+                "optimizer.warmup_steps=int(interval(-2,4))",
+            ],
+            "optimizer.warmup_steps=-2 is out of range: set optimizer.warmup_steps >= 0",
+        ),
+        # a SLURM job's settings, before sbatch
+        (
+            ["launcher=slurm", "launcher.time=0", "launcher.gpus_per_node=-1"],
+            "launcher.time=0 is out of range: set launcher.time >= 1 (minutes)",
+        ),
+        (
+            ["launcher=slurm", "launcher.gpus_per_node=-1"],
+            "launcher.gpus_per_node=-1 is out of range: set launcher.gpus_per_node >= 0",
+        ),
+        # the sweepers' own settings
+        (
+            ["hydra/sweeper=pbt", "hydra.sweeper.population=1", "optimizer.lr=1e-3,1e-2"],
+            "hydra.sweeper: population >= 2",
+        ),
+    ],
+    ids=["grid", "optuna-interval", "slurm-time", "slurm-gpus", "pbt"],
+)
 def test_a_bad_sweep_is_refused_before_any_job(overrides, message, tmp_path, capsys):
     code = main(["train", "-m", *overrides, f"run.root={tmp_path}", "run.name=s"])
     err = capsys.readouterr().err

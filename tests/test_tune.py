@@ -13,6 +13,7 @@ import time
 
 import pytest
 import yaml
+from inhouse import OptimizerSettingsAfterLoad
 from omegaconf import OmegaConf
 
 from plait import api
@@ -21,20 +22,33 @@ from plait.plugins.tune.pbt import Member, PBTSweeper
 from plait.plugins.tune.search_space import parse
 from plait.testing import TEST_OVERRIDES, read_metrics, read_wandb_run
 
-from inhouse import OptimizerSettingsAfterLoad
-
 SMALL = [o for o in TEST_OVERRIDES if not o.startswith("train.steps=")]
-SMALL += ["train.seq_len=16", "train.batch_size=4", "optimizer.warmup_steps=1",
-         "launcher.nproc_per_node=1"]
+SMALL += [
+    "train.seq_len=16",
+    "train.batch_size=4",
+    "optimizer.warmup_steps=1",
+    "launcher.nproc_per_node=1",
+]
 
 
 def optuna_sweep(tmp_path) -> list[str]:
-    return ["train", "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4",
-            "hydra.sweeper.n_jobs=1", f"hydra.sweeper.storage={tmp_path}/lr.journal",
-            "hydra.sweeper.study_name=lr", "hydra.sweeper.sampler.seed=0",
-            "hydra.sweeper.sampler.n_startup_trials=2",
-            "optimizer.lr=tag(log,interval(1e-4,1e-2))", *SMALL, "train.steps=2",
-            "optimizer.decay_steps=2", f"run.root={tmp_path}", "run.name=lr"]
+    return [
+        "train",
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=4",
+        "hydra.sweeper.n_jobs=1",
+        f"hydra.sweeper.storage={tmp_path}/lr.journal",
+        "hydra.sweeper.study_name=lr",
+        "hydra.sweeper.sampler.seed=0",
+        "hydra.sweeper.sampler.n_startup_trials=2",
+        "optimizer.lr=tag(log,interval(1e-4,1e-2))",
+        *SMALL,
+        "train.steps=2",
+        "optimizer.decay_steps=2",
+        f"run.root={tmp_path}",
+        "run.name=lr",
+    ]
 
 
 def study_trials(tmp_path):
@@ -53,9 +67,12 @@ def test_optuna_sweep_killed_after_two_trials_continues_to_four(tmp_path):
     from optuna.trial import TrialState
 
     # the sweep, killed (SIGKILL, sweeper and workers) once its study holds 2 finished trials
-    sweep = subprocess.Popen([sys.executable, "-m", "plait", *optuna_sweep(tmp_path)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "plait", *optuna_sweep(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     while sum(t.state == TrialState.COMPLETE for t in study_trials(tmp_path)) < 2:
         assert sweep.poll() is None and time.monotonic() < deadline, "the sweep ended early"
@@ -87,13 +104,24 @@ ROUND = 3  # steps per PBT round
 def pbt(tmp_path_factory):
     """Population 4, two rounds of 3 steps; member 0's lr (1e-6) is far too small."""
     root = tmp_path_factory.mktemp("pbt")
-    api.multirun(["hydra/sweeper=pbt", "hydra.sweeper.population=4", "hydra.sweeper.rounds=2",
-                  f"hydra.sweeper.steps_per_round={ROUND}",
-                  "hydra.sweeper.resample_probability=0", "hydra.sweeper.seed=0",
-                  "optimizer.lr=1e-6,3e-3,6e-3,1e-2",
-                  "optimizer.weight_decay=0.1,0.11,0.12,0.13", *SMALL, "tracker=wandb",
-                  f"optimizer.decay_steps={2 * ROUND}", f"run.root={root}", "run.name=pbt"],
-                 plugins=[OptimizerSettingsAfterLoad()])
+    api.multirun(
+        [
+            "hydra/sweeper=pbt",
+            "hydra.sweeper.population=4",
+            "hydra.sweeper.rounds=2",
+            f"hydra.sweeper.steps_per_round={ROUND}",
+            "hydra.sweeper.resample_probability=0",
+            "hydra.sweeper.seed=0",
+            "optimizer.lr=1e-6,3e-3,6e-3,1e-2",
+            "optimizer.weight_decay=0.1,0.11,0.12,0.13",
+            *SMALL,
+            "tracker=wandb",
+            f"optimizer.decay_steps={2 * ROUND}",
+            f"run.root={root}",
+            "run.name=pbt",
+        ],
+        plugins=[OptimizerSettingsAfterLoad()],
+    )
     lineage = [json.loads(line) for line in (root / "pbt" / "pbt_lineage.jsonl").open()]
     return root / "pbt", lineage
 
@@ -103,8 +131,11 @@ def test_pbt_replaces_the_bad_member_by_a_perturbed_copy_of_the_best(pbt):
     sweep, lineage = pbt
     # each member's score in the lineage is its run's validation loss at the end of the round
     for member in lineage:
-        [end] = [m for m in read_metrics(sweep / member["name"])
-                 if m["step"] == (member["round"] + 1) * ROUND]
+        [end] = [
+            m
+            for m in read_metrics(sweep / member["name"])
+            if m["step"] == (member["round"] + 1) * ROUND
+        ]
         assert member["score"] == end["eval/loss"], member
     first = {m["name"]: m for m in lineage if m["round"] == 0}
     second = {m["name"]: m for m in lineage if m["round"] == 1}
@@ -128,7 +159,8 @@ def test_pbt_replaces_the_bad_member_by_a_perturbed_copy_of_the_best(pbt):
     min_lr = OmegaConf.load(sweep / "m4" / "config.yaml").optimizer.min_lr
     progress = (parents[ROUND]["lr"] - min_lr) / (best["params"]["optimizer.lr"] - min_lr)
     assert mine[0]["lr"] == pytest.approx(
-        min_lr + (child["params"]["optimizer.lr"] - min_lr) * progress, rel=1e-6)
+        min_lr + (child["params"]["optimizer.lr"] - min_lr) * progress, rel=1e-6
+    )
     [group] = json.loads((sweep / "m4" / "optimizer_after_load.json").read_text())[:1]
     assert group["weight_decay"] == pytest.approx(child["params"]["optimizer.weight_decay"])
     # the child is a new W&B run of the sweep naming its parent; the others continue theirs
@@ -150,9 +182,17 @@ LR_SPACE = "optimizer.lr=tag(log,interval(1e-4,1e-2))"
 def exploit_and_explore(tmp_path, quantile: float, resample_probability: float):
     """One exploit-and-explore step of a population of 8 whose member ``i`` scored ``i`` (m0
     best) with lr ``1e-3 · (i+1)/8``, each with a checkpoint to copy; the members that follow."""
-    sweeper = PBTSweeper(population=8, rounds=2, steps_per_round=1, quantile=quantile,
-                         perturb_factors=[0.8, 1.2], resample_probability=resample_probability,
-                         direction="minimize", seed=0, params=None)
+    sweeper = PBTSweeper(
+        population=8,
+        rounds=2,
+        steps_per_round=1,
+        quantile=quantile,
+        perturb_factors=[0.8, 1.2],
+        resample_probability=resample_probability,
+        direction="minimize",
+        seed=0,
+        params=None,
+    )
     sweeper.space, _, _ = parse([LR_SPACE])
     sweeper.unbounded, sweeper.sweep_dir = set(), tmp_path
     members = []
@@ -160,8 +200,14 @@ def exploit_and_explore(tmp_path, quantile: float, resample_probability: float):
         checkpoint = tmp_path / f"m{i}" / "step_00000001"
         checkpoint.mkdir(parents=True, exist_ok=True)
         (checkpoint / "complete.json").write_text("{}")
-        members.append(Member(f"m{i}", {"optimizer.lr": 1e-3 * (i + 1) / 8}, score=float(i),
-                              checkpoint=str(checkpoint)))
+        members.append(
+            Member(
+                f"m{i}",
+                {"optimizer.lr": 1e-3 * (i + 1) / 8},
+                score=float(i),
+                checkpoint=str(checkpoint),
+            )
+        )
     following, _ = sweeper.exploit_and_explore(members, born=8)
     return members, following
 
@@ -172,7 +218,8 @@ def test_pbt_quantile_is_the_share_replaced_by_copies_of_the_best(tmp_path):
         names = [m.name for m in following]
         worst = [m.name for m in members[-replaced:]]
         assert [n for n in names if n.startswith("m") and int(n[1:]) < 8] == [
-            m.name for m in members[:-replaced]], quantile
+            m.name for m in members[:-replaced]
+        ], quantile
         children = [m for m in following if int(m.name[1:]) >= 8]
         assert len(children) == replaced and not set(worst) & set(names), quantile
         best = {m.name for m in members[:replaced]}

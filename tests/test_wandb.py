@@ -10,10 +10,17 @@ pytestmark = pytest.mark.slow
 
 
 def test_one_offline_run_with_config_metrics_and_rank_min_max(tmp_path):
-    run_dir = run_training(tmp_path / "r", ["tracker=wandb", "tracker.project=plait-test",
-                                            "train.steps=4", "launcher.nproc_per_node=2",
-                                            "fault.checkpoint_every=2",
-                                            "train.peak_flops=1e12"])  # a CPU has no known peak
+    run_dir = run_training(
+        tmp_path / "r",
+        [
+            "tracker=wandb",
+            "tracker.project=plait-test",
+            "train.steps=4",
+            "launcher.nproc_per_node=2",
+            "fault.checkpoint_every=2",
+            "train.peak_flops=1e12",
+        ],
+    )  # a CPU has no known peak
     assert len(list(run_dir.glob("wandb/offline-run-*"))) == 1  # one run per job, not per rank
     run = read_wandb_run(run_dir)
     cfg = run["config"]
@@ -25,19 +32,33 @@ def test_one_offline_run_with_config_metrics_and_rank_min_max(tmp_path):
     expected = read_metrics(run_dir)
     for logged, local in zip(history, expected):
         assert logged["loss"] == pytest.approx(local["loss"])
-        for key in ("lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s/min",
-                    "step_time_s/max", "peak_memory_bytes/min", "peak_memory_bytes/max"):
+        for key in (
+            "lr",
+            "grad_norm",
+            "tokens_per_s",
+            "mfu",
+            "step_time_s/min",
+            "step_time_s/max",
+            "peak_memory_bytes/min",
+            "peak_memory_bytes/max",
+        ):
             assert key in logged
         assert logged["step_time_s/min"] <= logged["step_time_s/max"]
         assert logged["mfu"] == pytest.approx(local["mfu"])
 
-    state = json.loads((run_dir / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
+    state = json.loads(
+        (run_dir / "checkpoints" / "step_00000004" / "trainer_state.json").read_text()
+    )
     assert state["tracker_run_id"] == run["id"]
 
 
 def test_resumed_job_continues_the_same_wandb_run(tmp_path):
-    common = ["tracker=wandb", "launcher.nproc_per_node=1", "fault.checkpoint_every=2",
-              "optimizer.decay_steps=4"]
+    common = [
+        "tracker=wandb",
+        "launcher.nproc_per_node=1",
+        "fault.checkpoint_every=2",
+        "optimizer.decay_steps=4",
+    ]
     run_dir = run_training(tmp_path / "r", [*common, "train.steps=2"])
     first = read_wandb_run(run_dir)["id"]
     run_training(tmp_path / "r", [*common, "train.steps=4", "resume=latest"])

@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+import inhouse
 import pytest
 import torch
 from hydra.utils import instantiate
@@ -24,8 +25,8 @@ from plait import cli, hookimpl
 from plait.export import export
 from plait.plan import make_plan
 from plait.plugin_manager import keep_selected, make_plugin_manager
-from plait.plugins.zero import config as zero_config
 from plait.plugins.planner.estimate import strategy_cost
+from plait.plugins.zero import config as zero_config
 from plait.plugins.zero.config import engine_config
 from plait.plugins.zero.estimate import (
     measure_activation_bytes,
@@ -37,8 +38,6 @@ from plait.topology import ParallelDims
 from plait.train import cross_entropy, evaluate
 from plait.types import PlanError, PluginInfo
 from plait.worker import show_each_warning_once
-
-import inhouse
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -71,11 +70,19 @@ def backend_config(*overrides: str) -> dict:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_deepspeed_config_is_generated_from_plait_settings(stage):
-    ds = backend_config(f"strategy=zero{stage}", "train.batch_size=16", "train.grad_accum_steps=2",
-                        "train.grad_clip=0.5", "precision=bf16")
+    ds = backend_config(
+        f"strategy=zero{stage}",
+        "train.batch_size=16",
+        "train.grad_accum_steps=2",
+        "train.grad_clip=0.5",
+        "precision=bf16",
+    )
     assert ds["zero_optimization"]["stage"] == stage
-    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
-            ds["gradient_accumulation_steps"]) == (16, 4, 2)  # 16 = 4 x 2 steps x dp 2
+    assert (
+        ds["train_batch_size"],
+        ds["train_micro_batch_size_per_gpu"],
+        ds["gradient_accumulation_steps"],
+    ) == (16, 4, 2)  # 16 = 4 x 2 steps x dp 2
     assert ds["gradient_clipping"] == 0.5
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
 
@@ -87,15 +94,21 @@ def test_deepspeed_buffers_are_sized_from_the_model_and_the_user_overrides_them(
     that is below the largest parameter, which sets the bucket."""
     model = ["model.n_embd=256", "model.n_layer=12", f"strategy=zero{stage}"]
     zero = backend_config(*model)["zero_optimization"]
-    keys = (["reduce_bucket_size", "allgather_bucket_size", "sub_group_size"] if stage < 3 else
-            ["reduce_bucket_size", "stage3_prefetch_bucket_size", "sub_group_size"])
+    keys = (
+        ["reduce_bucket_size", "allgather_bucket_size", "sub_group_size"]
+        if stage < 3
+        else ["reduce_bucket_size", "stage3_prefetch_bucket_size", "sub_group_size"]
+    )
     assert [zero[k] for k in keys] == [300_784, 300_784, 300_784]
     if stage == 3:
         assert zero["stage3_max_live_parameters"] == zero["stage3_max_reuse_distance"] == 601_568
     split = backend_config(*model, "parallel.tp=2", "launcher.nproc_per_node=4")
     assert split["zero_optimization"]["reduce_bucket_size"] == 262_144  # the largest parameter
-    mine = backend_config(*model, "+strategy.deepspeed.zero_optimization.reduce_bucket_size=5",
-                          "+strategy.deepspeed.zero_optimization.sub_group_size=1000000000")
+    mine = backend_config(
+        *model,
+        "+strategy.deepspeed.zero_optimization.reduce_bucket_size=5",
+        "+strategy.deepspeed.zero_optimization.sub_group_size=1000000000",
+    )
     assert mine["zero_optimization"]["reduce_bucket_size"] == 5
     assert mine["zero_optimization"]["sub_group_size"] == 10**9
 
@@ -123,17 +136,26 @@ def built_optimizer(*overrides: str):
 
 
 def test_the_built_adamw_maps_to_deepspeed_torch_adamw():
-    cfg, optimizer = built_optimizer("strategy=zero1", "optimizer.lr=3e-4", "optimizer.eps=1e-6",
-                                     "optimizer.fused=false")
+    cfg, optimizer = built_optimizer(
+        "strategy=zero1", "optimizer.lr=3e-4", "optimizer.eps=1e-6", "optimizer.fused=false"
+    )
     ds = engine_config(cfg, ParallelDims.from_config(cfg, world_size=2), optimizer)
-    assert ds["optimizer"] == {"type": "AdamW", "params": {
-        "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.01,
-        "torch_adam": True}}  # weight decay per parameter group, as plait's adamw built them
+    assert ds["optimizer"] == {
+        "type": "AdamW",
+        "params": {
+            "lr": 3e-4,
+            "betas": [0.9, 0.95],
+            "eps": 1e-6,
+            "weight_decay": 0.01,
+            "torch_adam": True,
+        },
+    }  # weight decay per parameter group, as plait's adamw built them
 
 
 def test_offload_maps_to_deepspeed_cpu_adam():
-    cfg, optimizer = built_optimizer("strategy=zero3", "strategy.offload_optimizer=cpu",
-                                     "strategy.offload_params=cpu")
+    cfg, optimizer = built_optimizer(
+        "strategy=zero3", "strategy.offload_optimizer=cpu", "strategy.offload_params=cpu"
+    )
     ds = engine_config(cfg, ParallelDims.from_config(cfg, world_size=2), optimizer)
     zero = ds["zero_optimization"]
     assert zero["offload_optimizer"] == {"device": "cpu"}
@@ -150,18 +172,33 @@ def test_another_optimizer_goes_to_deepspeed_as_a_client_optimizer():
 
 def test_passthrough_and_config_file_are_merged(tmp_path):
     ds_json = tmp_path / "ds_config.json"
-    ds_json.write_text(json.dumps({
-        "train_batch_size": "auto", "gradient_clipping": 1.0,  # "auto" / same value: accepted
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "overlap_comm": False},
-        "wall_clock_breakdown": True,
-    }))
-    ds = backend_config("strategy=zero2", f"strategy.config_file={ds_json}",
-                        "strategy.deepspeed.zero_optimization.reduce_bucket_size=2000",
-                        "strategy.deepspeed.communication_data_type=fp32")
-    assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 2000,
-                                       "overlap_comm": False,
-                                       "allgather_bucket_size": 16384,  # sized by plait
-                                       "sub_group_size": 16384}
+    ds_json.write_text(
+        json.dumps(
+            {
+                "train_batch_size": "auto",
+                "gradient_clipping": 1.0,  # "auto" / same value: accepted
+                "zero_optimization": {
+                    "stage": 2,
+                    "reduce_bucket_size": 1000,
+                    "overlap_comm": False,
+                },
+                "wall_clock_breakdown": True,
+            }
+        )
+    )
+    ds = backend_config(
+        "strategy=zero2",
+        f"strategy.config_file={ds_json}",
+        "strategy.deepspeed.zero_optimization.reduce_bucket_size=2000",
+        "strategy.deepspeed.communication_data_type=fp32",
+    )
+    assert ds["zero_optimization"] == {
+        "stage": 2,
+        "reduce_bucket_size": 2000,
+        "overlap_comm": False,
+        "allgather_bucket_size": 16384,  # sized by plait
+        "sub_group_size": 16384,
+    }
     assert ds["wall_clock_breakdown"] is True
     assert ds["communication_data_type"] == "fp32"
     assert ds["train_batch_size"] == 8
@@ -179,21 +216,27 @@ def test_offload_params_needs_stage3():
 
 
 def test_conflicting_passthrough_names_both_settings():
-    text = refusal("strategy=zero1", "strategy.deepspeed.gradient_clipping=0.5",
-                   "strategy.deepspeed.zero_optimization.stage=3")
-    assert ("strategy.deepspeed.gradient_clipping=0.5 conflicts with train.grad_clip=1.0"
-            in text)
-    assert "strategy.deepspeed.zero_optimization.stage=3 conflicts with strategy=zero0..zero3" \
-        in text
+    text = refusal(
+        "strategy=zero1",
+        "strategy.deepspeed.gradient_clipping=0.5",
+        "strategy.deepspeed.zero_optimization.stage=3",
+    )
+    assert "strategy.deepspeed.gradient_clipping=0.5 conflicts with train.grad_clip=1.0" in text
+    assert (
+        "strategy.deepspeed.zero_optimization.stage=3 conflicts with strategy=zero0..zero3" in text
+    )
 
 
 def test_conflicting_config_file_names_both_settings(tmp_path):
     ds_json = tmp_path / "ds_config.json"
-    ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 16,
-                                   "scheduler": {"type": "WarmupLR"}}))
+    ds_json.write_text(
+        json.dumps({"train_micro_batch_size_per_gpu": 16, "scheduler": {"type": "WarmupLR"}})
+    )
     text = refusal("strategy=zero2", f"strategy.config_file={ds_json}")
-    assert f"strategy.config_file={ds_json} (train_micro_batch_size_per_gpu)=16 conflicts " \
-           "with train.batch_size / (train.grad_accum_steps * dp)" in text
+    assert (
+        f"strategy.config_file={ds_json} (train_micro_batch_size_per_gpu)=16 conflicts "
+        "with train.batch_size / (train.grad_accum_steps * dp)" in text
+    )
     assert "sets DeepSpeed's 'scheduler', which plait decides from optimizer.*" in text
 
 
@@ -217,8 +260,16 @@ def test_fp16_on_a_cpu_without_fp16_kernels_is_refused(monkeypatch):
 
 
 def test_cli_refuses_before_any_process_starts(tmp_path, capsys):
-    rc = cli.main(["train", *TEST_OVERRIDES, "strategy=zero1", "strategy.offload_params=cpu",
-                   f"run.root={tmp_path}", "run.name=refused"])
+    rc = cli.main(
+        [
+            "train",
+            *TEST_OVERRIDES,
+            "strategy=zero1",
+            "strategy.offload_params=cpu",
+            f"run.root={tmp_path}",
+            "run.name=refused",
+        ]
+    )
     assert rc == 2
     assert "strategy.offload_params=cpu needs ZeRO-3" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()  # nothing written, nothing launched
@@ -261,9 +312,10 @@ def measured_activation_bytes(cfg, micro_batch_size: int, dtype: torch.dtype) ->
 # (overrides, micro-batch size, activation dtype): fp32 DDP, whose model states one process
 # measures, and bf16 ZeRO-3 (DeepSpeed's estimator line; its model states are measured in the
 # multi-process runs below).
-ESTIMATES = [(["strategy=ddp", "launcher.nproc_per_node=2"], 4, torch.float32),
-             (["strategy=zero3", "launcher.nproc_per_node=4", "precision=bf16"], 2,
-              torch.bfloat16)]
+ESTIMATES = [
+    (["strategy=ddp", "launcher.nproc_per_node=2"], 4, torch.float32),
+    (["strategy=zero3", "launcher.nproc_per_node=4", "precision=bf16"], 2, torch.bfloat16),
+]
 
 
 @pytest.mark.parametrize("overrides, micro, dtype", ESTIMATES, ids=["ddp-fp32", "zero3-bf16"])
@@ -279,10 +331,12 @@ def test_plait_estimate_prints_the_measured_bytes(capsys, overrides, micro, dtyp
     assert f"model: {n_params:,} parameters" in out
     assert f"activations per micro-batch of {micro} " in out
     assert printed_bytes(out, "activations") == pytest.approx(
-        measured_activation_bytes(cfg, micro, dtype), rel=1e-3)
+        measured_activation_bytes(cfg, micro, dtype), rel=1e-3
+    )
     if cfg.strategy.name == "ddp":
         assert printed_bytes(out, "total  ") == pytest.approx(
-            sum(ddp_model_state_bytes(cfg).values()), rel=1e-2)
+            sum(ddp_model_state_bytes(cfg).values()), rel=1e-2
+        )
     else:
         assert "DeepSpeed's estimator" in out
 
@@ -312,8 +366,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     runs = {}
     for name, overrides in extra.items():
         with inhouse.stderr_into(root / f"{name}.stderr"):
-            runs[name] = run_training(root / name, [*COMMON, *overrides],
-                                      [inhouse.DescribeZeroGroups()] if name in STAGES else [])
+            runs[name] = run_training(
+                root / name,
+                [*COMMON, *overrides],
+                [inhouse.DescribeZeroGroups()] if name in STAGES else [],
+            )
     return runs
 
 
@@ -360,8 +417,9 @@ def test_zero3_resume_continues_with_the_same_losses(runs, tmp_path):
     k = 10
     checkpoint = runs["zero3"] / "checkpoints" / f"step_{k:08d}"
     assert (checkpoint / "deepspeed").is_dir()  # DeepSpeed's own sharded files
-    resumed = run_training(tmp_path / "resumed",
-                           [*COMMON, "strategy=zero3", f"resume={checkpoint}"])
+    resumed = run_training(
+        tmp_path / "resumed", [*COMMON, "strategy=zero3", f"resume={checkpoint}"]
+    )
     steps = read_metrics(resumed)
     assert [m["step"] for m in steps] == list(range(k + 1, STEPS + 1))
     uninterrupted = losses(runs["zero3"])[k:]
@@ -390,12 +448,14 @@ def test_export_of_zero3_checkpoint_loads_into_the_plain_model(runs, tmp_path):
     model = GPT(**{k: v for k, v in cfg.model.items() if k != "_target_"})
     model.load_state_dict(torch.load(out, weights_only=True))  # strict: every key, no extra
 
-    val = plait_build_dataset(cfg=cfg, topology=SimpleNamespace(local_trainer_rank=0,
-                                                                   trainer_group=None),
-                              split="val")
+    val = plait_build_dataset(
+        cfg=cfg, topology=SimpleNamespace(local_trainer_rank=0, trainer_group=None), split="val"
+    )
     engine, dp = PlainEngine(model), 2
-    per_rank = [evaluate(cfg, engine, val, SimpleNamespace(dims=SimpleNamespace(dp=dp),
-                                                           dp_rank=r)) for r in range(dp)]
+    per_rank = [
+        evaluate(cfg, engine, val, SimpleNamespace(dims=SimpleNamespace(dp=dp), dp_rank=r))
+        for r in range(dp)
+    ]
     logged = read_metrics(runs["zero3"])[-1]["eval/loss"]
     assert sum(per_rank) / dp == pytest.approx(logged, rel=1e-6)
 
@@ -411,8 +471,12 @@ def test_model_state_bytes_shrink_with_each_stage_as_the_zero_paper_says(runs):
     assert measured["zero2"] < measured["zero1"]
     assert measured["zero3"] < measured["zero2"]
 
-    n_params = sum(p.numel() for p in torch.load(
-        export(str(runs["zero3"]), str(runs["zero3"] / "export.pt")), weights_only=True).values())
+    n_params = sum(
+        p.numel()
+        for p in torch.load(
+            export(str(runs["zero3"]), str(runs["zero3"] / "export.pt")), weights_only=True
+        ).values()
+    )
     last = read_metrics(runs["zero0"])[-1]
     measured["zero0"] = sum(v for k, v in last.items() if k.startswith("model_state_bytes/"))
     for name, stage in (("ddp", 0), ("zero0", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3)):
@@ -431,16 +495,27 @@ def test_offload_to_cpu_gives_the_same_losses(runs, tmp_path):
     DeepSpeed compiles once per machine, into ~/.cache/torch_extensions) steps instead of torch
     AdamW, with the same math; the first steps' losses equal DDP's."""
     steps = 6
-    offloaded = run_training(tmp_path / "offload", [
-        *COMMON, f"train.steps={steps}", f"optimizer.decay_steps={STEPS}", "strategy=zero3",
-        "strategy.offload_optimizer=cpu", "strategy.offload_params=cpu"],
-        [inhouse.DescribeZeroOptimizer()])
+    offloaded = run_training(
+        tmp_path / "offload",
+        [
+            *COMMON,
+            f"train.steps={steps}",
+            f"optimizer.decay_steps={STEPS}",
+            "strategy=zero3",
+            "strategy.offload_optimizer=cpu",
+            "strategy.offload_params=cpu",
+        ],
+        [inhouse.DescribeZeroOptimizer()],
+    )
     assert losses(offloaded) == pytest.approx(losses(runs["ddp"])[:steps], rel=LOSS_RTOL)
     # and offload really was on: CPU Adam stepped, its states on the host (on this CPU-only
     # machine everything is; on a GPU the same check tells host from device)
     assert json.loads((offloaded / "zero_optimizer.json").read_text()) == {
-        "stepping": "DeepSpeedCPUAdam", "offload_optimizer": True, "offload_param": True,
-        "state_devices": ["cpu"]}
+        "stepping": "DeepSpeedCPUAdam",
+        "offload_optimizer": True,
+        "offload_param": True,
+        "state_devices": ["cpu"],
+    }
 
 
 MIXED_STEPS = 10
@@ -453,9 +528,17 @@ MIXED_RTOL = 2e-2
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_mixed_precision_trains_close_to_fp32(runs, tmp_path, monkeypatch, stage, precision):
-    mixed = run_training(tmp_path / precision, [
-        *COMMON, f"train.steps={MIXED_STEPS}", f"optimizer.decay_steps={STEPS}",
-        f"strategy={stage}", f"precision={precision}"], inhouse.with_precision(precision, monkeypatch))
+    mixed = run_training(
+        tmp_path / precision,
+        [
+            *COMMON,
+            f"train.steps={MIXED_STEPS}",
+            f"optimizer.decay_steps={STEPS}",
+            f"strategy={stage}",
+            f"precision={precision}",
+        ],
+        inhouse.with_precision(precision, monkeypatch),
+    )
     fp32 = losses(runs[stage])[:MIXED_STEPS]
     assert losses(mixed) == pytest.approx(fp32, rel=MIXED_RTOL)
     assert losses(mixed) != fp32  # 16 bits really ran
@@ -468,9 +551,11 @@ def test_fp16_loss_scaler_skips_the_steps_that_overflow(tmp_path, monkeypatch):
     """DeepSpeed's dynamic loss scaler under ZeRO-2, through loss spikes at steps 2 and 3 of 4
     (``inhouse.OverflowAtSteps``): both steps are skipped; the scale halves on the second
     overflow in a row (DeepSpeed's default ``fp16.hysteresis=2``)."""
-    run = run_training(tmp_path / "fp16", [*COMMON, *inhouse.OVERFLOW_RUN, "strategy=zero2",
-                                           "precision=fp16"],
-                       [inhouse.OverflowAtSteps(2, 3), *inhouse.with_precision("fp16", monkeypatch)])
+    run = run_training(
+        tmp_path / "fp16",
+        [*COMMON, *inhouse.OVERFLOW_RUN, "strategy=zero2", "precision=fp16"],
+        [inhouse.OverflowAtSteps(2, 3), *inhouse.with_precision("fp16", monkeypatch)],
+    )
     inhouse.assert_steps_2_and_3_skipped(run, scales=[1, 1, 0.5, 0.5])
 
 
@@ -496,8 +581,12 @@ def test_an_in_house_optimizer_runs_as_a_deepspeed_client_optimizer(tmp_path):
     plugins = [InHouseSGD()]
     ddp = run_training(tmp_path / "ddp", overrides, plugins)
     zero2 = run_training(tmp_path / "zero2", [*overrides, "strategy=zero2"], plugins)
-    assert "optimizer" not in make_plan([*TEST_OVERRIDES, *overrides, "strategy=zero2"],
-                                        plugins).backend_configs["deepspeed"]
+    assert (
+        "optimizer"
+        not in make_plan([*TEST_OVERRIDES, *overrides, "strategy=zero2"], plugins).backend_configs[
+            "deepspeed"
+        ]
+    )
     assert losses(zero2) == pytest.approx(losses(ddp), rel=LOSS_RTOL)
     assert losses(zero2)[-1] < losses(zero2)[0]  # SGD with momentum is training
 
@@ -508,14 +597,17 @@ def test_export_gives_the_same_weights_from_every_stage(runs, tmp_path):
     to the same weights (their losses agree), so the exports must too. Up to float rounding:
     Adam turns a ~1e-7 difference in a near-zero gradient into a visible step, so near-zero
     biases differ by up to ~4e-6 after 20 steps (weights are up to ~1 in size)."""
-    exported = {name: torch.load(export(str(runs[name]), str(tmp_path / f"{name}.pt")),
-                                 weights_only=True) for name in ("zero0", *STAGES)}
+    exported = {
+        name: torch.load(export(str(runs[name]), str(tmp_path / f"{name}.pt")), weights_only=True)
+        for name in ("zero0", *STAGES)
+    }
     reference = exported.pop("zero3")
     for name, state in exported.items():
         assert state.keys() == reference.keys(), name
         for key, tensor in state.items():
-            torch.testing.assert_close(tensor, reference[key], rtol=1e-4, atol=2e-5,
-                                       msg=f"{name} {key}")
+            torch.testing.assert_close(
+                tensor, reference[key], rtol=1e-4, atol=2e-5, msg=f"{name} {key}"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,8 +624,9 @@ def test_a_warning_a_library_repeats_every_step_shows_once_and_others_still_show
     ``warnings.catch_warnings`` (torch and DeepSpeed do on hot paths): without the worker's
     filter this deprecation shows 5 times."""
     shown = []
-    monkeypatch.setattr(warnings, "showwarning",
-                        lambda message, *args, **kwargs: shown.append(str(message)))
+    monkeypatch.setattr(
+        warnings, "showwarning", lambda message, *args, **kwargs: shown.append(str(message))
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         show_each_warning_once()
@@ -543,8 +636,11 @@ def test_a_warning_a_library_repeats_every_step_shows_once_and_others_still_show
                 pass
         warnings.warn("a genuine warning", UserWarning)
         warnings.warn("`all_gather_into_tensor` is deprecated", FutureWarning)  # elsewhere
-    assert shown == ["`all_gather_into_tensor` is deprecated", "a genuine warning",
-                     "`all_gather_into_tensor` is deprecated"]
+    assert shown == [
+        "`all_gather_into_tensor` is deprecated",
+        "a genuine warning",
+        "`all_gather_into_tensor` is deprecated",
+    ]
 
 
 @pytest.mark.slow

@@ -86,8 +86,9 @@ def planned_modules(model: torch.nn.Module, mode: str) -> list[str]:
     return [name for name, _ in model.named_modules() if name_matches(name, pattern)]
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str,
-                                   counts: RecomputeCounter = counter) -> list[str]:
+def apply_activation_checkpointing(
+    model: torch.nn.Module, mode: str, counts: RecomputeCounter = counter
+) -> list[str]:
     names = planned_modules(model, mode)
     for name in names:
         recompute_in_backward(model.get_submodule(name), counts)
@@ -100,7 +101,8 @@ def plait_declare() -> PluginInfo:
         name="activation_checkpointing",
         selected_by={"train.activation_checkpointing": ("full", "selective")},
         requires={ALWAYS: frozenset({"model:activation_checkpointing_plan"})},
-        description="recompute blocks (full) or the attention core (selective) in the backward")
+        description="recompute blocks (full) or the attention core (selective) in the backward",
+    )
 
 
 @hookimpl
@@ -113,12 +115,16 @@ def plait_validate(cfg, hook) -> list[str]:
     if plan is None:
         return []  # the capability check names the missing plan
     if mode not in plan:
-        return [f"train.activation_checkpointing={mode}: the model ({cfg.model._target_}) has no "
-                f"{mode!r} entry in its activation_checkpointing_plan (it has: "
-                f"{', '.join(sorted(plan))}); choose one of those"]
+        return [
+            f"train.activation_checkpointing={mode}: the model ({cfg.model._target_}) has no "
+            f"{mode!r} entry in its activation_checkpointing_plan (it has: "
+            f"{', '.join(sorted(plan))}); choose one of those"
+        ]
     if not planned_modules(model, mode):
-        return [f"train.activation_checkpointing={mode}: the model's pattern {plan[mode]!r} "
-                "matches no module; fix the model's activation_checkpointing_plan"]
+        return [
+            f"train.activation_checkpointing={mode}: the model's pattern {plan[mode]!r} "
+            "matches no module; fix the model's activation_checkpointing_plan"
+        ]
     return []
 
 
@@ -126,8 +132,11 @@ def plait_validate(cfg, hook) -> list[str]:
 def plait_apply_activation_checkpointing(cfg, model, topology) -> None:
     names = apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if topology.is_logging_rank:
-        print(f"activation checkpointing ({cfg.train.activation_checkpointing}): "
-              f"{len(names)} modules recomputed in the backward", flush=True)
+        print(
+            f"activation checkpointing ({cfg.train.activation_checkpointing}): "
+            f"{len(names)} modules recomputed in the backward",
+            flush=True,
+        )
 
 
 @hookimpl(tryfirst=True)

@@ -1,4 +1,4 @@
-"""``fault.async_save=true``: the checkpoint's layout-free state is copied to CPU memory while
+"""``checkpoint.async_save=true``: the checkpoint's layout-free state is copied to CPU memory while
 training waits, then written by a background thread (``torch.distributed.checkpoint.async_save``);
 the checkpoint is published (``complete.json``, the rename, ``latest``) only after every rank's
 write has finished. A crash before that leaves the previous checkpoint as ``latest``, and the
@@ -16,14 +16,19 @@ from concurrent.futures import Future
 from typing import Callable
 
 
-
 def cpu_stager():
     """DCP's stager as a CPU run needs it: a plain blocking copy into fresh CPU memory (no
     pinned or shared memory to cache, no non-blocking copy)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=False))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )
 
 
 class BackgroundWrites:
@@ -44,8 +49,12 @@ class BackgroundWrites:
                 if publish is not None:
                     publish()
             except BaseException as e:  # noqa: BLE001 -- handed to the waiter
-                print(f"plait: background checkpoint write failed ({e!r}); the previous "
-                      "checkpoint stays the latest", file=sys.stderr, flush=True)
+                print(
+                    f"plait: background checkpoint write failed ({e!r}); the previous "
+                    "checkpoint stays the latest",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 published.set_exception(e)
             else:
                 published.set_result(None)

@@ -4,9 +4,9 @@ node-local storage settings that protect nothing."""
 
 from __future__ import annotations
 
+from plait.engine import layout_free
 from plait.meta import meta_model
 from plait.plugin_manager import offered_by
-from plait.plugins.checkpoint import layout_free
 from plait.plugins.checkpoint.directory import (
     AUTO,
     LATEST,
@@ -28,26 +28,32 @@ RESHARDABLE = "engine:layout_free_state"
 
 def storage_problems(cfg, dims, hook) -> list[str]:
     """Replicas need node-local checkpoints and fewer replicas than nodes."""
-    fault, problems = cfg.fault, []
-    if fault.replicas > 0 and fault.local_dir is None:
+    checkpoint, problems = cfg.checkpoint, []
+    if checkpoint.replicas > 0 and checkpoint.local_dir is None:
         problems.append(
-            f"fault.replicas={fault.replicas} keeps each node's checkpoint part on peer nodes' "
-            f"own disks, but without fault.local_dir every node writes into the shared "
-            f"{checkpoint_root(cfg)}, where a copy protects nothing: set fault.local_dir=<a "
-            "directory on each node's own disk>, or fault.replicas=0")
-    if fault.replicas > 0 and fault.replicas >= dims.nnodes:
+            f"checkpoint.replicas={checkpoint.replicas} keeps each node's checkpoint part on peer nodes' "
+            f"own disks, but without checkpoint.local_dir every node writes into the shared "
+            f"{checkpoint_root(cfg)}, where a copy protects nothing: set checkpoint.local_dir=<a "
+            "directory on each node's own disk>, or checkpoint.replicas=0"
+        )
+    if checkpoint.replicas > 0 and checkpoint.replicas >= dims.nnodes:
         problems.append(
-            f"fault.replicas={fault.replicas} with {dims.nnodes} node(s): a node's part is kept "
-            f"on fault.replicas other nodes, so it must be below the node count: set "
-            f"fault.replicas={dims.nnodes - 1}" + (" (launcher.nnodes=1 has no peer node)"
-                                                   if dims.nnodes == 1 else ""))
-    if fault.local_dir is not None and fault.async_save:
-        problems.append("fault.async_save=true cannot write node-local checkpoints "
-                        "(fault.local_dir): set fault.async_save=false, or unset fault.local_dir")
-    if fault.local_dir is not None and has_other_roles(cfg, dims, hook):
-        problems.append(f"strategy={cfg.strategy.name} runs ranks of other roles (e.g. parameter "
-                        "servers) that write their own checkpoint files, which fault.local_dir "
-                        "does not place: unset fault.local_dir")
+            f"checkpoint.replicas={checkpoint.replicas} with {dims.nnodes} node(s): a node's part is kept "
+            f"on checkpoint.replicas other nodes, so it must be below the node count: set "
+            f"checkpoint.replicas={dims.nnodes - 1}"
+            + (" (launcher.nnodes=1 has no peer node)" if dims.nnodes == 1 else "")
+        )
+    if checkpoint.local_dir is not None and checkpoint.async_save:
+        problems.append(
+            "checkpoint.async_save=true cannot write node-local checkpoints "
+            "(checkpoint.local_dir): set checkpoint.async_save=false, or unset checkpoint.local_dir"
+        )
+    if checkpoint.local_dir is not None and has_other_roles(cfg, dims, hook):
+        problems.append(
+            f"strategy={cfg.strategy.name} runs ranks of other roles (e.g. parameter "
+            "servers) that write their own checkpoint files, which checkpoint.local_dir "
+            "does not place: unset checkpoint.local_dir"
+        )
     return problems
 
 
@@ -70,43 +76,58 @@ def reshard_problems(cfg, dims, hook, reshardable: bool) -> list[str]:
         return []
     was = describe(saved)
     if not saved["layout_free"]:
-        return [f"resume: checkpoint {path} was written with {was}, which saves no layout-free "
-                f"copy, so it cannot be converted to {describe(layout)}: resume with {was}"]
+        return [
+            f"resume: checkpoint {path} was written with {was}, which saves no layout-free "
+            f"copy, so it cannot be converted to {describe(layout)}: resume with {was}"
+        ]
     if not reshardable:
-        return [f"resume: checkpoint {path} was written with {was}; strategy="
-                f"{cfg.strategy.name} cannot load another layout's checkpoint: resume with {was}, "
-                f"or with {offered_by(RESHARDABLE)} at any parallel.dp/tp/pp"]
+        return [
+            f"resume: checkpoint {path} was written with {was}; strategy="
+            f"{cfg.strategy.name} cannot load another layout's checkpoint: resume with {was}, "
+            f"or with {offered_by(RESHARDABLE)} at any parallel.dp/tp/pp"
+        ]
     model = meta_model(hook, cfg)
     if model is None:
         return []
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     stored = layout_free.saved_shapes(path)
     missing = sorted(shapes.keys() - stored.keys())
-    resized = [f"{k}: {stored[k]} in the checkpoint, {shapes[k]} in the model"
-               for k in sorted(shapes.keys() & stored.keys()) if shapes[k] != stored[k]]
+    resized = [
+        f"{k}: {stored[k]} in the checkpoint, {shapes[k]} in the model"
+        for k in sorted(shapes.keys() & stored.keys())
+        if shapes[k] != stored[k]
+    ]
     if missing or resized:
-        what = "; ".join(resized[:3] + ([f"{len(missing)} parameters missing, e.g. "
-                                         f"{missing[:3]}"] if missing else []))
-        return [f"resume: checkpoint {path} holds another model ({what}): resume with the "
-                "model._target_ and settings that wrote it, or start fresh with resume=null "
-                "and another run.name"]
+        what = "; ".join(
+            resized[:3]
+            + ([f"{len(missing)} parameters missing, e.g. {missing[:3]}"] if missing else [])
+        )
+        return [
+            f"resume: checkpoint {path} holds another model ({what}): resume with the "
+            "model._target_ and settings that wrote it, or start fresh with resume=null "
+            "and another run.name"
+        ]
     return []
 
 
 def resume_problems(cfg) -> list[str]:
     root = ", ".join(map(str, visible_roots(cfg)))
-    if cfg.resume == AUTO or (cfg.resume == LATEST and cfg.fault.local_dir):
+    if cfg.resume == AUTO or (cfg.resume == LATEST and cfg.checkpoint.local_dir):
         return []  # node-local: the nodes learn what survives when they meet
     if cfg.resume is not None:
         if resolve_resume(cfg, cfg.resume) is None:
             where = root if cfg.resume == LATEST else cfg.resume
-            return [f"resume={cfg.resume}: no complete checkpoint found in {where}; start with "
-                    "resume=auto (resumes only if there is one), or give a checkpoint or run "
-                    "directory that holds one"]
+            return [
+                f"resume={cfg.resume}: no complete checkpoint found in {where}; start with "
+                "resume=auto (resumes only if there is one), or give a checkpoint or run "
+                "directory that holds one"
+            ]
         return []
     existing = newest_visible(cfg)
     if existing is not None and not restarted():
-        return [f"run.dir={cfg.run.dir} already holds checkpoints (latest: {existing.name}) and "
-                "resume=null starts fresh: continue it with resume=auto, or start a new run "
-                "with another run.name"]
+        return [
+            f"run.dir={cfg.run.dir} already holds checkpoints (latest: {existing.name}) and "
+            "resume=null starts fresh: continue it with resume=auto, or start a new run "
+            "with another run.name"
+        ]
     return []

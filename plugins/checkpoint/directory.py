@@ -1,8 +1,8 @@
 """The checkpoint directory: where checkpoints live, which of them are complete, and how one
 is published atomically.
 
-Layout under ``run.dir/checkpoints`` (or, with ``fault.local_dir``, under each node's own
-``<fault.local_dir>/<run.name>/node<k>``)::
+Layout under ``run.dir/checkpoints`` (or, with ``checkpoint.local_dir``, under each node's own
+``<checkpoint.local_dir>/<run.name>/node<k>``)::
 
     step_00000040/            one directory per checkpoint: engine files, trainer_state.json,
                               layout.json, rng_rank<r>.pt, and complete.json (written last)
@@ -22,6 +22,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from plait.engine.files import atomic_write_text, fsync_path
+
 LATEST = "latest"
 AUTO = "auto"
 TRAINER_STATE = "trainer_state.json"
@@ -30,13 +32,13 @@ LAYOUT = "layout.json"
 
 
 def node_root(cfg, node: int) -> Path:
-    """Where node ``node`` keeps its checkpoints (on its own disk) with ``fault.local_dir``."""
-    return Path(cfg.fault.local_dir) / cfg.run.name / f"node{node}"
+    """Where node ``node`` keeps its checkpoints (on its own disk) with ``checkpoint.local_dir``."""
+    return Path(cfg.checkpoint.local_dir) / cfg.run.name / f"node{node}"
 
 
 def checkpoint_root(cfg, node: int | None = None) -> Path:
     """Where checkpoints are written: the run directory's, or node ``node``'s own."""
-    if cfg.fault.local_dir is None:
+    if cfg.checkpoint.local_dir is None:
         return Path(cfg.run.dir) / "checkpoints"
     return node_root(cfg, node)
 
@@ -44,7 +46,7 @@ def checkpoint_root(cfg, node: int | None = None) -> Path:
 def visible_roots(cfg) -> list[Path]:
     """The checkpoint roots this machine sees before launch (node-local: every node root on
     it, for the checks that need no processes)."""
-    if cfg.fault.local_dir is None:
+    if cfg.checkpoint.local_dir is None:
         return [checkpoint_root(cfg)]
     return sorted(node_root(cfg, 0).parent.glob("node*"))
 
@@ -52,10 +54,13 @@ def visible_roots(cfg) -> list[Path]:
 def newest_visible(cfg) -> Path | None:
     """The newest complete checkpoint on this machine; node-local: one that holds the run's own
     files (node 0's part: ``layout.json``, ``trainer_state.json``)."""
-    if cfg.fault.local_dir is None:
+    if cfg.checkpoint.local_dir is None:
         return latest_checkpoint(checkpoint_root(cfg), quiet=True)
-    found = [c for root in visible_roots(cfg) if (c := latest_checkpoint(root, quiet=True))
-             and (c / TRAINER_STATE).exists()]
+    found = [
+        c
+        for root in visible_roots(cfg)
+        if (c := latest_checkpoint(root, quiet=True)) and (c / TRAINER_STATE).exists()
+    ]
     return max(found, key=lambda path: path.name, default=None)
 
 
@@ -90,8 +95,9 @@ def latest_checkpoint(root: Path, quiet: bool = False) -> Path | None:
 
 def restarted() -> bool:
     """This process is a restart: by torch elastic (plait's launcher, torchrun) or SLURM."""
-    return any(int(os.environ.get(v, 0)) > 0
-               for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    return any(
+        int(os.environ.get(v, 0)) > 0 for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+    )
 
 
 def resolve_resume(cfg, resume: str | None) -> Path | None:
@@ -102,7 +108,9 @@ def resolve_resume(cfg, resume: str | None) -> Path | None:
     newest complete checkpoint). A restarted process (torch elastic, a SLURM requeue) always
     continues from this run's own newest checkpoint when there is one.
     """
-    own = newest_visible(cfg) if cfg.fault.local_dir else latest_checkpoint(checkpoint_root(cfg))
+    own = (
+        newest_visible(cfg) if cfg.checkpoint.local_dir else latest_checkpoint(checkpoint_root(cfg))
+    )
     if resume in (AUTO, LATEST) or (restarted() and own is not None):
         return own
     if resume is None:
@@ -111,33 +119,17 @@ def resolve_resume(cfg, resume: str | None) -> Path | None:
     if (path / COMPLETE).exists() or (path / TRAINER_STATE).exists():
         problem = checkpoint_problem(path)
         if problem is not None:
-            raise ValueError(f"resume={resume}: not a complete checkpoint: {problem}; give "
-                             "another checkpoint, or the run directory for its newest "
-                             "complete one")
+            raise ValueError(
+                f"resume={resume}: not a complete checkpoint: {problem}; give "
+                "another checkpoint, or the run directory for its newest "
+                "complete one"
+            )
         return path
     for root in (path / "checkpoints", path):
         found = latest_checkpoint(root)
         if found is not None:
             return found
     return None
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 def prune(root: Path, keep_last: int) -> None:
@@ -158,13 +150,19 @@ def publish(root: Path, partial: Path, name: str) -> Path:
     """Write the completion marker last, rename ``partial`` to ``name`` and point ``latest`` at
     it. ``latest`` names a complete checkpoint at every instant, even when ``name`` exists
     (the same step saved again after resuming from an older checkpoint)."""
-    files = {str(f.relative_to(partial)): f.stat().st_size
-             for f in sorted(partial.rglob("*")) if f.is_file()}
+    files = {
+        str(f.relative_to(partial)): f.stat().st_size
+        for f in sorted(partial.rglob("*"))
+        if f.is_file()
+    }
     atomic_write_text(partial / COMPLETE, json.dumps({"files": files}))
     complete = root / name
     if complete.exists():
-        others = [p for p in sorted(root.glob("step_*")) if p != complete
-                  and checkpoint_problem(p) is None]
+        others = [
+            p
+            for p in sorted(root.glob("step_*"))
+            if p != complete and checkpoint_problem(p) is None
+        ]
         if others:
             atomic_write_text(root / LATEST, others[-1].name)
         else:

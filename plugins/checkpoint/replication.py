@@ -1,8 +1,8 @@
-"""Node-local checkpoints (``fault.local_dir``) and their replicas on peer nodes
-(``fault.replicas=R``): losing a node, disk and all, loses no checkpoint.
+"""Node-local checkpoints (``checkpoint.local_dir``) and their replicas on peer nodes
+(``checkpoint.replicas=R``): losing a node, disk and all, loses no checkpoint.
 
 Each node writes its ranks' files of a checkpoint under its own root,
-``<fault.local_dir>/<run.name>/node<k>/`` (the node rank is in the path, so "nodes" sharing one
+``<checkpoint.local_dir>/<run.name>/node<k>/`` (the node rank is in the path, so "nodes" sharing one
 machine keep apart). The files a node's ranks wrote are that node's *part*; the parts' names
 never collide (engine files are named by rank or by mesh position), so the union of all parts
 is the checkpoint a shared directory would hold. Once its part is fsynced, a node's first
@@ -38,14 +38,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plait.plugins.checkpoint.directory import (
-    COMPLETE,
-    atomic_write_text,
-    checkpoint_problem,
-    fsync_path,
-    node_root,
-    publish,
-)
+from plait.engine.files import atomic_write_text, fsync_path
+from plait.plugins.checkpoint.directory import COMPLETE, checkpoint_problem, node_root, publish
 
 PART = "part_node{}.json"
 
@@ -68,15 +62,19 @@ def placement(nnodes: int, replicas: int, shown: int = 8) -> dict[str, str]:
 
 
 def mark_part(directory: Path, node: int, nnodes: int, files: dict[str, int]) -> None:
-    atomic_write_text(directory / PART.format(node),
-                      json.dumps({"node": node, "nnodes": nnodes, "files": files}))
+    atomic_write_text(
+        directory / PART.format(node), json.dumps({"node": node, "nnodes": nnodes, "files": files})
+    )
 
 
 def own_files(directory: Path) -> dict[str, int]:
     """Every file in ``directory`` but the markers: the node's part, before replicas arrive."""
     markers = {COMPLETE, *(m.name for m in directory.glob(PART.format("*")))}
-    return {str(f.relative_to(directory)): f.stat().st_size
-            for f in sorted(directory.rglob("*")) if f.is_file() and f.name not in markers}
+    return {
+        str(f.relative_to(directory)): f.stat().st_size
+        for f in sorted(directory.rglob("*"))
+        if f.is_file() and f.name not in markers
+    }
 
 
 def parts_in(directory: Path) -> dict[int, dict]:
@@ -127,13 +125,16 @@ def lost_parts(name: str, held: dict[int, dict], replicas: int) -> str | None:
     if not lost:
         return None
     which = ", ".join(f"node {p}'s" for p in lost)
-    return (f"{which} part of checkpoint {name} is lost: no node holds it or a replica of it "
-            f"(fault.replicas={replicas}; a node's part survives the loss of its disk only with "
-            "fault.replicas >= 1)")
+    return (
+        f"{which} part of checkpoint {name} is lost: no node holds it or a replica of it "
+        f"(checkpoint.replicas={replicas}; a node's part survives the loss of its disk only with "
+        "checkpoint.replicas >= 1)"
+    )
 
 
-def plan_restore(held: dict[int, dict[str, dict[int, dict]]], nnodes: int,
-                 replicas: int) -> Restore | None:
+def plan_restore(
+    held: dict[int, dict[str, dict[int, dict]]], nnodes: int, replicas: int
+) -> Restore | None:
     """The newest checkpoint whose every part some node holds, and who sends which part to whom
     so that each of the ``nnodes`` nodes holds them all. ``held``: ``{node: holdings(root)}``.
     None when no node holds any checkpoint; :class:`PartLost` when every one has a part lost."""
@@ -156,8 +157,10 @@ def plan_restore(held: dict[int, dict[str, dict[int, dict]]], nnodes: int,
                 restore.fetches.append((node, part, sender))
         return restore
     if lost:
-        raise PartLost("; ".join(lost) + ": no checkpoint can be resumed whole. Start afresh "
-                       "with resume=null and another run.name, or bring back the lost disk")
+        raise PartLost(
+            "; ".join(lost) + ": no checkpoint can be resumed whole. Start afresh "
+            "with resume=null and another run.name, or bring back the lost disk"
+        )
     return None
 
 
@@ -179,8 +182,11 @@ def _file_tensor(path: Path) -> torch.Tensor:
     return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
 
 
-def transfer(group, sends: list[tuple[Path, list[str], int]],
-             receives: list[tuple[Path, list[tuple[str, int]], int]]) -> int:
+def transfer(
+    group,
+    sends: list[tuple[Path, list[str], int]],
+    receives: list[tuple[Path, list[tuple[str, int]], int]],
+) -> int:
     """Send and receive files, one file of every transfer per round so that every leader's
     sends and receives are posted together (no ring of blocking sends can wait on itself).
     ``sends``: ``(directory, names, to rank)``; ``receives``: ``(directory, [(name, size)],
@@ -228,19 +234,26 @@ def replicate(partial: Path, name: str, topology, replicas: int) -> int:
     dist.all_gather_object(parts, part, group=group)
     if not is_leader(topology):
         return 0
-    by_node = {topology.node_of[rank]: p for rank, p in zip(topology.trainer_ranks, parts)
-               if p is not None}
-    sends = [(partial, list(by_node[node]), leader_of(topology, peer))
-             for peer in holders(node, nnodes, replicas)]
+    by_node = {
+        topology.node_of[rank]: p for rank, p in zip(topology.trainer_ranks, parts) if p is not None
+    }
+    sends = [
+        (partial, list(by_node[node]), leader_of(topology, peer))
+        for peer in holders(node, nnodes, replicas)
+    ]
     sources = [peer for peer in range(nnodes) if node in holders(peer, nnodes, replicas)]
-    receives = [(partial, list(by_node[peer].items()), leader_of(topology, peer))
-                for peer in sources]
+    receives = [
+        (partial, list(by_node[peer].items()), leader_of(topology, peer)) for peer in sources
+    ]
     sent = transfer(group, sends, receives)
     for peer in sources:
         mark_part(partial, peer, nnodes, by_node[peer])
     fsync_path(partial)
-    print(f"plait: node {node} sent its part of {name} ({sent} bytes) to node(s) "
-          f"{', '.join(map(str, holders(node, nnodes, replicas)))}", flush=True)
+    print(
+        f"plait: node {node} sent its part of {name} ({sent} bytes) to node(s) "
+        f"{', '.join(map(str, holders(node, nnodes, replicas)))}",
+        flush=True,
+    )
     return sent
 
 
@@ -254,16 +267,20 @@ def restore(cfg, topology) -> Path | None:
     mine = holdings(root) if leader else None
     every = [None] * len(topology.trainer_ranks)
     dist.all_gather_object(every, mine, group=group)
-    held = {topology.node_of[rank]: h for rank, h in zip(topology.trainer_ranks, every)
-            if h is not None}
-    plan = plan_restore(held, topology.dims.nnodes, cfg.fault.replicas)
+    held = {
+        topology.node_of[rank]: h for rank, h in zip(topology.trainer_ranks, every) if h is not None
+    }
+    plan = plan_restore(held, topology.dims.nnodes, cfg.checkpoint.replicas)
     if plan is None:
         return None
     if leader:
         if topology.is_logging_rank:
             for problem in plan.lost_newer:
-                print(f"plait: {problem}; resuming from the older {plan.name}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"plait: {problem}; resuming from the older {plan.name}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         fetch_parts(root, plan, held, topology, group)
     dist.barrier(group=group)
     return root / plan.name
@@ -289,9 +306,11 @@ def fetch_parts(root: Path, plan: Restore, held: dict, topology, group) -> None:
         elif node == receiver:
             transfer(group, [], [(partial, list(files.items()), leader_of(topology, sender))])
             mark_part(partial, part, held[sender][name][part]["nnodes"], files)
-            how = (f"restored from node {sender}'s replica" if part == node else
-                   f"fetched from node {sender} (a node loads every part)")
-            print(f"plait: node {node}: node {part}'s part of checkpoint {name} {how}",
-                  flush=True)
+            how = (
+                f"restored from node {sender}'s replica"
+                if part == node
+                else f"fetched from node {sender} (a node loads every part)"
+            )
+            print(f"plait: node {node}: node {part}'s part of checkpoint {name} {how}", flush=True)
     if wanted:
         publish(root, partial, name)

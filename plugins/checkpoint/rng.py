@@ -19,8 +19,11 @@ RNG_FILE = "rng_rank{}.pt"
 def rng_state() -> dict:
     """Every random generator the next step may draw from, for this rank."""
     _, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": (torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -55,6 +58,7 @@ def load_rng(directory: Path, rank: int, required: bool) -> None:
                 f"checkpoint {directory} has no {file.name}: rank {rank}'s random state was not "
                 "saved with it (a damaged or hand-edited checkpoint), and resuming without it "
                 "would not continue the run exactly; resume from another checkpoint, or start "
-                "fresh with resume=null and another run.name")
+                "fresh with resume=null and another run.name"
+            )
         return
     set_rng_state(torch.load(file, weights_only=True))

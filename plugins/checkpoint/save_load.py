@@ -2,7 +2,7 @@
 finds its checkpoint and reads it back (the engine's own files, or the layout-free copy at
 another layout). The directory rules are ``directory.py``'s, the random state ``rng.py``'s.
 
-At most one background write (``fault.async_save``) is in flight per worker process; ``background``
+At most one background write (``checkpoint.async_save``) is in flight per worker process; ``background``
 holds it from one save to the next.
 """
 
@@ -13,16 +13,16 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from plait.plugins.checkpoint import layout_free, replication
+from plait.engine import layout_free
+from plait.engine.files import atomic_write_text, fsync_path
+from plait.plugins.checkpoint import replication
 from plait.plugins.checkpoint.background import BackgroundWrites
 from plait.plugins.checkpoint.directory import (
     AUTO,
     LATEST,
     LAYOUT,
     TRAINER_STATE,
-    atomic_write_text,
     checkpoint_root,
-    fsync_path,
     node_root,
     prune,
     publish,
@@ -44,15 +44,23 @@ def barrier(topology) -> None:
 
 
 def current_layout(cfg, dims) -> dict:
-    return {"strategy": cfg.strategy.name, "dp": dims.dp, "cp": dims.cp, "tp": dims.tp,
-            "pp": dims.pp, "ep": dims.ep}
+    return {
+        "strategy": cfg.strategy.name,
+        "dp": dims.dp,
+        "cp": dims.cp,
+        "tp": dims.tp,
+        "pp": dims.pp,
+        "ep": dims.ep,
+    }
 
 
 def describe(layout: dict) -> str:
     cp = f" parallel.cp={layout['cp']}" if layout.get("cp", 1) > 1 else ""
     ep = f" parallel.ep={layout['ep']}" if layout.get("ep", 1) > 1 else ""
-    return (f"strategy={layout['strategy']} parallel.dp={layout['dp']}{cp} parallel.tp="
-            f"{layout['tp']} parallel.pp={layout['pp']}{ep}")
+    return (
+        f"strategy={layout['strategy']} parallel.dp={layout['dp']}{cp} parallel.tp="
+        f"{layout['tp']} parallel.pp={layout['pp']}{ep}"
+    )
 
 
 def saved_layout(path: Path) -> dict | None:
@@ -75,14 +83,16 @@ def needs_conversion(saved: dict | None, layout: dict) -> bool:
 def checkpoint_to_load(cfg, topology) -> Path | None:
     """The checkpoint this rank loads (every trainer calls this: with node-local checkpoints,
     the nodes agree on it and fetch the parts they lack first)."""
-    if cfg.fault.local_dir is None:
+    if cfg.checkpoint.local_dir is None:
         return resolve_resume(cfg, cfg.resume)
     own = None
     if cfg.resume in (AUTO, LATEST) or restarted():
         own = replication.restore(cfg, topology)
     if own is None and cfg.resume == LATEST:
-        raise ValueError(f"resume=latest: no node holds a checkpoint of this run under "
-                         f"{node_root(cfg, 0).parent}; start with resume=auto")
+        raise ValueError(
+            f"resume=latest: no node holds a checkpoint of this run under "
+            f"{node_root(cfg, 0).parent}; start with resume=auto"
+        )
     if own is None and cfg.resume not in (None, AUTO):
         return resolve_resume(cfg, cfg.resume)  # another run's checkpoint
     return own
@@ -99,12 +109,17 @@ def load(cfg, engine, topology, reshardable: bool) -> TrainState | None:
     converted = needs_conversion(saved, layout)
     if converted:
         if not reshardable:  # refused before launch; a checkpoint that changed since
-            raise ValueError(f"resume: checkpoint {path} was written with {describe(saved)}; "
-                             f"strategy={cfg.strategy.name} cannot convert it: resume with "
-                             f"{describe(saved)}")
+            raise ValueError(
+                f"resume: checkpoint {path} was written with {describe(saved)}; "
+                f"strategy={cfg.strategy.name} cannot convert it: resume with "
+                f"{describe(saved)}"
+            )
         if topology.is_logging_rank:
-            print(f"plait: converting checkpoint {path} from {describe(saved)} to "
-                  f"{describe(layout)} (layout-free DCP copy)", flush=True)
+            print(
+                f"plait: converting checkpoint {path} from {describe(saved)} to "
+                f"{describe(layout)} (layout-free DCP copy)",
+                flush=True,
+            )
         layout_free.load(engine, topology, path, topology.trainer_group)
     else:
         engine.load_state(path)
@@ -122,19 +137,23 @@ def load(cfg, engine, topology, reshardable: bool) -> TrainState | None:
 def fork(state: TrainState, path: Path) -> TrainState:
     """Another run's checkpoint starts a new run: its weights, optimizer and data position are
     taken, its tracker run is not (the new run gets its own and names the other as parent)."""
-    state.parent = {"run_name": state.run_name, "tracker_run_id": state.tracker_run_id,
-                    "step": state.step, "checkpoint": str(path)}
+    state.parent = {
+        "run_name": state.run_name,
+        "tracker_run_id": state.tracker_run_id,
+        "step": state.step,
+        "checkpoint": str(path),
+    }
     state.tracker_run_id, state.run_name, state.metrics = None, None, {}
     return state
 
 
 def save_if_due(cfg, engine, state, topology, final: bool, reshardable: bool) -> Path | None:
-    """The checkpoint after ``state.step`` when one is due (every ``fault.checkpoint_every``
+    """The checkpoint after ``state.step`` when one is due (every ``checkpoint.every``
     steps, and the final one); its directory, or None."""
     if not (topology.roles.lockstep or topology.is_logging_rank):
         return None  # at its own pace: the first trainer's engine saves the run's state
-    every = cfg.fault.checkpoint_every
-    due = (final and cfg.fault.save_final) or (every > 0 and state.step % every == 0)
+    every = cfg.checkpoint.every
+    due = (final and cfg.checkpoint.save_final) or (every > 0 and state.step % every == 0)
     complete = save(cfg, engine, state, topology, reshardable) if due else None
     if final:
         background.wait()  # the run ends with its last checkpoint published
@@ -143,16 +162,16 @@ def save_if_due(cfg, engine, state, topology, final: bool, reshardable: bool) ->
 
 def save(cfg, engine, state, topology, reshardable: bool) -> Path:
     """Every rank writes its part into ``.step_<n>.partial``; rank 0 publishes it when all
-    parts are durable: now, or with ``fault.async_save`` when the background write is done.
-    With ``fault.local_dir`` each node writes into its own root and publishes its own
+    parts are durable: now, or with ``checkpoint.async_save`` when the background write is done.
+    With ``checkpoint.local_dir`` each node writes into its own root and publishes its own
     directory once every node's part and replicas are durable. ``reshardable``: the strategy
     declared ``engine:layout_free_state``, so a layout-free copy is written too."""
     background.wait()  # the previous write is published before its .partial could be removed
-    node_local = cfg.fault.local_dir is not None
+    node_local = cfg.checkpoint.local_dir is not None
     root = checkpoint_root(cfg, topology.node_rank)
     name = f"step_{state.step:08d}"
     partial, complete = root / f".{name}.partial", root / name
-    in_background = cfg.fault.async_save and reshardable
+    in_background = cfg.checkpoint.async_save and reshardable
     # an engine whose own format cannot hold this layout (ZeRO with experts) writes only the
     # layout-free copy, from which a resume at any layout loads
     engine_files = not in_background and getattr(engine, "saves_engine_files", True)
@@ -164,8 +183,11 @@ def save(cfg, engine, state, topology, reshardable: bool) -> Path:
     if engine_files:
         engine.save_state(partial)
     save_rng(partial, topology.rank)
-    record = {**current_layout(cfg, topology.dims), "engine_files": engine_files,
-              "layout_free": reshardable}
+    record = {
+        **current_layout(cfg, topology.dims),
+        "engine_files": engine_files,
+        "layout_free": reshardable,
+    }
     state.run_name = cfg.run.name  # a run resumed elsewhere (a PBT copy) names its source
     trainer_state = json.dumps(state.to_dict())
 
@@ -179,13 +201,16 @@ def save(cfg, engine, state, topology, reshardable: bool) -> Path:
                 fsync_path(file)
         write_run_files()
         publish(root, partial, name)
-        prune(root, cfg.fault.keep_last)
+        prune(root, cfg.checkpoint.keep_last)
 
     publisher = publish_on_rank0 if topology.is_logging_rank else None
     if in_background:
-        background.start(lambda stager: layout_free.save(
-            engine, topology, partial, topology.side_group("checkpoint writes"), stager),
-            publisher)
+        background.start(
+            lambda stager: layout_free.save(
+                engine, topology, partial, topology.side_group("checkpoint writes"), stager
+            ),
+            publisher,
+        )
         return complete
     if reshardable:
         layout_free.save(engine, topology, partial, topology.trainer_group)
@@ -197,11 +222,11 @@ def save(cfg, engine, state, topology, reshardable: bool) -> Path:
     if node_local:
         if topology.is_logging_rank:  # node 0's part holds the run's own files
             write_run_files()
-        replication.replicate(partial, name, topology, cfg.fault.replicas)
+        replication.replicate(partial, name, topology, cfg.checkpoint.replicas)
         barrier(topology)  # every node's part and replicas are durable: each node publishes
         if topology.local_trainer_rank == 0:
             publish(root, partial, name)
-            prune(root, cfg.fault.keep_last)
+            prune(root, cfg.checkpoint.keep_last)
     elif publisher is not None:
         publisher()
     barrier(topology)

@@ -52,25 +52,29 @@ class CommSettings(CommConfig):
 def comm_spec(cfg) -> CommSpec:
     settings = cfg.comm
     bucket = None if settings.bucket_mb is None else int(settings.bucket_mb * 2**20)
-    return CommSpec(algorithm=settings.name, compression=settings.compression,
-                    bucket_bytes=bucket)
+    return CommSpec(algorithm=settings.name, compression=settings.compression, bucket_bytes=bucket)
 
 
 def problems(cfg) -> list[str]:
     settings, found = cfg.comm, []
     if settings.compression not in COMPRESSIONS:
-        found.append(f"comm.compression={settings.compression}: choose one of "
-                     f"{', '.join(COMPRESSIONS)}")
+        found.append(
+            f"comm.compression={settings.compression}: choose one of {', '.join(COMPRESSIONS)}"
+        )
     if settings.bucket_mb is not None and not settings.bucket_mb > 0:
-        found.append(f"comm.bucket_mb={settings.bucket_mb} must be positive (MiB), or null for "
-                     "the strategy's default")
+        found.append(
+            f"comm.bucket_mb={settings.bucket_mb} must be positive (MiB), or null for "
+            "the strategy's default"
+        )
     if settings.compression == "powersgd":
         if settings.powersgd_rank < 1:
             found.append(f"comm.powersgd_rank={settings.powersgd_rank} must be at least 1")
         if settings.powersgd_start_iter < 2:
-            found.append(f"comm.powersgd_start_iter={settings.powersgd_start_iter} must be at "
-                         "least 2: torch's PowerSGD keeps per-bucket error feedback, and DDP "
-                         "rebuilds its buckets after the first step")
+            found.append(
+                f"comm.powersgd_start_iter={settings.powersgd_start_iter} must be at "
+                "least 2: torch's PowerSGD keeps per-bucket error feedback, and DDP "
+                "rebuilds its buckets after the first step"
+            )
     return found
 
 
@@ -87,20 +91,29 @@ def algorithm_of(name: str, topology) -> Callable[[dist.ProcessGroup], dist.Proc
 
     # gradients are averaged over the data- and context-parallel ranks together
     nodes = topology.node_groups("dp_cp")
-    dp_ranks = dist.get_process_group_ranks(
-        topology.get_data_parallel_group(with_context_parallel=True))
+    dp_ranks = dist.get_process_group_ranks(topology.group("dp_cp"))
     if nodes.intra is None or nodes.inter is None:
         if topology.dp_cp_rank == 0 and topology.tp_rank == 0:
-            where = ("lies on one node" if nodes.nnodes == 1 else "has one rank per node"
-                     if nodes.local_size == 1 else "is spread unevenly over the nodes")
-            print(f"plait: comm=hierarchical: data-parallel group {dp_ranks} {where}; "
-                  "falling back to flat all-reduce", flush=True)
+            where = (
+                "lies on one node"
+                if nodes.nnodes == 1
+                else "has one rank per node"
+                if nodes.local_size == 1
+                else "is spread unevenly over the nodes"
+            )
+            print(
+                f"plait: comm=hierarchical: data-parallel group {dp_ranks} {where}; "
+                "falling back to flat all-reduce",
+                flush=True,
+            )
         return None
 
     def on_nodes(group: dist.ProcessGroup) -> dist.ProcessGroup:
         if dist.get_process_group_ranks(group) != dp_ranks:
-            raise ValueError("comm=hierarchical splits the data-parallel group by node: reduce "
-                             "over topology.get_data_parallel_group(with_context_parallel=True)")
+            raise ValueError(
+                "comm=hierarchical splits the data-parallel group by node: reduce "
+                "over topology.group('dp_cp')"
+            )
         return HierarchicalGroup(group, nodes.intra, nodes.inter)
 
     return on_nodes
@@ -109,10 +122,13 @@ def algorithm_of(name: str, topology) -> Callable[[dist.ProcessGroup], dist.Proc
 class CommPlugin:
     """One of the two comm plugins; they differ in what they select and require."""
 
-    def __init__(self, name: str, algorithms: tuple[str, ...], requires: dict,
-                 description: str):
-        self.info = PluginInfo(name=name, selected_by={"comm.name": algorithms},
-                               requires=requires, description=description)
+    def __init__(self, name: str, algorithms: tuple[str, ...], requires: dict, description: str):
+        self.info = PluginInfo(
+            name=name,
+            selected_by={"comm.name": algorithms},
+            requires=requires,
+            description=description,
+        )
 
     @hookimpl
     def plait_declare(self) -> PluginInfo:
@@ -135,13 +151,21 @@ class CommPlugin:
         from plait.plugins.comm.reducer import Reducer, compression_of
 
         spec, settings = comm_spec(cfg), cfg.comm
-        compress = compression_of(spec, settings.powersgd_rank, settings.powersgd_start_iter,
-                                  cfg.seed)
+        compress = compression_of(
+            spec, settings.powersgd_rank, settings.powersgd_start_iter, cfg.seed
+        )
         return Reducer(spec, compress, algorithm_of(spec.algorithm, topology))
 
 
-allreduce = CommPlugin("allreduce", ("allreduce",), {},
-                       "the strategy's own all-reduce of gradients (+ compression, bucket size)")
-comm = CommPlugin("comm", ALGORITHMS,  # gradients are reduced over dp x cp
-                  {axis: frozenset({"engine:grad_comm"}) for axis in ("dp", "cp")},
-                  "explicit flat / ring / hierarchical all-reduce (+ compression, bucket size)")
+allreduce = CommPlugin(
+    "allreduce",
+    ("allreduce",),
+    {},
+    "the strategy's own all-reduce of gradients (+ compression, bucket size)",
+)
+comm = CommPlugin(
+    "comm",
+    ALGORITHMS,  # gradients are reduced over dp x cp
+    {axis: frozenset({"engine:grad_comm"}) for axis in ("dp", "cp")},
+    "explicit flat / ring / hierarchical all-reduce (+ compression, bucket size)",
+)

@@ -49,8 +49,9 @@ from plait.plugins.comm.ring import (
 class HierarchicalGroup(AlgorithmGroup):
     name = "hierarchical"
 
-    def __init__(self, group: dist.ProcessGroup, intra: dist.ProcessGroup,
-                 inter: dist.ProcessGroup):
+    def __init__(
+        self, group: dist.ProcessGroup, intra: dist.ProcessGroup, inter: dist.ProcessGroup
+    ):
         super().__init__(group)
         self.intra, self.inter = intra, inter
 
@@ -62,12 +63,18 @@ SEGMENT_BYTES = 4 * 2**20
 _GATHER_TAG = 1  # the intra-node all-gather's messages; the reduce-scatter's use tag 0
 
 
-def hierarchical_all_reduce_(tensor: torch.Tensor, intra: dist.ProcessGroup,
-                             inter: dist.ProcessGroup, segment_bytes: int = SEGMENT_BYTES) -> None:
+def hierarchical_all_reduce_(
+    tensor: torch.Tensor,
+    intra: dist.ProcessGroup,
+    inter: dist.ProcessGroup,
+    segment_bytes: int = SEGMENT_BYTES,
+) -> None:
     """Sum ``tensor`` (1-D, contiguous) over ``intra`` x ``inter`` in place, pipelined over
     segments of ``segment_bytes``."""
-    segments = [s.tensor_split(intra.size())
-                for s in tensor.split(max(1, segment_bytes // tensor.element_size()))]
+    segments = [
+        s.tensor_split(intra.size())
+        for s in tensor.split(max(1, segment_bytes // tensor.element_size()))
+    ]
     if len(segments) <= 1:
         for chunks in segments:
             ring_reduce_scatter_(chunks, intra)
@@ -91,10 +98,14 @@ def hierarchical_all_reduce_(tensor: torch.Tensor, intra: dist.ProcessGroup,
                 outbox.put(None)
 
     threads = [
-        threading.Thread(target=stage, args=(
-            lambda c: ring_all_reduce_(c[owned_chunk(intra)], inter), reduced, summed)),
-        threading.Thread(target=stage, args=(
-            lambda c: ring_all_gather_(c, intra, _GATHER_TAG), summed, None))]
+        threading.Thread(
+            target=stage,
+            args=(lambda c: ring_all_reduce_(c[owned_chunk(intra)], inter), reduced, summed),
+        ),
+        threading.Thread(
+            target=stage, args=(lambda c: ring_all_gather_(c, intra, _GATHER_TAG), summed, None)
+        ),
+    ]
     for thread in threads:
         thread.start()
     try:

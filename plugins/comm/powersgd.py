@@ -17,6 +17,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 def powersgd_hook(group, rank: int, start_iter: int, seed: int):
     """``(hook, state)`` in DDP's comm-hook form; ``group`` may be an algorithm's group. The same
     seed on every rank gives every rank the same random projections."""
-    state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
-                                        start_powerSGD_iter=start_iter, random_seed=seed)
+    state = powerSGD_hook.PowerSGDState(
+        process_group=group,
+        matrix_approximation_rank=rank,
+        start_powerSGD_iter=start_iter,
+        random_seed=seed,
+    )
     return powerSGD_hook.powerSGD_hook, state

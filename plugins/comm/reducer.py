@@ -40,18 +40,24 @@ class Reducer:
     :param compress: maps that group to ``(hook, state)``.
     """
 
-    def __init__(self, spec: CommSpec, compress: Callable[[dist.ProcessGroup], Hook],
-                 algorithm: Callable[[dist.ProcessGroup], dist.ProcessGroup] | None = None):
+    def __init__(
+        self,
+        spec: CommSpec,
+        compress: Callable[[dist.ProcessGroup], Hook],
+        algorithm: Callable[[dist.ProcessGroup], dist.ProcessGroup] | None = None,
+    ):
         self.spec = spec
         self._compress, self._algorithm = compress, algorithm
         self._hooks: dict[dist.ProcessGroup, Hook] = {}
         self._thread = ThreadPoolExecutor(1, "plait-comm") if algorithm is not None else None
 
-    def reduce(self, bucket: GradBucket,
-               group: dist.ProcessGroup) -> torch.futures.Future[torch.Tensor]:
+    def reduce(
+        self, bucket: GradBucket, group: dist.ProcessGroup
+    ) -> torch.futures.Future[torch.Tensor]:
         if group not in self._hooks:
-            self._hooks[group] = self._compress(self._algorithm(group) if self._algorithm
-                                                else group)
+            self._hooks[group] = self._compress(
+                self._algorithm(group) if self._algorithm else group
+            )
         hook, state = self._hooks[group]
         if self._thread is None:
             return hook(state, bucket)
@@ -67,8 +73,9 @@ class Reducer:
         return result
 
 
-def compression_of(spec: CommSpec, powersgd_rank: int, powersgd_start_iter: int,
-                   seed: int) -> Callable[[dist.ProcessGroup], Hook]:
+def compression_of(
+    spec: CommSpec, powersgd_rank: int, powersgd_start_iter: int, seed: int
+) -> Callable[[dist.ProcessGroup], Hook]:
     """``group -> (hook, state)`` for ``spec.compression``."""
     if spec.compression == "none":
         return lambda group: (default_hooks.allreduce_hook, group)

@@ -44,8 +44,9 @@ def owned_chunk(group: dist.ProcessGroup) -> int:
     return (group.rank() + 1) % group.size()
 
 
-def ring_reduce_scatter_(chunks: tuple[torch.Tensor, ...], group: dist.ProcessGroup,
-                         tag: int = 0) -> None:
+def ring_reduce_scatter_(
+    chunks: tuple[torch.Tensor, ...], group: dist.ProcessGroup, tag: int = 0
+) -> None:
     """Sum ``chunks`` (one per rank of ``group``, views of one buffer) around the ring, so that
     this rank ends with the full sum of chunk :func:`owned_chunk`; the others hold partial sums.
     ``tag`` keeps the messages apart from another thread's on the same group."""
@@ -55,8 +56,9 @@ def ring_reduce_scatter_(chunks: tuple[torch.Tensor, ...], group: dist.ProcessGr
         chunks[receive].add_(_pass_along(chunks, send, receive, group, tag))
 
 
-def ring_all_gather_(chunks: tuple[torch.Tensor, ...], group: dist.ProcessGroup,
-                     tag: int = 0) -> None:
+def ring_all_gather_(
+    chunks: tuple[torch.Tensor, ...], group: dist.ProcessGroup, tag: int = 0
+) -> None:
     """Give every rank every rank's :func:`owned_chunk`, around the ring."""
     p, r = group.size(), group.rank()
     for s in range(p - 1):
@@ -64,8 +66,9 @@ def ring_all_gather_(chunks: tuple[torch.Tensor, ...], group: dist.ProcessGroup,
         chunks[receive].copy_(_pass_along(chunks, send, receive, group, tag))
 
 
-def _pass_along(chunks, send: int, receive: int, group: dist.ProcessGroup,
-                tag: int) -> torch.Tensor:
+def _pass_along(
+    chunks, send: int, receive: int, group: dist.ProcessGroup, tag: int
+) -> torch.Tensor:
     """Send one chunk to the right neighbour, receive one from the left (a chunk of a buffer
     shorter than the ring is empty, and then is neither sent nor received)."""
     p, r = group.size(), group.rank()

@@ -34,11 +34,12 @@ from plait.plugins.context_parallel.apply import (
     STYLES,
     SequenceShardLoss,
     apply_context_parallel,
+    exchange_bytes,
     layout_for,
     planned,
 )
 from plait.plugins.context_parallel.ring import ExchangeStats
-from plait.types import PluginInfo
+from plait.types import AxisCost, PluginInfo
 
 
 @dataclass
@@ -53,15 +54,18 @@ stats = ExchangeStats()  # this process's attention exchanges, for the logged me
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(
-        name="context_parallel", selected_by={"context_parallel.name": "plait"},
+        name="context_parallel",
+        selected_by={"context_parallel.name": "plait"},
         requires={"cp": frozenset({"model:context_parallel", "engine:context_parallel"})},
-        description="context parallelism: ring attention (zigzag) or Ulysses all-to-all")
+        description="context parallelism: ring attention (zigzag) or Ulysses all-to-all",
+    )
 
 
 @hookimpl
 def plait_register_configs(config_store) -> None:
-    config_store.store(group="context_parallel", name="base_plait_cp",
-                       node=PlaitContextParallelConfig)
+    config_store.store(
+        group="context_parallel", name="base_plait_cp", node=PlaitContextParallelConfig
+    )
 
 
 @hookimpl
@@ -74,38 +78,51 @@ def plait_validate(cfg, dims, hook) -> list[str]:
     problems, seq_len = [], cfg.train.seq_len
     chunks = 2 * cp if backend == "ring" else cp
     if seq_len % chunks:
-        why = ("zigzag load balancing cuts each sequence into 2·cp chunks" if backend == "ring"
-               else "each rank holds seq_len / cp tokens")
-        problems.append(f"train.seq_len={seq_len} is not divisible by {chunks} for "
-                        f"context_parallel.backend={backend} with parallel.cp={cp} ({why}): "
-                        f"choose train.seq_len as a multiple of {chunks}")
+        why = (
+            "zigzag load balancing cuts each sequence into 2·cp chunks"
+            if backend == "ring"
+            else "each rank holds seq_len / cp tokens"
+        )
+        problems.append(
+            f"train.seq_len={seq_len} is not divisible by {chunks} for "
+            f"context_parallel.backend={backend} with parallel.cp={cp} ({why}): "
+            f"choose train.seq_len as a multiple of {chunks}"
+        )
     model = meta_model(hook, cfg)
     if model is None:  # the models plugin says why
         return problems
     plan = getattr(model, "context_parallel_plan", None)
     if plan is None:
         reason = getattr(model, "no_context_parallel_plan_reason", None)  # the model says why
-        why = reason or ("the model carries no context_parallel_plan (which module takes the "
-                         "token ids, which is the attention core)")
+        why = reason or (
+            "the model carries no context_parallel_plan (which module takes the "
+            "token ids, which is the attention core)"
+        )
         return problems + [
             f"parallel.cp={cp}: plait cannot replace the attention of model._target_="
             f"{cfg.model._target_}: {why}; use a model that has one (plait's GPT: "
-            "model=gpt_tiny, gpt2_small; model=hf with Llama-family attention) or parallel.cp=1"]
+            "model=gpt_tiny, gpt2_small; model=hf with Llama-family attention) or parallel.cp=1"
+        ]
     for style in STYLES:
         if not planned(model, plan, style):
-            problems.append(f"parallel.cp={cp}: the context_parallel_plan of model._target_="
-                            f"{cfg.model._target_} names no {style!r} module that exists: fix "
-                            "the model's plan")
+            problems.append(
+                f"parallel.cp={cp}: the context_parallel_plan of model._target_="
+                f"{cfg.model._target_} names no {style!r} module that exists: fix "
+                "the model's plan"
+            )
     heads = getattr(model, "n_head", None)
     if backend == "ulysses" and heads is not None and (heads // dims.tp) % cp:
         # a setting of plait's GPT; model=hf reads it from config.json (num_attention_heads)
         name = "model.n_head" if "n_head" in cfg.model else "the model's n_head"
-        per_rank = (f"{name} / parallel.tp = {heads // dims.tp}" if dims.tp > 1
-                    else f"{name}={heads}")
-        problems.append(f"context_parallel.backend=ulysses with parallel.cp={cp}: the heads "
-                        f"({per_rank}) are not divisible by cp, and Ulysses gives each rank "
-                        f"heads / cp of them: choose parallel.cp dividing {heads // dims.tp}, "
-                        "or context_parallel.backend=ring")
+        per_rank = (
+            f"{name} / parallel.tp = {heads // dims.tp}" if dims.tp > 1 else f"{name}={heads}"
+        )
+        problems.append(
+            f"context_parallel.backend=ulysses with parallel.cp={cp}: the heads "
+            f"({per_rank}) are not divisible by cp, and Ulysses gives each rank "
+            f"heads / cp of them: choose parallel.cp dividing {heads // dims.tp}, "
+            "or context_parallel.backend=ring"
+        )
     return problems
 
 
@@ -116,12 +133,14 @@ def plait_apply_context_parallel(cfg, model, topology) -> None:
         return
     backend = cfg.context_parallel.backend
     layout = layout_for(backend, cfg.train.seq_len, dims.cp, topology.cp_rank)
-    replaced = apply_context_parallel(model, backend, layout,
-                                      topology.get_context_parallel_group(), stats)
+    replaced = apply_context_parallel(model, backend, layout, topology.group("cp"), stats)
     if topology.is_logging_rank:
-        print(f"context parallelism ({backend}, cp={dims.cp}): {layout.local_len} of "
-              f"{layout.seq_len} tokens per sequence on each rank, {len(replaced)} attention "
-              "modules exchange keys and values", flush=True)
+        print(
+            f"context parallelism ({backend}, cp={dims.cp}): {layout.local_len} of "
+            f"{layout.seq_len} tokens per sequence on each rank, {len(replaced)} attention "
+            "modules exchange keys and values",
+            flush=True,
+        )
 
 
 @hookimpl(wrapper=True)
@@ -132,8 +151,12 @@ def plait_build_loss(cfg, model, topology):
         return loss_fn
     from plait.train import cross_entropy
 
-    return SequenceShardLoss(loss_fn or cross_entropy, layout_for(
-        cfg.context_parallel.backend, cfg.train.seq_len, topology.dims.cp, topology.cp_rank))
+    return SequenceShardLoss(
+        loss_fn or cross_entropy,
+        layout_for(
+            cfg.context_parallel.backend, cfg.train.seq_len, topology.dims.cp, topology.cp_rank
+        ),
+    )
 
 
 @hookimpl(tryfirst=True)
@@ -143,3 +166,25 @@ def plait_log_metrics(metrics) -> None:
     if counts["exchanges"]:
         metrics["context_parallel/exchanges"] = float(counts["exchanges"])
         metrics["context_parallel/exchange_bytes"] = float(counts["bytes_sent"])
+
+
+@hookimpl
+def plait_axis_cost(
+    cfg, axis, model, dims, seq_len, micro_batch_size, microbatches, bytes_per_value
+) -> AxisCost | None:
+    """What context parallelism sends per step (``plait plan --search``): the attention
+    exchange of ``context_parallel.backend`` per layer, forward and backward
+    (:func:`~plait.plugins.context_parallel.apply.exchange_bytes`), over the layers of a
+    stage and the step's micro-batches."""
+    if axis != "cp" or cfg.context_parallel.name != "plait":
+        return None
+    h, n_layer = getattr(model, "n_embd", 0), getattr(model, "n_layer", 0)
+    per_layer = exchange_bytes(
+        cfg.context_parallel.backend,
+        seq_len,
+        micro_batch_size,
+        h // dims.tp,
+        dims.cp,
+        bytes_per_value,
+    )
+    return AxisCost(per_layer * n_layer / dims.pp * microbatches)

@@ -54,14 +54,20 @@ class ContextParallelAttention(nn.Module):
     """The model's attention core over this rank's tokens, attending to every rank's keys:
     ring attention (:mod:`.ring`) or Ulysses (:mod:`.ulysses`, which runs ``inner`` itself)."""
 
-    def __init__(self, inner: nn.Module, backend: str, layout: SequenceLayout, group,
-                 stats: ExchangeStats):
+    def __init__(
+        self, inner: nn.Module, backend: str, layout: SequenceLayout, group, stats: ExchangeStats
+    ):
         super().__init__()
         self.inner, self.backend, self.layout = inner, backend, layout
         self.group, self.stats = group, stats
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if self.backend == "ulysses":
             if k.shape[1] % self.layout.size:  # too few key/value heads to share out: repeat
                 groups = q.shape[1] // k.shape[1]
@@ -70,8 +76,7 @@ class ContextParallelAttention(nn.Module):
         scale = getattr(self.inner, "scale", None)
         if scale is None:
             scale = q.shape[-1] ** -0.5  # scaled_dot_product_attention's default
-        return RingAttention.apply(q, k, v, documents, self.layout, self.group, scale,
-                                   self.stats)
+        return RingAttention.apply(q, k, v, documents, self.layout, self.group, scale, self.stats)
 
 
 def split_sequence(layout: SequenceLayout) -> Callable:
@@ -102,23 +107,31 @@ def split_sequence(layout: SequenceLayout) -> Callable:
 
 
 def planned(model: nn.Module, plan: dict[str, str], style: str) -> list[str]:
-    return [name for name, _ in model.named_modules()
-            if any(fnmatchcase(name, p) for p, s in plan.items() if s == style)]
+    return [
+        name
+        for name, _ in model.named_modules()
+        if any(fnmatchcase(name, p) for p, s in plan.items() if s == style)
+    ]
 
 
-def apply_context_parallel(model: nn.Module, backend: str, layout: SequenceLayout, group,
-                           stats: ExchangeStats) -> list[str]:
+def apply_context_parallel(
+    model: nn.Module, backend: str, layout: SequenceLayout, group, stats: ExchangeStats
+) -> list[str]:
     """Cut the model's input and replace its attention cores; return the modules replaced."""
     plan = model.context_parallel_plan
     for name in planned(model, plan, "sequence_split"):
-        model.get_submodule(name).register_forward_pre_hook(split_sequence(layout),
-                                                            with_kwargs=True)
+        model.get_submodule(name).register_forward_pre_hook(
+            split_sequence(layout), with_kwargs=True
+        )
     replaced = planned(model, plan, "attention")
     for name in replaced:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, ContextParallelAttention(getattr(parent, child), backend, layout,
-                                                        group, stats))
+        setattr(
+            parent,
+            child,
+            ContextParallelAttention(getattr(parent, child), backend, layout, group, stats),
+        )
     return replaced
 
 
@@ -133,8 +146,15 @@ class SequenceShardLoss:
         return self.loss_fn(logits, targets[:, self.layout.index(device=targets.device)])
 
 
-def exchange_bytes(backend: str, seq_len: int, batch_size: int, width: int, cp: int,
-                   bytes_per_value: int, kv_width: int | None = None) -> float:
+def exchange_bytes(
+    backend: str,
+    seq_len: int,
+    batch_size: int,
+    width: int,
+    cp: int,
+    bytes_per_value: int,
+    kv_width: int | None = None,
+) -> float:
     """Bytes one rank's attention sends for one layer, forward and backward, for ``batch_size``
     sequences of ``seq_len`` tokens with queries ``width`` wide on this rank (hidden size, over
     ``tp``) and keys/values ``kv_width`` (``width`` unless grouped-query attention has fewer

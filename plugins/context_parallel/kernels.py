@@ -32,15 +32,21 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 bias: torch.Tensor | None, visible_rows: torch.Tensor | None,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    bias: torch.Tensor | None,
+    visible_rows: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of one tile; ``lse`` ``[b, heads, m]`` in the accumulation dtype.
     ``visible_rows`` (``[b, m]`` bool, with ``bias``): rows that see at least one key."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=None if bias is None else bias.to(q.dtype),
-            scale=scale)
+            q, k, v, 0.0, causal, attn_mask=None if bias is None else bias.to(q.dtype), scale=scale
+        )
         lse = lse.to(accumulation_dtype(q.dtype))
     else:
         scores = scores_of(q, k, causal, bias, scale)
@@ -52,15 +58,31 @@ def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     return out, lse
 
 
-def tile_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                  bias: torch.Tensor | None, scale: float
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tile_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    bias: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one tile, ``out`` and ``lse`` the merged ones of its query rows."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out.to(q.dtype), lse.to(accumulation_dtype(q.dtype)), 0.0, causal,
-            attn_mask=None if bias is None else bias.to(q.dtype), scale=scale)
+            dout,
+            q,
+            k,
+            v,
+            out.to(q.dtype),
+            lse.to(accumulation_dtype(q.dtype)),
+            0.0,
+            causal,
+            attn_mask=None if bias is None else bias.to(q.dtype),
+            scale=scale,
+        )
     acc = accumulation_dtype(q.dtype)
     probs = torch.exp(scores_of(q, k, causal, bias, scale) - lse.unsqueeze(-1))
     dout_, out_ = dout.to(acc), out.to(acc)
@@ -72,8 +94,9 @@ def tile_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def scores_of(q: torch.Tensor, k: torch.Tensor, causal: bool, bias: torch.Tensor | None,
-              scale: float) -> torch.Tensor:
+def scores_of(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, bias: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     acc = accumulation_dtype(q.dtype)
     scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
     if causal:
@@ -85,8 +108,12 @@ def scores_of(q: torch.Tensor, k: torch.Tensor, causal: bool, bias: torch.Tensor
     return scores
 
 
-def merge(out: torch.Tensor | None, lse: torch.Tensor | None, tile_out: torch.Tensor,
-          tile_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge(
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    tile_out: torch.Tensor,
+    tile_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Two partial softmax results over disjoint keys, as one (fp32)::
 
         lse = log(e^lse₁ + e^lse₂)     out = out₁·e^(lse₁ - lse) + out₂·e^(lse₂ - lse)

@@ -41,13 +41,19 @@ class SequenceLayout:
 
     @classmethod
     def contiguous(cls, seq_len: int, size: int, rank: int, per_rank: int = 1) -> SequenceLayout:
-        return cls(seq_len, size, rank,
-                   tuple(tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(size)))
+        return cls(
+            seq_len,
+            size,
+            rank,
+            tuple(tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(size)),
+        )
 
     def __post_init__(self) -> None:
         if self.seq_len % self.n_chunks:
-            raise ValueError(f"a sequence of {self.seq_len} tokens cannot be cut into "
-                             f"{self.n_chunks} equal chunks")
+            raise ValueError(
+                f"a sequence of {self.seq_len} tokens cannot be cut into "
+                f"{self.n_chunks} equal chunks"
+            )
 
     @property
     def n_chunks(self) -> int:
@@ -69,5 +75,9 @@ class SequenceLayout:
         """The positions in the sequence of rank ``rank``'s tokens (default this rank's), in the
         order the rank holds them: what its inputs and targets are cut with."""
         chunks = self.chunks[self.rank if rank is None else rank]
-        return torch.cat([torch.arange(c * self.chunk_len, (c + 1) * self.chunk_len,
-                                       device=device) for c in chunks])
+        return torch.cat(
+            [
+                torch.arange(c * self.chunk_len, (c + 1) * self.chunk_len, device=device)
+                for c in chunks
+            ]
+        )

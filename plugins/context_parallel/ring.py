@@ -63,8 +63,11 @@ class ExchangeStats:
 
     def take(self) -> dict[str, int]:
         """The counts since the last call."""
-        counts = {"exchanges": self.exchanges, "bytes_sent": self.bytes_sent,
-                  "attention_flops": self.attention_flops}
+        counts = {
+            "exchanges": self.exchanges,
+            "bytes_sent": self.bytes_sent,
+            "attention_flops": self.attention_flops,
+        }
         self.exchanges = self.bytes_sent = self.attention_flops = 0
         return counts
 
@@ -126,9 +129,12 @@ class Ring:
     def exchange(self, tensor: torch.Tensor, tag: int) -> _Pending:
         """Start sending ``tensor`` to the next rank and receiving its like from the previous."""
         received = torch.empty_like(tensor)
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, tensor, self.next, self.group, tag),
-            dist.P2POp(dist.irecv, received, self.prev, self.group, tag)])
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, tensor, self.next, self.group, tag),
+                dist.P2POp(dist.irecv, received, self.prev, self.group, tag),
+            ]
+        )
         self.stats.exchanges += 1
         self.stats.bytes_sent += tensor.numel() * tensor.element_size()
         return _Pending(works, received)
@@ -146,7 +152,7 @@ class _Pending:
 
 def chunk(x: torch.Tensor, slot: int, chunk_len: int) -> torch.Tensor:
     """Chunk ``slot`` of a ``[..., seq, d]`` tensor (the sequence is the second to last dim)."""
-    return x[..., slot * chunk_len:(slot + 1) * chunk_len, :]
+    return x[..., slot * chunk_len : (slot + 1) * chunk_len, :]
 
 
 def expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -168,8 +174,9 @@ class RingAttention(torch.autograd.Function):
     layout's order."""
 
     @staticmethod
-    def forward(ctx, q, k, v, documents, layout: SequenceLayout, group, scale: float,
-                stats: ExchangeStats):
+    def forward(
+        ctx, q, k, v, documents, layout: SequenceLayout, group, scale: float, stats: ExchangeStats
+    ):
         ring, n = Ring(group, stats), layout.chunk_len
         slots = len(layout.chunks[layout.rank])
         outs, lses = [None] * slots, [None] * slots
@@ -180,10 +187,15 @@ class RingAttention(torch.autograd.Function):
             owner = (layout.rank - step) % layout.size
             incoming = ring.exchange(kv, KV_TAG) if step < layout.size - 1 else None
             for tile in plan_tiles(layout, owner, documents):
-                out, lse = tile_forward(chunk(q, tile.q_slot, n),
-                                        expand_heads(chunk(kv[0], tile.k_slot, n), groups),
-                                        expand_heads(chunk(kv[1], tile.k_slot, n), groups),
-                                        tile.causal, tile.bias, tile.visible_rows, scale)
+                out, lse = tile_forward(
+                    chunk(q, tile.q_slot, n),
+                    expand_heads(chunk(kv[0], tile.k_slot, n), groups),
+                    expand_heads(chunk(kv[1], tile.k_slot, n), groups),
+                    tile.causal,
+                    tile.bias,
+                    tile.visible_rows,
+                    scale,
+                )
                 a = tile.q_slot
                 outs[a], lses[a] = merge(outs[a], lses[a], out, lse)
                 stats.attention_flops += flops_per_pair * tile.pairs(n)
@@ -211,10 +223,16 @@ class RingAttention(torch.autograd.Function):
             for tile in plan_tiles(layout, owner, documents):
                 a, b = tile.q_slot, tile.k_slot
                 dq_t, dk_t, dv_t = tile_backward(
-                    chunk(dout, a, n), chunk(q, a, n),
+                    chunk(dout, a, n),
+                    chunk(q, a, n),
                     expand_heads(chunk(kv[0], b, n), groups),
-                    expand_heads(chunk(kv[1], b, n), groups), chunk(out, a, n),
-                    lse[..., a * n:(a + 1) * n], tile.causal, tile.bias, ctx.scale)
+                    expand_heads(chunk(kv[1], b, n), groups),
+                    chunk(out, a, n),
+                    lse[..., a * n : (a + 1) * n],
+                    tile.causal,
+                    tile.bias,
+                    ctx.scale,
+                )
                 chunk(dq, a, n).add_(dq_t)
                 chunk(dkv[0], b, n).add_(fold_heads(dk_t, groups))
                 chunk(dkv[1], b, n).add_(fold_heads(dv_t, groups))

@@ -21,8 +21,13 @@ import torch.distributed as dist
 from plait.plugins.context_parallel.ring import ExchangeStats
 
 
-def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int,
-               stats: ExchangeStats) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor,
+    group: dist.ProcessGroup,
+    scatter_dim: int,
+    gather_dim: int,
+    stats: ExchangeStats,
+) -> torch.Tensor:
     """Cut ``x`` into ``C`` parts along ``scatter_dim``, send part ``j`` to rank ``j``, and join
     the parts received along ``gather_dim`` in rank order."""
     size = dist.get_world_size(group)
@@ -52,9 +57,15 @@ class AllToAll(torch.autograd.Function):
 HEADS, SEQ = 1, 2  # dims of [b, heads, seq, d]
 
 
-def ulysses_attention(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      documents: torch.Tensor | None, group: dist.ProcessGroup,
-                      stats: ExchangeStats) -> torch.Tensor:
+def ulysses_attention(
+    attention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: torch.Tensor | None,
+    group: dist.ProcessGroup,
+    stats: ExchangeStats,
+) -> torch.Tensor:
     """``attention(q, k, v, documents)`` over the whole sequence, with ``H/C`` heads per rank."""
     q, k, v = (AllToAll.apply(t, group, HEADS, SEQ, stats) for t in (q, k, v))
     return AllToAll.apply(attention(q, k, v, documents), group, SEQ, HEADS, stats)

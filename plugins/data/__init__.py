@@ -133,7 +133,9 @@ def token_file(cfg, local_rank: int, split: str, group=None) -> tuple[Path, bool
         if path.is_dir():
             return path / f"{split}.bin", False
         return path, True
-    sources = stdlib_sources() if data.name == "stdlib" else text_sources(Path(data.path).expanduser())
+    sources = (
+        stdlib_sources() if data.name == "stdlib" else text_sources(Path(data.path).expanduser())
+    )
     return cached_tokens(sources, Path(data.cache_dir).expanduser(), local_rank, group), True
 
 
@@ -144,8 +146,11 @@ def load_split(tokens: np.ndarray, val_fraction: float, split: str) -> np.ndarra
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="data", selected_by={"data.name": ("stdlib", "text", "tokens")},
-                      description="byte-level text and token-file datasets with a disk cache")
+    return PluginInfo(
+        name="data",
+        selected_by={"data.name": ("stdlib", "text", "tokens")},
+        description="byte-level text and token-file datasets with a disk cache",
+    )
 
 
 @hookimpl
@@ -159,13 +164,17 @@ def plait_validate(cfg, dims, hook) -> list[str]:
     problems = range_problems("data", data, RANGES)
     if data.name == "stdlib":
         if data.path is not None:
-            problems.append(f"data.path={data.path} is ignored by data=stdlib (the standard "
-                            "library's source): add data=text to train on a text file or "
-                            "directory, or data=tokens for token files")
+            problems.append(
+                f"data.path={data.path} is ignored by data=stdlib (the standard "
+                "library's source): add data=text to train on a text file or "
+                "directory, or data=tokens for token files"
+            )
         if cfg.train.eval_every and data.val_fraction == 0:
-            problems.append(f"train.eval_every={cfg.train.eval_every} with data.val_fraction=0 "
-                            "leaves no validation split: raise data.val_fraction, or set "
-                            "train.eval_every=0")
+            problems.append(
+                f"train.eval_every={cfg.train.eval_every} with data.val_fraction=0 "
+                "leaves no validation split: raise data.val_fraction, or set "
+                "train.eval_every=0"
+            )
         return problems + vocabulary_problems(cfg, hook, BYTE_VOCAB - 1, "data=stdlib")
     problems += path_problems(data, cfg.train.eval_every)
     if problems:
@@ -174,8 +183,9 @@ def plait_validate(cfg, dims, hook) -> list[str]:
         (train_tokens, val_tokens), max_id = split_tokens(data)
     except ValueError as e:
         return [f"data.path={data.path}: {e}"]
-    return (split_problems(cfg, dims, train_tokens, val_tokens)
-            + vocabulary_problems(cfg, hook, max_id, f"data.path={data.path}"))
+    return split_problems(cfg, dims, train_tokens, val_tokens) + vocabulary_problems(
+        cfg, hook, max_id, f"data.path={data.path}"
+    )
 
 
 def split_tokens(data) -> tuple[tuple[int, int], int]:
@@ -189,8 +199,10 @@ def split_tokens(data) -> tuple[tuple[int, int], int]:
     counts, max_id = [], 0
     for file in (f for f in files if f.exists()):  # val.bin: only needed for evaluation
         if looks_like_text(file):
-            raise ValueError(f"{file} looks like text, not tokens: to train on it as text use "
-                             f"data=text data.path={data.path}")
+            raise ValueError(
+                f"{file} looks like text, not tokens: to train on it as text use "
+                f"data=text data.path={data.path}"
+            )
         counts.append(token_layout(file).n_tokens)
         max_id = max(max_id, int(read_tokens(file)[:SCAN_TOKENS].max()))
     if path.is_dir():
@@ -209,11 +221,14 @@ def path_problems(data, eval_every: int) -> list[str]:
         needed = ("train.bin", "val.bin") if eval_every else ("train.bin",)
         missing = [name for name in needed if not (path / name).is_file()]
         if missing:
-            return [f"data.path={data.path} is a directory without {' and '.join(missing)}: give "
-                    "a .bin file or a directory with train.bin (and val.bin for train.eval_every)"]
+            return [
+                f"data.path={data.path} is a directory without {' and '.join(missing)}: give "
+                "a .bin file or a directory with train.bin (and val.bin for train.eval_every)"
+            ]
     if data.name == "text" and not text_sources(path):
-        return [f"data.path={data.path} holds no text file: give a text file or a directory "
-                "of them"]
+        return [
+            f"data.path={data.path} holds no text file: give a text file or a directory of them"
+        ]
     return []
 
 
@@ -229,17 +244,21 @@ def split_problems(cfg, dims, train_tokens: int, val_tokens: int) -> list[str]:
     problems = []
     samples = max(train_tokens - 1, 0) // seq_len
     if samples < train.batch_size:
-        problems.append(f"data.path={cfg.data.path}: the train split holds {train_tokens} tokens "
-                        f"= {samples} samples of train.seq_len={seq_len}, fewer than one global "
-                        f"batch of train.batch_size={train.batch_size}: lower train.batch_size "
-                        "or train.seq_len, or give more data")
+        problems.append(
+            f"data.path={cfg.data.path}: the train split holds {train_tokens} tokens "
+            f"= {samples} samples of train.seq_len={seq_len}, fewer than one global "
+            f"batch of train.batch_size={train.batch_size}: lower train.batch_size "
+            "or train.seq_len, or give more data"
+        )
     per_rank = train.batch_size // dims.dp
     val_samples = max(val_tokens - 1, 0) // seq_len
     if train.eval_every and val_samples < per_rank:
-        problems.append(f"train.eval_every={train.eval_every}: the validation split holds "
-                        f"{val_tokens} tokens = {val_samples} samples of train.seq_len={seq_len}, "
-                        f"fewer than one per-rank batch of {per_rank}: raise data.val_fraction "
-                        "(or give a longer val.bin), or set train.eval_every=0")
+        problems.append(
+            f"train.eval_every={train.eval_every}: the validation split holds "
+            f"{val_tokens} tokens = {val_samples} samples of train.seq_len={seq_len}, "
+            f"fewer than one per-rank batch of {per_rank}: raise data.val_fraction "
+            "(or give a longer val.bin), or set train.eval_every=0"
+        )
     return problems
 
 
@@ -250,9 +269,11 @@ def vocabulary_problems(cfg, hook, max_id: int, source: str) -> list[str]:
     embedding = next((m for m in modules if isinstance(m, torch.nn.Embedding)), None)
     if embedding is None or max_id < embedding.num_embeddings:
         return []
-    return [f"{source} holds token ids up to {max_id}, but the model's embedding has "
-            f"{embedding.num_embeddings} rows: raise the model's vocabulary to at least "
-            f"{max_id + 1} (model.vocab_size for plait's GPT and Llama)"]
+    return [
+        f"{source} holds token ids up to {max_id}, but the model's embedding has "
+        f"{embedding.num_embeddings} rows: raise the model's vocabulary to at least "
+        f"{max_id + 1} (model.vocab_size for plait's GPT and Llama)"
+    ]
 
 
 @hookimpl

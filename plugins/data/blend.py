@@ -81,8 +81,9 @@ class BlendedDataset:
         return rows[:, :-1], rows[:, 1:], torch.from_numpy(positions)
 
     def shard_keys(self, indices: list[int]) -> list[tuple[int, int]]:
-        return shard_keys_in_order((j, k) for j, i in self.locate(indices)
-                                   for k in self.datasets[j].shard_keys([i]))
+        return shard_keys_in_order(
+            (j, k) for j, i in self.locate(indices) for k in self.datasets[j].shard_keys([i])
+        )
 
     def fetch(self, key: tuple[int, int]) -> None:
         self.datasets[key[0]].fetch(key[1])

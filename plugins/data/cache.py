@@ -84,8 +84,7 @@ class NodeCache:
             self._make_room(tmp, size)
             fs = self.fs
             try:
-                with fs.open(f"{self._remote_path}/{name}", "rb") as src, \
-                        open(tmp, "r+b") as dst:
+                with fs.open(f"{self._remote_path}/{name}", "rb") as src, open(tmp, "r+b") as dst:
                     while chunk := src.read(COPY_CHUNK):
                         dst.write(chunk)
                 with locked(self.root / ".lock"):  # an eviction counting now sees tmp or path
@@ -135,8 +134,10 @@ class NodeCache:
         """Evict least-recently-used shards until ``size`` more bytes fit, then create ``tmp``
         at that size (so other processes count it), all under the cache-wide lock."""
         if self.limit_bytes is not None and size > self.limit_bytes:
-            raise ValueError(f"a shard of {size} bytes does not fit data.cache_limit_gb="
-                             f"{self.limit_bytes / GIB:g}: raise the limit")
+            raise ValueError(
+                f"a shard of {size} bytes does not fit data.cache_limit_gb="
+                f"{self.limit_bytes / GIB:g}: raise the limit"
+            )
         while True:
             with locked(self.root / ".lock"):
                 if self.limit_bytes is None or self._evict(self.limit_bytes - size):
@@ -174,8 +175,13 @@ class ShardPrefetcher:
     :param fetch: fetches one shard into the cache (blocking).
     """
 
-    def __init__(self, steps: Iterator[list[int]], shard_keys: Callable[[list[int]], list],
-                 fetch: Callable[[Hashable], None], depth: int):
+    def __init__(
+        self,
+        steps: Iterator[list[int]],
+        shard_keys: Callable[[list[int]], list],
+        fetch: Callable[[Hashable], None],
+        depth: int,
+    ):
         self.steps, self.shard_keys, self.fetch, self.depth = steps, shard_keys, fetch, depth
         self.loading = 0  # the step the loader is on, counted from this prefetcher's start
         self.ahead: deque[tuple[Hashable, int]] = deque()  # shards fetched, and their step

@@ -103,16 +103,21 @@ def read_index(root: str, setting: str = "data.path") -> ShardIndex:
         fs, path = url_to_fs(root)
         listing = {Path(e["name"]).name: e for e in fs.ls(path, detail=True)}
     except FileNotFoundError:
-        raise ShardIndexError(f"{setting}={root} does not exist: give the out= directory of "
-                              "a plait prepare run") from None
+        raise ShardIndexError(
+            f"{setting}={root} does not exist: give the out= directory of a plait prepare run"
+        ) from None
     except Exception as e:  # an unknown protocol, a missing fsspec backend, a network error
-        raise ShardIndexError(f"{setting}={root} cannot be reached ({type(e).__name__}: {e}): "
-                              "check the path, or install the fsspec backend for its "
-                              "protocol") from None
+        raise ShardIndexError(
+            f"{setting}={root} cannot be reached ({type(e).__name__}: {e}): "
+            "check the path, or install the fsspec backend for its "
+            "protocol"
+        ) from None
     if INDEX not in listing:
-        hint = ("its plait prepare did not finish: run the same plait prepare again to resume"
-                if "progress.npz" in listing else
-                f"make one with `plait prepare data.path=<text files> out={root}`")
+        hint = (
+            "its plait prepare did not finish: run the same plait prepare again to resume"
+            if "progress.npz" in listing
+            else f"make one with `plait prepare data.path=<text files> out={root}`"
+        )
         raise ShardIndexError(f"{setting}={root} holds no {INDEX}: {hint}")
     fix = f"run plait prepare again with out={root}"
     try:
@@ -120,14 +125,19 @@ def read_index(root: str, setting: str = "data.path") -> ShardIndex:
         if meta.get("format") != FORMAT:
             raise ValueError(f"format {meta.get('format')!r} is not {FORMAT!r}")
         documents = np.load(io.BytesIO(fs.cat_file(join(path, DOCUMENTS))))
-        index = ShardIndex(root=root, tokenizer=dict(meta["tokenizer"]), dtype=meta["dtype"],
-                           shard_tokens=int(meta["shard_tokens"]),
-                           shard_sizes=[int(s["tokens"]) for s in meta["shards"]],
-                           documents=documents.astype(np.int64, copy=False),
-                           fingerprint=meta["fingerprint"])
+        index = ShardIndex(
+            root=root,
+            tokenizer=dict(meta["tokenizer"]),
+            dtype=meta["dtype"],
+            shard_tokens=int(meta["shard_tokens"]),
+            shard_sizes=[int(s["tokens"]) for s in meta["shards"]],
+            documents=documents.astype(np.int64, copy=False),
+            fingerprint=meta["fingerprint"],
+        )
     except Exception as e:
-        raise ShardIndexError(f"{setting}={root}: {INDEX} or {DOCUMENTS} is corrupt "
-                              f"({type(e).__name__}: {e}): {fix}") from None
+        raise ShardIndexError(
+            f"{setting}={root}: {INDEX} or {DOCUMENTS} is corrupt ({type(e).__name__}: {e}): {fix}"
+        ) from None
     problems = index_problems(index, listing)
     if problems:
         raise ShardIndexError(f"{setting}={root}: {problems[0]}: {fix}")
@@ -141,14 +151,18 @@ def index_problems(index: ShardIndex, listing: dict) -> list[str]:
     if any(s != index.shard_tokens for s in sizes[:-1]) or not 0 < sizes[-1] <= index.shard_tokens:
         return [f"{INDEX} lists shards that are not {index.shard_tokens} tokens each"]
     docs = index.documents
-    if docs.ndim != 1 or len(docs) < 2 or docs[0] != 0 or docs[-1] != sum(sizes) \
-            or np.any(np.diff(docs) <= 0):
+    if (
+        docs.ndim != 1
+        or len(docs) < 2
+        or docs[0] != 0
+        or docs[-1] != sum(sizes)
+        or np.any(np.diff(docs) <= 0)
+    ):
         return [f"{DOCUMENTS} does not cut the {sum(sizes)} tokens into documents"]
     for k in range(len(sizes)):
         entry = listing.get(shard_name(k))
         if entry is None:
             return [f"{shard_name(k)} is missing"]
         if entry.get("size") != index.shard_bytes(k):
-            return [f"{shard_name(k)} holds {entry.get('size')} bytes, not "
-                    f"{index.shard_bytes(k)}"]
+            return [f"{shard_name(k)} holds {entry.get('size')} bytes, not {index.shard_bytes(k)}"]
     return []

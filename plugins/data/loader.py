@@ -37,8 +37,16 @@ class _Batches:
 class StepLoader:
     """Yields, per optimizer step, this rank's ``grad_accum_steps`` micro-batches."""
 
-    def __init__(self, dataset, sampler, *, num_workers: int = 0, prefetch: int = 2,
-                 prefetch_shards: int = 2, pin_memory: bool = False):
+    def __init__(
+        self,
+        dataset,
+        sampler,
+        *,
+        num_workers: int = 0,
+        prefetch: int = 2,
+        prefetch_shards: int = 2,
+        pin_memory: bool = False,
+    ):
         self.dataset, self.sampler = dataset, sampler
         self.num_workers, self.prefetch = num_workers, prefetch
         self.prefetch_shards, self.pin_memory = prefetch_shards, pin_memory
@@ -56,11 +64,18 @@ class StepLoader:
         if getattr(self.dataset, "fetches_remotely", False):
             prefetcher = ShardPrefetcher(
                 (sum(step, []) for step in self.sampler.steps(start)),
-                self.dataset.shard_keys, self.dataset.fetch, self.prefetch_shards)
+                self.dataset.shard_keys,
+                self.dataset.fetch,
+                self.prefetch_shards,
+            )
         ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
-        producer = threading.Thread(target=self._produce, args=(start, ready, stop, prefetcher),
-                                    daemon=True, name="plait-loader")
+        producer = threading.Thread(
+            target=self._produce,
+            args=(start, ready, stop, prefetcher),
+            daemon=True,
+            name="plait-loader",
+        )
         producer.start()
         try:
             while True:
@@ -93,12 +108,23 @@ class StepLoader:
         # fork, as under torchrun: workers start in milliseconds and inherit the dataset
         # (memory maps, fsspec file systems registered by plugins) instead of unpickling it in
         # a fresh interpreter, which the launcher's spawned workers would otherwise default to.
-        yield from DataLoader(_Batches(self.dataset), sampler=indices, batch_size=None,
-                              num_workers=self.num_workers, pin_memory=self.pin_memory,
-                              prefetch_factor=self.prefetch, multiprocessing_context="fork")
+        yield from DataLoader(
+            _Batches(self.dataset),
+            sampler=indices,
+            batch_size=None,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            prefetch_factor=self.prefetch,
+            multiprocessing_context="fork",
+        )
 
-    def _produce(self, start: int, ready: queue.Queue, stop: threading.Event,
-                 prefetcher: ShardPrefetcher | None) -> None:
+    def _produce(
+        self,
+        start: int,
+        ready: queue.Queue,
+        stop: threading.Event,
+        prefetcher: ShardPrefetcher | None,
+    ) -> None:
         accum = self.sampler.grad_accum_steps
         try:
             micro_batches = self._micro_batches(start)

@@ -30,9 +30,16 @@ import numpy as np
 from omegaconf import MISSING, OmegaConf
 
 from plait.plugins.data import index as fmt
-from plait.plugins.data.tokenizer import (BPE, BYTES, TOKENIZER_JSON, ByteTokenizer,
-                                          from_spec, load_model_tokenizer, load_tokenizer_file,
-                                          train_bpe)
+from plait.plugins.data.tokenizer import (
+    BPE,
+    BYTES,
+    TOKENIZER_JSON,
+    ByteTokenizer,
+    from_spec,
+    load_model_tokenizer,
+    load_tokenizer_file,
+    train_bpe,
+)
 
 CHUNK_BYTES = 1 << 20  # input bytes per tokenization task
 PROGRESS = "progress.npz"
@@ -83,13 +90,18 @@ def find_sources(paths: list[str]) -> list[Path]:
         files = []
         for p in matches:
             if p.is_dir():
-                files += sorted(f for f in p.rglob("*") if f.is_file() and not any(
-                    part.startswith(".") for part in f.relative_to(p).parts))
+                files += sorted(
+                    f
+                    for f in p.rglob("*")
+                    if f.is_file()
+                    and not any(part.startswith(".") for part in f.relative_to(p).parts)
+                )
             elif p.is_file():
                 files.append(p)
         if not files:
-            raise ValueError(f"data.path entry {entry} matches no file: give text files, "
-                             "directories or globs")
+            raise ValueError(
+                f"data.path entry {entry} matches no file: give text files, directories or globs"
+            )
         found += [f for f in files if f not in found]
     return found
 
@@ -128,8 +140,9 @@ def read_documents(segments: list[Segment]) -> list[bytes]:
             f.seek(seg.start)
             data = f.read(seg.end - seg.start)
         if seg.jsonl:
-            docs += [json.loads(line)["text"].encode() for line in data.splitlines()
-                     if line.strip()]
+            docs += [
+                json.loads(line)["text"].encode() for line in data.splitlines() if line.strip()
+            ]
         else:
             docs.append(data)
     return [d for d in docs if d]
@@ -152,8 +165,9 @@ def fingerprint(files: list[Path], tokenizer_spec: str, shard_tokens: int) -> st
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(name: str, tokenizer_json: Optional[str], dtype: str,
-                 eot: Optional[int] = None) -> None:
+def _init_worker(
+    name: str, tokenizer_json: Optional[str], dtype: str, eot: Optional[int] = None
+) -> None:
     # A forked worker inherits the parent's signal dispositions (torch elastic installs Python
     # handlers in a process that has launched workers, as the test process has); with the
     # default, the pool's terminate() on an error ends a worker whatever it is doing.
@@ -191,9 +205,15 @@ class Progress:
     def save(self, out: Path) -> None:
         tmp = out / f".{PROGRESS}.tmp"
         with open(tmp, "wb") as f:
-            np.savez(f, fingerprint=self.fingerprint, carry=self.carry,
-                     counters=np.array([self.tasks_done, self.shards_done, self.n_docs,
-                                        self.bytes_done], dtype=np.int64))
+            np.savez(
+                f,
+                fingerprint=self.fingerprint,
+                carry=self.carry,
+                counters=np.array(
+                    [self.tasks_done, self.shards_done, self.n_docs, self.bytes_done],
+                    dtype=np.int64,
+                ),
+            )
         os.replace(tmp, out / PROGRESS)
 
     @classmethod
@@ -219,15 +239,21 @@ class ShardWriter:
         with open(self.out / DOC_LENGTHS, "ab") as f:
             f.write(lengths.tobytes())
         p = self.progress
-        p.tasks_done, p.n_docs, p.bytes_done = p.tasks_done + 1, p.n_docs + len(lengths), \
-            p.bytes_done + nbytes
+        p.tasks_done, p.n_docs, p.bytes_done = (
+            p.tasks_done + 1,
+            p.n_docs + len(lengths),
+            p.bytes_done + nbytes,
+        )
         if self.buffered < self.shard_tokens:
             return
         stream = np.concatenate(self.buffer)
         cut = 0
         while len(stream) - cut >= self.shard_tokens:
-            fmt.write_shard(self.out / fmt.shard_name(p.shards_done),
-                            stream[cut:cut + self.shard_tokens], self.dtype)
+            fmt.write_shard(
+                self.out / fmt.shard_name(p.shards_done),
+                stream[cut : cut + self.shard_tokens],
+                self.dtype,
+            )
             cut += self.shard_tokens
             p.shards_done += 1
         p.carry = stream[cut:]
@@ -249,13 +275,18 @@ class ShardWriter:
         with open(self.out / f".{fmt.DOCUMENTS}.tmp", "wb") as f:
             np.save(f, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
         os.replace(self.out / f".{fmt.DOCUMENTS}.tmp", self.out / fmt.DOCUMENTS)
-        sizes = [self.shard_tokens] * (p.shards_done - 1) + [total - self.shard_tokens *
-                                                             (p.shards_done - 1)]
+        sizes = [self.shard_tokens] * (p.shards_done - 1) + [
+            total - self.shard_tokens * (p.shards_done - 1)
+        ]
         meta = {
             "format": fmt.FORMAT,
             "fingerprint": p.fingerprint,
-            "tokenizer": {"name": tokenizer.name, "identity": tokenizer.identity,
-                          "vocab_size": tokenizer.vocab_size, "eot": tokenizer.eot},
+            "tokenizer": {
+                "name": tokenizer.name,
+                "identity": tokenizer.identity,
+                "vocab_size": tokenizer.vocab_size,
+                "eot": tokenizer.eot,
+            },
             "dtype": self.dtype,
             "shard_tokens": self.shard_tokens,
             "documents": len(lengths),
@@ -285,16 +316,25 @@ def check_settings(data) -> list[str]:
     problems = []
     directory = model_directory(data)
     if directory is not None and not (directory / TOKENIZER_JSON).is_file():
-        problems.append(f"data.tokenizer={data.tokenizer} is a directory without "
-                        f"{TOKENIZER_JSON}: give a model directory that has one (a tokenizer "
-                        "saved by transformers' save_pretrained), or a tokenizer.json file")
-    elif directory is None and data.tokenizer not in (BYTES, BPE) \
-            and not Path(data.tokenizer).expanduser().is_file():
-        problems.append(f"data.tokenizer={data.tokenizer}: choose bytes, bpe, the path of an "
-                        "existing tokenizer.json, or a model directory holding one")
+        problems.append(
+            f"data.tokenizer={data.tokenizer} is a directory without "
+            f"{TOKENIZER_JSON}: give a model directory that has one (a tokenizer "
+            "saved by transformers' save_pretrained), or a tokenizer.json file"
+        )
+    elif (
+        directory is None
+        and data.tokenizer not in (BYTES, BPE)
+        and not Path(data.tokenizer).expanduser().is_file()
+    ):
+        problems.append(
+            f"data.tokenizer={data.tokenizer}: choose bytes, bpe, the path of an "
+            "existing tokenizer.json, or a model directory holding one"
+        )
     if data.tokenizer == BPE and not 257 <= data.vocab_size <= 2**32:
-        problems.append(f"data.vocab_size={data.vocab_size} cannot hold byte-level BPE: give at "
-                        "least 257 (256 bytes and <|endoftext|>)")
+        problems.append(
+            f"data.vocab_size={data.vocab_size} cannot hold byte-level BPE: give at "
+            "least 257 (256 bytes and <|endoftext|>)"
+        )
     if data.shard_tokens < 1:
         problems.append(f"data.shard_tokens={data.shard_tokens} must be at least 1")
     if data.num_workers < 0:
@@ -317,8 +357,11 @@ def prepare(data, out: Path, log=print) -> Path:
     problems = check_settings(data)
     if problems:
         raise ValueError("; ".join(problems))
-    paths = list(data.path) if OmegaConf.is_list(data.path) or isinstance(data.path, list) \
+    paths = (
+        list(data.path)
+        if OmegaConf.is_list(data.path) or isinstance(data.path, list)
         else [data.path]
+    )
     files = find_sources(paths)
     tasks = plan_tasks(files)
     print_ = fingerprint(files, tokenizer_spec(data), data.shard_tokens)
@@ -326,15 +369,21 @@ def prepare(data, out: Path, log=print) -> Path:
         if json.loads((out / fmt.INDEX).read_text()).get("fingerprint") == print_:
             log(f"plait prepare: {out} already holds these inputs prepared; nothing to do")
             return out
-        raise ValueError(f"out={out} already holds shards of other inputs or settings: choose "
-                         "another out= directory, or delete it")
+        raise ValueError(
+            f"out={out} already holds shards of other inputs or settings: choose "
+            "another out= directory, or delete it"
+        )
     if (out / PROGRESS).exists():
         progress = Progress.load(out)
         if progress.fingerprint != print_:
-            raise ValueError(f"out={out} holds an unfinished prepare of other inputs or "
-                             "settings: run that prepare again, or choose another out=")
-        log(f"plait prepare: resuming in {out} at task {progress.tasks_done}/{len(tasks)} "
-            f"({progress.shards_done} shards written)")
+            raise ValueError(
+                f"out={out} holds an unfinished prepare of other inputs or "
+                "settings: run that prepare again, or choose another out="
+            )
+        log(
+            f"plait prepare: resuming in {out} at task {progress.tasks_done}/{len(tasks)} "
+            f"({progress.shards_done} shards written)"
+        )
     elif out.exists() and any(out.iterdir()):
         raise ValueError(f"out={out} is not empty: choose a new directory for the shards")
     else:
@@ -349,22 +398,30 @@ def prepare(data, out: Path, log=print) -> Path:
     from tqdm import tqdm
 
     total_bytes = sum(s.end - s.start for task in tasks for s in task)
-    bar = tqdm(total=total_bytes, initial=progress.bytes_done, unit="B", unit_scale=True,
-               desc=f"tokenizing ({workers} workers)")
+    bar = tqdm(
+        total=total_bytes,
+        initial=progress.bytes_done,
+        unit="B",
+        unit_scale=True,
+        desc=f"tokenizing ({workers} workers)",
+    )
     # fork: workers start at once with the modules loaded (spawn would import torch in each);
     # HF tokenizers disables its thread pool in forked children, and _init_worker says so too
     context = multiprocessing.get_context("fork")
-    with context.Pool(workers, _init_worker,
-                      (tokenizer.name, tokenizer.json, dtype, tokenizer.eot)) as pool:
-        for tokens, lengths, nbytes in pool.imap(tokenize_task, tasks[progress.tasks_done:]):
+    with context.Pool(
+        workers, _init_worker, (tokenizer.name, tokenizer.json, dtype, tokenizer.eot)
+    ) as pool:
+        for tokens, lengths, nbytes in pool.imap(tokenize_task, tasks[progress.tasks_done :]):
             writer.add(tokens, lengths, nbytes)
             bar.update(nbytes)
         pool.close()  # workers leave on their own; the with-block's terminate is for errors
         pool.join()
     bar.close()
     shards = writer.finish(tokenizer)
-    log(f"plait prepare: {shards} shards, {tokenizer.name} tokenizer (vocab "
-        f"{tokenizer.vocab_size}) in {out}")
+    log(
+        f"plait prepare: {shards} shards, {tokenizer.name} tokenizer (vocab "
+        f"{tokenizer.vocab_size}) in {out}"
+    )
     return out
 
 
@@ -384,8 +441,9 @@ def build_tokenizer(data, out: Path, tasks: list[list[Segment]]):
     if saved.exists():
         return load_tokenizer_file(saved, name)
     if data.tokenizer == BPE:
-        tokenizer = train_bpe((doc for task in tasks for doc in read_documents(task)),
-                              data.vocab_size)
+        tokenizer = train_bpe(
+            (doc for task in tasks for doc in read_documents(task)), data.vocab_size
+        )
     else:
         tokenizer = load_tokenizer_file(Path(data.tokenizer).expanduser(), name)
     fmt.atomic_write_bytes(saved, tokenizer.json.encode())
@@ -402,8 +460,9 @@ def compose_prepare(overrides: list[str]):
         cfg = compose(config_name="plait_prepare", overrides=list(overrides))
     for key in ("data.path", "out"):
         if OmegaConf.is_missing(cfg, key):
-            raise ValueError(f"plait prepare needs {key}=...: e.g. plait prepare "
-                             "data.path=corpus/ out=shards/")
+            raise ValueError(
+                f"plait prepare needs {key}=...: e.g. plait prepare data.path=corpus/ out=shards/"
+            )
     return cfg
 
 

@@ -41,9 +41,10 @@ class LocalShards:
 
     def read(self, k: int, offset: int, count: int) -> np.ndarray:
         if k not in self._maps:
-            self._maps[k] = np.memmap(self.index.shard_file(k), dtype=self.index.dtype,
-                                      mode="r", offset=HEADER_BYTES)
-        return self._maps[k][offset:offset + count]
+            self._maps[k] = np.memmap(
+                self.index.shard_file(k), dtype=self.index.dtype, mode="r", offset=HEADER_BYTES
+            )
+        return self._maps[k][offset : offset + count]
 
 
 class CachedShards:
@@ -59,8 +60,12 @@ class CachedShards:
 
     def read(self, k: int, offset: int, count: int) -> np.ndarray:
         itemsize = self.index.itemsize
-        data = self.cache.read(shard_name(k), self.index.shard_bytes(k),
-                               HEADER_BYTES + offset * itemsize, count * itemsize)
+        data = self.cache.read(
+            shard_name(k),
+            self.index.shard_bytes(k),
+            HEADER_BYTES + offset * itemsize,
+            count * itemsize,
+        )
         return np.frombuffer(data, dtype=self.index.dtype)
 
 
@@ -70,7 +75,7 @@ def split_documents(documents: np.ndarray, val_fraction: float, split: str) -> n
     n_docs = len(documents) - 1
     n_val = 0 if val_fraction <= 0 else min(max(1, round(n_docs * val_fraction)), n_docs - 1)
     cut = n_docs - n_val
-    return documents[:cut + 1] if split == "train" else documents[cut:]
+    return documents[: cut + 1] if split == "train" else documents[cut:]
 
 
 def window_starts(documents: np.ndarray, seq_len: int, pack: bool) -> np.ndarray:
@@ -88,8 +93,17 @@ def window_starts(documents: np.ndarray, seq_len: int, pack: bool) -> np.ndarray
 class ShardDataset:
     """One prepared directory's samples for one split (a :class:`plait.types.TokenDataset`)."""
 
-    def __init__(self, index: ShardIndex, reader, seq_len: int, split: str, pack: bool,
-                 val_fraction: float, shuffle: bool, shuffle_block: int):
+    def __init__(
+        self,
+        index: ShardIndex,
+        reader,
+        seq_len: int,
+        split: str,
+        pack: bool,
+        val_fraction: float,
+        shuffle: bool,
+        shuffle_block: int,
+    ):
         self.index, self.reader, self.seq_len, self.pack = index, reader, seq_len, pack
         self.documents = split_documents(index.documents, val_fraction, split)
         self.starts = window_starts(self.documents, seq_len, pack)
@@ -135,8 +149,9 @@ class ShardDataset:
         rng = np.random.default_rng([seed, epoch])
         shard_of = self.starts // self.index.shard_tokens  # ascending: samples grouped by shard
         edges = np.searchsorted(shard_of, np.arange(len(self.index.shard_sizes) + 1))
-        ids = np.concatenate([np.arange(edges[k], edges[k + 1])
-                              for k in rng.permutation(len(edges) - 1)])
+        ids = np.concatenate(
+            [np.arange(edges[k], edges[k + 1]) for k in rng.permutation(len(edges) - 1)]
+        )
         block = np.arange(n) // self.shuffle_block
         return ids[np.lexsort((rng.random(n), block))]
 
@@ -144,8 +159,11 @@ class ShardDataset:
         """The shards the samples read, in the order first needed."""
         starts = self.starts[indices]
         ends = (starts + self.seq_len) // self.index.shard_tokens
-        return shard_keys_in_order(k for a, b in zip(starts // self.index.shard_tokens, ends)
-                                   for k in range(int(a), int(b) + 1))
+        return shard_keys_in_order(
+            k
+            for a, b in zip(starts // self.index.shard_tokens, ends)
+            for k in range(int(a), int(b) + 1)
+        )
 
     def fetch(self, key: int) -> None:
         self.reader.fetch(key)

@@ -43,8 +43,15 @@ RANGES = {"num_workers": AT_LEAST_0, "prefetch": AT_LEAST_1}
 
 
 class GlobalOrderSampler:
-    def __init__(self, n_samples: int, epoch_order: Callable[[int], np.ndarray],
-                 global_batch_size: int, grad_accum_steps: int, dp_rank: int, dp_size: int):
+    def __init__(
+        self,
+        n_samples: int,
+        epoch_order: Callable[[int], np.ndarray],
+        global_batch_size: int,
+        grad_accum_steps: int,
+        dp_rank: int,
+        dp_size: int,
+    ):
         if n_samples < global_batch_size:
             raise ValueError(
                 f"the data holds {n_samples} samples, fewer than one global batch of "
@@ -71,7 +78,7 @@ class GlobalOrderSampler:
         while count > 0:
             epoch, offset = divmod(position, self.n_samples)
             take = min(count, self.n_samples - offset)
-            ids += self.order(epoch)[offset:offset + take].tolist()
+            ids += self.order(epoch)[offset : offset + take].tolist()
             position, count = position + take, count - take
         return ids
 
@@ -80,9 +87,10 @@ class GlobalOrderSampler:
         position = consumed_samples
         m = self.micro_batch_size
         while True:
-            mine = self.samples(position + self.dp_rank * self.local_batch_size,
-                                self.local_batch_size)
-            yield [mine[k * m:(k + 1) * m] for k in range(self.grad_accum_steps)]
+            mine = self.samples(
+                position + self.dp_rank * self.local_batch_size, self.local_batch_size
+            )
+            yield [mine[k * m : (k + 1) * m] for k in range(self.grad_accum_steps)]
             position += self.global_batch_size
 
 
@@ -104,9 +112,12 @@ def setting(cfg, key: str, default):
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="sharding", selected_by={"data.sharding": "contiguous"},
-                      description="disjoint deterministic per-dp-rank shares of each batch, "
-                                  "made ahead by a background loader")
+    return PluginInfo(
+        name="sharding",
+        selected_by={"data.sharding": "contiguous"},
+        description="disjoint deterministic per-dp-rank shares of each batch, "
+        "made ahead by a background loader",
+    )
 
 
 @hookimpl
@@ -125,7 +136,11 @@ def plait_shard_data(cfg, dataset, topology) -> StepLoader:
         dp_rank=topology.dp_rank,
         dp_size=topology.dims.dp,
     )
-    return StepLoader(dataset, sampler, num_workers=setting(cfg, "num_workers", 0),
-                      prefetch=setting(cfg, "prefetch", 2),
-                      prefetch_shards=setting(cfg, "prefetch_shards", 2),
-                      pin_memory=topology.device.type == "cuda")
+    return StepLoader(
+        dataset,
+        sampler,
+        num_workers=setting(cfg, "num_workers", 0),
+        prefetch=setting(cfg, "prefetch", 2),
+        prefetch_shards=setting(cfg, "prefetch_shards", 2),
+        pin_memory=topology.device.type == "cuda",
+    )

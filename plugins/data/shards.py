@@ -29,8 +29,12 @@ from plait.config import AT_LEAST_1, POSITIVE, Range, range_problems
 from plait.meta import meta_model
 from plait.plugins.data.blend import BlendedDataset
 from plait.plugins.data.index import ShardIndex, ShardIndexError, read_index
-from plait.plugins.data.shard_dataset import (ShardDataset, make_reader, split_documents,
-                                              window_starts)
+from plait.plugins.data.shard_dataset import (
+    ShardDataset,
+    make_reader,
+    split_documents,
+    window_starts,
+)
 from plait.plugins.data.sharding import LoaderSettings
 from plait.types import PluginInfo
 
@@ -56,8 +60,12 @@ class ShardsDataConfig(LoaderSettings):
     prefetch_shards: int = 2  # shards fetched ahead of the loader
 
 
-RANGES = {"shuffle_block": AT_LEAST_1, "val_fraction": Range(0, 1, high_open=True),
-          "cache_limit_gb": POSITIVE, "prefetch_shards": Range(0, meaning="0: no prefetch")}
+RANGES = {
+    "shuffle_block": AT_LEAST_1,
+    "val_fraction": Range(0, 1, high_open=True),
+    "cache_limit_gb": POSITIVE,
+    "prefetch_shards": Range(0, meaning="0: no prefetch"),
+}
 
 
 def sources_of(data) -> list[tuple[str, str, float]]:
@@ -69,12 +77,13 @@ def sources_of(data) -> list[tuple[str, str, float]]:
 
 def source_problems(data) -> list[str]:
     if (data.path is None) == (not data.sources):
-        return ["data=shards needs data.path=<a prepared directory> or data.sources=[{path: ..., "
-                "weight: ...}, ...] (not both)"]
+        return [
+            "data=shards needs data.path=<a prepared directory> or data.sources=[{path: ..., "
+            "weight: ...}, ...] (not both)"
+        ]
     weights = [w for _, _, w in sources_of(data)]
     if any(w < 0 for w in weights) or sum(weights) <= 0:
-        return [f"data.sources weights {weights} must be non-negative and sum to a positive "
-                "number"]
+        return [f"data.sources weights {weights} must be non-negative and sum to a positive number"]
     return []
 
 
@@ -99,60 +108,80 @@ def packing_problems(cfg, hook) -> list[str]:
         return []
     if "position_ids" in inspect.signature(model.forward).parameters:
         return []
-    return [f"data.pack=true passes each token's position in its document to the model "
-            f"(forward(ids, position_ids)), from which it masks attention across documents; "
-            f"model._target_={cfg.model._target_} takes no position_ids: use a model that does "
-            "(plait's GPT) or data.pack=false"]
+    return [
+        f"data.pack=true passes each token's position in its document to the model "
+        f"(forward(ids, position_ids)), from which it masks attention across documents; "
+        f"model._target_={cfg.model._target_} takes no position_ids: use a model that does "
+        "(plait's GPT) or data.pack=false"
+    ]
 
 
 def index_problems(cfg, dims, hook, indexes: list[tuple[str, ShardIndex]]) -> list[str]:
     data, problems = cfg.data, []
     identities = {index.tokenizer["identity"] for _, index in indexes}
     if len(identities) > 1:
-        names = ", ".join(f"{s}={i.root} ({i.tokenizer['name']}, {i.tokenizer['identity'][:19]})"
-                          for s, i in indexes)
-        problems.append(f"the sources were tokenized differently: {names}: prepare them with one "
-                        "tokenizer (data.tokenizer=<the first one's tokenizer.json>)")
+        names = ", ".join(
+            f"{s}={i.root} ({i.tokenizer['name']}, {i.tokenizer['identity'][:19]})"
+            for s, i in indexes
+        )
+        problems.append(
+            f"the sources were tokenized differently: {names}: prepare them with one "
+            "tokenizer (data.tokenizer=<the first one's tokenizer.json>)"
+        )
     vocab = max(index.tokenizer["vocab_size"] for _, index in indexes)
     model_vocab = model_vocab_size(cfg, hook)
     if model_vocab is not None and model_vocab < vocab:
-        problems.append(f"the model's output has {model_vocab} ids, fewer than the tokenizer's "
-                        f"vocabulary of {vocab} ({indexes[0][1].root}): set model.vocab_size="
-                        f"{vocab} (or a padded size above it)")
+        problems.append(
+            f"the model's output has {model_vocab} ids, fewer than the tokenizer's "
+            f"vocabulary of {vocab} ({indexes[0][1].root}): set model.vocab_size="
+            f"{vocab} (or a padded size above it)"
+        )
     cached = [(i.shard_bytes(0), i.root) for _, i in indexes if "://" in i.root]
     if data.cache_limit_gb is not None and cached:
         size, root = max(cached)
         if data.cache_limit_gb * 2**30 < size:
-            problems.append(f"data.cache_limit_gb={data.cache_limit_gb:g} is smaller than one "
-                            f"shard of {root} ({size / 2**30:.3g} GiB): raise it to hold a few "
-                            "shards")
+            problems.append(
+                f"data.cache_limit_gb={data.cache_limit_gb:g} is smaller than one "
+                f"shard of {root} ({size / 2**30:.3g} GiB): raise it to hold a few "
+                "shards"
+            )
     for setting, index in indexes:
         n = samples_of(index, data, cfg.train.seq_len, "train")
         if n < (cfg.train.batch_size if len(indexes) == 1 else 1):
-            problems.append(f"{setting}={index.root} holds {n} training samples of "
-                            f"train.seq_len={cfg.train.seq_len}, fewer than one global batch of "
-                            f"train.batch_size={cfg.train.batch_size}: lower them, set "
-                            "data.pack=true, or prepare more text")
+            problems.append(
+                f"{setting}={index.root} holds {n} training samples of "
+                f"train.seq_len={cfg.train.seq_len}, fewer than one global batch of "
+                f"train.batch_size={cfg.train.batch_size}: lower them, set "
+                "data.pack=true, or prepare more text"
+            )
     per_rank = cfg.train.batch_size // dims.dp
     n_val = sum(samples_of(index, data, cfg.train.seq_len, "val") for _, index in indexes)
     if cfg.train.eval_every and n_val < per_rank:
-        problems.append(f"train.eval_every={cfg.train.eval_every}: the validation split holds "
-                        f"{n_val} samples of train.seq_len={cfg.train.seq_len}, fewer than one "
-                        f"per-rank batch of {per_rank}: raise data.val_fraction, or set "
-                        "train.eval_every=0")
+        problems.append(
+            f"train.eval_every={cfg.train.eval_every}: the validation split holds "
+            f"{n_val} samples of train.seq_len={cfg.train.seq_len}, fewer than one "
+            f"per-rank batch of {per_rank}: raise data.val_fraction, or set "
+            "train.eval_every=0"
+        )
     return problems
 
 
 def samples_of(index: ShardIndex, data, seq_len: int, split: str) -> int:
-    return len(window_starts(split_documents(index.documents, data.val_fraction, split),
-                             seq_len, data.pack))
+    return len(
+        window_starts(
+            split_documents(index.documents, data.val_fraction, split), seq_len, data.pack
+        )
+    )
 
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="shards", selected_by={"data.name": "shards"},
-                      description="prepared token shards, local or remote with a node-local "
-                                  "cache, blended by weight")
+    return PluginInfo(
+        name="shards",
+        selected_by={"data.name": "shards"},
+        description="prepared token shards, local or remote with a node-local "
+        "cache, blended by weight",
+    )
 
 
 @hookimpl
@@ -164,8 +193,9 @@ def plait_register_configs(config_store) -> None:
 def plait_register_commands(register) -> None:
     from plait.plugins.data.prepare import cmd_prepare
 
-    register("prepare", cmd_prepare, "tokenize text into shards for data=shards "
-                                     "(data.path=... out=...)")
+    register(
+        "prepare", cmd_prepare, "tokenize text into shards for data=shards (data.path=... out=...)"
+    )
 
 
 @hookimpl
@@ -199,8 +229,11 @@ def plait_tokenizer(cfg):
     if index.tokenizer["name"] == ByteTokenizer.name:
         return ByteTokenizer()
     fs, root = url_to_fs(path)
-    return HFTokenizer.from_json(fs.cat_file(join(root, TOKENIZER)).decode(),
-                                 index.tokenizer["name"], index.tokenizer.get("eot"))
+    return HFTokenizer.from_json(
+        fs.cat_file(join(root, TOKENIZER)).decode(),
+        index.tokenizer["name"],
+        index.tokenizer.get("eot"),
+    )
 
 
 @hookimpl
@@ -210,7 +243,17 @@ def plait_build_dataset(cfg, split: str):
     for setting, path, weight in sources_of(data):
         index = read_index(path, setting)
         reader = make_reader(index, data.cache_dir, data.cache_limit_gb)
-        datasets.append(ShardDataset(index, reader, cfg.train.seq_len, split, data.pack,
-                                     data.val_fraction, data.shuffle, data.shuffle_block))
+        datasets.append(
+            ShardDataset(
+                index,
+                reader,
+                cfg.train.seq_len,
+                split,
+                data.pack,
+                data.val_fraction,
+                data.shuffle,
+                data.shuffle_block,
+            )
+        )
         weights.append(weight)
     return datasets[0] if len(datasets) == 1 else BlendedDataset(datasets, weights)

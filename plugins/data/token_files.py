@@ -42,21 +42,24 @@ def token_layout(path: Path) -> TokenLayout:
             raise ValueError(
                 f"{path} starts with llm.c's magic {magic} but does not fit its layout (version "
                 f"{version}, expected {want_version}; {n_tokens} tokens need {expected} bytes, "
-                f"the file has {size}): it is truncated or not an llm.c token file")
+                f"the file has {size}): it is truncated or not an llm.c token file"
+            )
         if n_tokens == 0:
             raise ValueError(f"{path} is an llm.c token file without tokens")
         return TokenLayout(dtype, LLMC_HEADER_BYTES, n_tokens)
     if size == 0 or size % 2:
         raise ValueError(
             f"{path} has {size} bytes, not a whole number of uint16 tokens: give a nanoGPT token "
-            "file (uint16 ids, no header) or an llm.c one (256-int32 header, then the ids)")
+            "file (uint16 ids, no header) or an llm.c one (256-int32 header, then the ids)"
+        )
     return TokenLayout(np.uint16, 0, size // 2)
 
 
 def read_tokens(path: Path) -> np.memmap:
     layout = token_layout(path)
-    return np.memmap(path, dtype=layout.dtype, mode="r", offset=layout.offset,
-                     shape=(layout.n_tokens,))
+    return np.memmap(
+        path, dtype=layout.dtype, mode="r", offset=layout.offset, shape=(layout.n_tokens,)
+    )
 
 
 def looks_like_text(path: Path) -> bool:

@@ -76,16 +76,20 @@ def train_bpe(docs: Iterable[bytes], vocab_size: int) -> HFTokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     texts = (doc.decode("utf-8", errors="replace") for doc in docs)
     tokenizer.train_from_iterator(texts, trainer)
     return HFTokenizer(tokenizer, BPE)
 
 
-def load_tokenizer_file(path: str | Path, name: str = "file",
-                        eot: Optional[int] = None) -> HFTokenizer:
+def load_tokenizer_file(
+    path: str | Path, name: str = "file", eot: Optional[int] = None
+) -> HFTokenizer:
     from tokenizers import Tokenizer
 
     return HFTokenizer(Tokenizer.from_file(str(path)), name, eot)

@@ -10,17 +10,14 @@ With ``precision=fp16`` torch's dynamic ``GradScaler`` scales the loss; the step
 ``loss_scale`` and ``skipped_steps`` (steps skipped on an overflow), as ``strategy=zero*`` does.
 Under expert parallelism (``parallel.ep > 1``) DDP leaves this rank's experts alone; after the
 last micro-batch their gradients are averaged over the expert-data-parallel group
-(:mod:`plait.plugins.expert_parallel.grads`), and each (pp, tp, ep) position saves its own file.
+(:mod:`plait.engine.experts`), and each (pp, tp, ep) position saves its own file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,26 +25,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from plait import hookimpl
 from plait.config import StrategyConfig
+from plait.engine.experts import average_expert_gradients, expert_names
+from plait.engine.hyperparameters import keep_hyperparameters
+from plait.engine.precision import grad_scaler_state, load_grad_scaler_state
+from plait.engine.state_by_name import load_state_by_name, state_by_name
+from plait.engine.step import TorchEngine
 from plait.meta import parameters_per_rank
-from plait.plugins.expert_parallel.grads import average_expert_gradients, expert_names
-from plait.plugins.optim.clip_grads import clip_grad_norm_
-from plait.plugins.optim.hyperparameters import keep_hyperparameters
-from plait.plugins.optim.mixed_precision import (
-    autocast,
-    grad_scaler,
-    grad_scaler_state,
-    load_grad_scaler_state,
-)
-from plait.plugins.optim.state_by_name import load_state_by_name, state_by_name
-from plait.types import (
-    Batch,
-    CommSpec,
-    GradReducer,
-    PluginInfo,
-    StepOutput,
-    StrategyCost,
-    model_inputs,
-)
+from plait.types import CommSpec, GradReducer, PluginInfo, StrategyCost
 
 
 @dataclass
@@ -64,8 +48,9 @@ def reduce_bucket(state, bucket):
     return reducer.reduce(bucket, group)
 
 
-def register_reducer(ddp: DistributedDataParallel, reducer: GradReducer | None,
-                     group: dist.ProcessGroup) -> None:
+def register_reducer(
+    ddp: DistributedDataParallel, reducer: GradReducer | None, group: dist.ProcessGroup
+) -> None:
     """Make DDP average its buckets with ``reducer``.
 
     Where the reducer is the strategy's own all-reduce (``spec.native``), DDP's C++ paths do the
@@ -111,124 +96,60 @@ def ddp_options(reducer: GradReducer | None) -> dict:
     return {"bucket_cap_mb": reducer.spec.bucket_bytes / 2**20}
 
 
-class DDPEngine:
+class DDPEngine(TorchEngine):
+    """The base step (:class:`plait.engine.step.TorchEngine`) with DDP's own parts: the model
+    wrapped in ``DistributedDataParallel`` over the ``dp x cp`` group (experts left out), its
+    all-reduce skipped on all but the last micro-batch (``no_sync``), and the experts' gradients
+    averaged over their expert-data-parallel group after the last one."""
+
     def __init__(self, cfg, model, optimizer, loss_fn, grad_reducer, topology, hook):
-        self.device = topology.device
-        self.check_step = functools.partial(hook.plait_check_step, cfg=cfg, topology=topology)
-        self.model = model.to(self.device)
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.precision = cfg.precision
-        self.grad_clip = cfg.train.grad_clip
-        self.scaler = grad_scaler(cfg.precision, self.device)
-        self.skipped_steps = 0  # steps the fp16 loss scaler skipped on an overflow
-        # gradients and the loss are averaged over the data- and context-parallel ranks
-        self.dp_group = topology.get_data_parallel_group(with_context_parallel=True)
-        self.dp_size = topology.dims.dp_cp
-        # Tensor-parallel shards: the gradient norm is summed over the tp group.
-        self.tp_group = topology.get_tensor_model_parallel_group() if topology.dims.tp > 1 else None
-        self.tp_rank = topology.tp_rank
-        # Expert parallelism: experts differ across the ep group, their gradients are averaged
-        # over the ranks that hold the same ones (edp), and their norm summed over ep.
+        super().__init__(cfg, topology, hook, model.to(topology.device), optimizer, loss_fn)
+        dp_group = topology.group("dp_cp")
         self.ep = topology.dims.ep
-        self.ep_group = topology.get_expert_parallel_group() if self.ep > 1 else None
-        self.edp_group = topology.get_expert_data_parallel_group() if self.ep > 1 else None
+        self.edp_group = topology.group("edp")
         self.checkpoint_name = f"model_pp{topology.pp_rank}_tp{topology.tp_rank}.pt"
         self.saves_checkpoint = topology.dp_cp_rank == 0
         if self.ep > 1:  # one file per position holding other experts, from its first replica
             self.checkpoint_name = self.checkpoint_name.replace(".pt", f"_ep{topology.ep_rank}.pt")
             self.saves_checkpoint = topology.edp_rank == 0
-        self.wrapped = model
         grad_reducer = legacy_comm_hook(cfg, topology, grad_reducer, hook)
-        if self.dp_size > 1:
+        if self.loss_size > 1:
             if self.ep > 1:
                 DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                    model, expert_names(model))
+                    model, expert_names(model)
+                )
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.wrapped = DistributedDataParallel(model, device_ids=device_ids,
-                                                   process_group=self.dp_group,
-                                                   **ddp_options(grad_reducer))
-            register_reducer(self.wrapped, grad_reducer, self.dp_group)
+            self.wrapped = DistributedDataParallel(
+                model, device_ids=device_ids, process_group=dp_group, **ddp_options(grad_reducer)
+            )
+            register_reducer(self.wrapped, grad_reducer, dp_group)
         if cfg.strategy.compile:  # compiled around DDP, so DDP's graph splitting applies
             self.wrapped = torch.compile(self.wrapped)
 
-    def _loss(self, batch: Batch) -> torch.Tensor:
-        x, kwargs, y = model_inputs(batch, self.device)
-        with autocast(self.precision, self.device):
-            return self.loss_fn(self.wrapped(x, **kwargs), y)
+    def sync(self, last: bool):
+        """DDP all-reduces on the last micro-batch only."""
+        return contextlib.nullcontext() if last or self.loss_size == 1 else self.wrapped.no_sync()
 
-    def _mean_over_dp(self, value: torch.Tensor) -> Callable[[], float]:
-        """Start averaging ``value`` over the dp ranks; call the result to wait for the float.
-
-        Asynchronous so the reduction of the step's loss overlaps the optimizer step.
-        """
-        if self.dp_size == 1:
-            return value.item
-        work = dist.all_reduce(value, group=self.dp_group, async_op=True)  # gloo has no AVG
-
-        def wait() -> float:
-            work.wait()
-            return value.item() / self.dp_size
-
-        return wait
-
-    def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        n = len(micro_batches)
-        total = torch.zeros((), device=self.device)
-        for i, batch in enumerate(micro_batches):
-            last = i == n - 1
-            sync = contextlib.nullcontext() if last or self.dp_size == 1 else self.wrapped.no_sync()
-            with sync:
-                loss = self._loss(batch)
-                self.scaler.scale(loss / n).backward()
-            total += loss.detach()
-        mean_loss = self._mean_over_dp(total / n)
+    def reduce_gradients(self) -> None:
         if self.ep > 1:
-            average_expert_gradients(self.model.parameters(), self.edp_group, self.dp_size)
-        self.scaler.unscale_(self.optimizer)
-        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, self.tp_group, self.tp_rank,
-                                    ep_group=self.ep_group)
-        # fp16: the loss scaler skips a step whose gradients overflowed and lowers the scale,
-        # routinely in the first steps, so the guard judges the loss alone.
-        guarded_norm = torch.zeros_like(grad_norm) if self.scaler.is_enabled() else grad_norm
-        skipped = any(self.check_step(loss=total / n, grad_norm=guarded_norm))
-        if not skipped:
-            self.scaler.step(self.optimizer)
-        metrics = self._update_loss_scale() if self.scaler.is_enabled() else {}
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepOutput(loss=mean_loss(), grad_norm=float(grad_norm), skipped=skipped,
-                          metrics=metrics)
-
-    def _update_loss_scale(self) -> dict[str, float]:
-        """fp16: update the scale; it drops exactly when ``scaler.step`` found an inf or NaN
-        gradient and skipped the optimizer step (torch's documented way to tell). The same
-        metrics as DeepSpeed's scaler under ``strategy=zero*``."""
-        before = self.scaler.get_scale()
-        self.scaler.update()
-        scale = self.scaler.get_scale()
-        self.skipped_steps += scale < before
-        return {"loss_scale": scale, "skipped_steps": float(self.skipped_steps)}
-
-    @torch.no_grad()
-    def eval_loss(self, batch: Batch) -> float:
-        self.model.eval()
-        loss = self._loss(batch).detach().float()
-        self.model.train()
-        return self._mean_over_dp(loss)()
+            average_expert_gradients(self.model.parameters(), self.edp_group, self.loss_size)
 
     def save_state(self, directory: Path) -> None:
         if self.saves_checkpoint:
-            torch.save({"model": self.model.state_dict(),
-                        "optimizer": self.optimizer.state_dict(),
-                        "scaler": self.scaler.state_dict(),
-                        "skipped_steps": self.skipped_steps}, directory / self.checkpoint_name)
+            torch.save(
+                {
+                    "model": self.model.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "scaler": self.scaler.state_dict(),
+                    "skipped_steps": self.skipped_steps,
+                },
+                directory / self.checkpoint_name,
+            )
 
     def load_state(self, directory: Path) -> None:
-        state = torch.load(directory / self.checkpoint_name, map_location=self.device,
-                           weights_only=True)
+        state = torch.load(
+            directory / self.checkpoint_name, map_location=self.device, weights_only=True
+        )
         self.model.load_state_dict(state["model"])
         with keep_hyperparameters(self.optimizer):
             self.optimizer.load_state_dict(state["optimizer"])
@@ -237,13 +158,15 @@ class DDPEngine:
 
     def layout_free_state(self) -> dict:
         """Model and optimizer state by parameter name (DCP's ``get_state_dict``; see
-        :mod:`plait.plugins.checkpoint.layout_free`). A fresh optimizer's state is created
+        :mod:`plait.engine.layout_free`). A fresh optimizer's state is created
         first, so a resumed engine's own state can be the template DCP loads into. Under fp16
         the loss scaler's state too (also the pipeline engine's, which uses this scaler)."""
         state = state_by_name(self.model, self.optimizer)
         if self.scaler.is_enabled():
-            state["loss_scale"] = {**grad_scaler_state(self.scaler),
-                                   "skipped_steps": torch.tensor(self.skipped_steps)}
+            state["loss_scale"] = {
+                **grad_scaler_state(self.scaler),
+                "skipped_steps": torch.tensor(self.skipped_steps),
+            }
         return state
 
     def load_layout_free_state(self, state: dict) -> None:
@@ -256,12 +179,23 @@ class DDPEngine:
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(
-        name="ddp", selected_by={"strategy.name": "ddp"},
-        provides=frozenset({"engine:tensor_parallel", "engine:pipeline", "engine:grad_reducer",
-                            "engine:grad_comm", "engine:layout_free_state",
-                            "engine:comm_hook", "engine:expert_parallel",
-                            "engine:context_parallel"}),
-        description="torch DistributedDataParallel")
+        name="ddp",
+        selected_by={"strategy.name": "ddp"},
+        provides=frozenset(
+            {
+                "engine:tensor_parallel",
+                "engine:pipeline",
+                "engine:split_backward",
+                "engine:grad_reducer",
+                "engine:grad_comm",
+                "engine:layout_free_state",
+                "engine:comm_hook",
+                "engine:expert_parallel",
+                "engine:context_parallel",
+            }
+        ),
+        description="torch DistributedDataParallel",
+    )
 
 
 @hookimpl
@@ -272,10 +206,12 @@ def plait_register_configs(config_store) -> None:
 @hookimpl
 def plait_validate(cfg, dims) -> list[str]:
     if cfg.precision == "fp16" and dims.tp > 1:
-        return [f"precision=fp16 with parallel.tp={dims.tp} and strategy=ddp: DDP's loss scaler "
-                "checks overflow per rank, so tensor-parallel ranks could skip different steps; "
-                "use precision=bf16 or fp32, or strategy=zero1 (DeepSpeed's scaler agrees "
-                "across ranks)"]
+        return [
+            f"precision=fp16 with parallel.tp={dims.tp} and strategy=ddp: DDP's loss scaler "
+            "checks overflow per rank, so tensor-parallel ranks could skip different steps; "
+            "use precision=bf16 or fp32, or strategy=zero1 (DeepSpeed's scaler agrees "
+            "across ranks)"
+        ]
     return []
 
 
@@ -292,9 +228,13 @@ def plait_strategy_cost(strategy, model, dims) -> StrategyCost | None:
         return None
     psi = sum(parameters_per_rank(model, dims))
     n = dims.dp_cp
-    return StrategyCost(params=4 * psi, grads=4 * psi, optimizer=8 * psi,
-                        buffers=4 * psi if n > 1 else 0,
-                        dp_bytes_per_step=2 * (n - 1) / n * psi * 4)
+    return StrategyCost(
+        params=4 * psi,
+        grads=4 * psi,
+        optimizer=8 * psi,
+        buffers=4 * psi if n > 1 else 0,
+        dp_bytes_per_step=2 * (n - 1) / n * psi * 4,
+    )
 
 
 @hookimpl

@@ -15,8 +15,11 @@ from plait import hookimpl
 from plait.config import AT_LEAST_0, AT_LEAST_1, Range, StrategyConfig, range_problems
 from plait.types import PluginInfo
 
-RANGES = {"sync_every": AT_LEAST_1, "outer_lr": AT_LEAST_0,
-          "outer_momentum": Range(0, 1, high_open=True)}
+RANGES = {
+    "sync_every": AT_LEAST_1,
+    "outer_lr": AT_LEAST_0,
+    "outer_momentum": Range(0, 1, high_open=True),
+}
 
 
 @dataclass
@@ -29,9 +32,13 @@ class DiLoCoConfig(StrategyConfig):
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="diloco", selected_by={"strategy.name": "diloco"},
-                      parallel_axes=frozenset({"dp"}), precisions=frozenset({"fp32", "bf16"}),
-                      description="DiLoCo: H inner steps, outer Nesterov on the pseudo-gradient")
+    return PluginInfo(
+        name="diloco",
+        selected_by={"strategy.name": "diloco"},
+        parallel_axes=frozenset({"dp"}),
+        precisions=frozenset({"fp32", "bf16"}),
+        description="DiLoCo: H inner steps, outer Nesterov on the pseudo-gradient",
+    )
 
 
 @hookimpl

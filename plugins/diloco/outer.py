@@ -23,8 +23,11 @@ class DiLoCoEngine(LocalSGDEngine):
         settings = cfg.strategy
         self.outer_params = [p.detach().clone() for p in self.model.parameters()]
         self.outer_optimizer = torch.optim.SGD(
-            self.outer_params, lr=settings.outer_lr, momentum=settings.outer_momentum,
-            nesterov=settings.outer_momentum > 0)
+            self.outer_params,
+            lr=settings.outer_lr,
+            momentum=settings.outer_momentum,
+            nesterov=settings.outer_momentum > 0,
+        )
         return optimizer  # the inner optimizer, stepped alone between outer steps
 
     def optimizer_step(self) -> None:
@@ -42,8 +45,11 @@ class DiLoCoEngine(LocalSGDEngine):
                 p.copy_(outer)
 
     def state(self) -> dict:
-        return {**super().state(), "outer_params": self.outer_params,
-                "outer_optimizer": self.outer_optimizer.state_dict()}
+        return {
+            **super().state(),
+            "outer_params": self.outer_params,
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+        }
 
     def load(self, state: dict) -> None:
         super().load(state)

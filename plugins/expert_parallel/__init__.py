@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from plait import hookimpl
 from plait.config import ExpertParallelConfig
-from plait.types import PluginInfo
+from plait.types import AxisCost, PluginInfo
 
 
 @dataclass
@@ -43,9 +43,11 @@ def moe_layers(model) -> list:
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(
-        name="expert_parallel", selected_by={"expert_parallel.name": "alltoall"},
+        name="expert_parallel",
+        selected_by={"expert_parallel.name": "alltoall"},
         requires={"ep": frozenset({"engine:expert_parallel", "model:experts"})},
-        description="expert parallelism (all-to-all token dispatch), MoE metrics")
+        description="expert parallelism (all-to-all token dispatch), MoE metrics",
+    )
 
 
 @hookimpl
@@ -61,10 +63,13 @@ def plait_backend_config(cfg, dims) -> dict:
     from plait.topology import expert_groups
 
     ep_groups, edp_groups = expert_groups(dims)
-    return {"expert parallelism (parallel.ep)": {
-        "experts per rank": f"model.n_experts / {dims.ep}",
-        "ep groups (exchange tokens)": [str(g) for g in ep_groups[:8]],
-        "edp groups (average expert gradients)": [str(g) for g in edp_groups[:8]]}}
+    return {
+        "expert parallelism (parallel.ep)": {
+            "experts per rank": f"model.n_experts / {dims.ep}",
+            "ep groups (exchange tokens)": [str(g) for g in ep_groups[:8]],
+            "edp groups (average expert gradients)": [str(g) for g in edp_groups[:8]],
+        }
+    }
 
 
 @hookimpl
@@ -77,13 +82,14 @@ def plait_apply_expert_parallel(cfg, model, topology) -> None:
     dims = topology.dims
     if dims.ep == 1 or not layers:
         return
+    from plait.engine.experts import mark_expert
     from plait.plugins.expert_parallel.dispatch import AllToAllDispatcher, AllToAllMeter
-    from plait.plugins.expert_parallel.grads import mark_expert
 
     meter = AllToAllMeter()
     for layer in layers:
-        dispatcher = AllToAllDispatcher(topology.get_expert_parallel_group(), dims.ep,
-                                        topology.ep_rank, layer.n_experts, meter)
+        dispatcher = AllToAllDispatcher(
+            topology.group("ep"), dims.ep, topology.ep_rank, layer.n_experts, meter
+        )
         mine = {str(dispatcher.first + j) for j in range(dispatcher.local)}
         for key in [k for k in layer.experts.keys() if k not in mine]:
             del layer.experts[key]
@@ -102,3 +108,24 @@ def plait_build_engine(model, topology):
 
     meter = next((getattr(layer.dispatcher, "meter", None) for layer in layers), None)
     return MoEEngine(engine, layers, topology, meter)
+
+
+@hookimpl
+def plait_axis_cost(
+    cfg, axis, model, dims, seq_len, micro_batch_size, microbatches, bytes_per_value
+) -> AxisCost | None:
+    """What expert parallelism sends per step (``plait plan --search``): a mixture of experts'
+    all-to-all, tokens out and back in forward and their gradients in backward, ``4(ep-1)/ep``
+    of ``k·s/cp·b·h·v`` bytes per MoE layer of a stage (``k`` = top_k choices per token)."""
+    if axis != "ep" or cfg.expert_parallel.name != "alltoall":
+        return None
+    moe = [layer for layer in model.modules() if getattr(layer, "is_moe_layer", False)]
+    if not moe:
+        return AxisCost(0.0)
+    ep = dims.ep
+    activation_msg = (
+        seq_len // dims.cp * micro_batch_size * getattr(model, "n_embd", 0) * bytes_per_value
+    )
+    return AxisCost(
+        4 * (ep - 1) / ep * moe[0].top_k * activation_msg * len(moe) / dims.pp * microbatches
+    )

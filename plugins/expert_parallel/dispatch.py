@@ -40,8 +40,9 @@ class AllToAllMeter:
         self.calls, self.bytes_sent, self.seconds = 0, 0, 0.0
 
 
-def all_to_all(tensor: torch.Tensor, send: list[int], receive: list[int], group,
-               meter: AllToAllMeter) -> torch.Tensor:
+def all_to_all(
+    tensor: torch.Tensor, send: list[int], receive: list[int], group, meter: AllToAllMeter
+) -> torch.Tensor:
     """``torch.distributed.all_to_all_single`` of ``tensor``'s rows: ``send[r]`` rows to rank
     ``r`` of ``group``, ``receive[r]`` from it."""
     tensor = tensor.contiguous()
@@ -51,8 +52,9 @@ def all_to_all(tensor: torch.Tensor, send: list[int], receive: list[int], group,
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
     start = time.perf_counter()
-    dist.all_to_all_single(out, tensor, output_split_sizes=receive, input_split_sizes=send,
-                           group=group)
+    dist.all_to_all_single(
+        out, tensor, output_split_sizes=receive, input_split_sizes=send, group=group
+    )
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
     meter.seconds += time.perf_counter() - start
@@ -84,8 +86,9 @@ class AllToAllDispatcher:
         self.local = n_experts // ep_size
         self.first = ep_rank * self.local
 
-    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor,
-                 experts: nn.ModuleDict) -> torch.Tensor:
+    def __call__(
+        self, tokens: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleDict
+    ) -> torch.Tensor:
         ep, local = self.ep_size, self.local
         counts = counts.to(torch.int64)
         received = all_to_all(counts, [local] * ep, [local] * ep, self.group, self.meter)
@@ -97,7 +100,8 @@ class AllToAllDispatcher:
         outputs = []
         for j in range(local):
             mine = torch.cat([chunks[s * local + j] for s in range(ep)])
-            outputs.append(experts[str(self.first + j)](mine).split(
-                [by_source[s][j] for s in range(ep)]))
+            outputs.append(
+                experts[str(self.first + j)](mine).split([by_source[s][j] for s in range(ep)])
+            )
         back = torch.cat([outputs[j][s] for s in range(ep) for j in range(local)])
         return AllToAll.apply(back, receive, send, self.group, self.meter)

@@ -55,26 +55,34 @@ class MoEEngine:
             for layer in self.layers:
                 rows = layer.stats.last(forwards)
                 if rows:
-                    table[layer.stats_row, :E + 3] = torch.stack(rows).sum(dim=0)
+                    table[layer.stats_row, : E + 3] = torch.stack(rows).sum(dim=0)
                     table[layer.stats_row, E + 3] = len(rows)
         meter = self.meter
-        sent = torch.tensor([meter.bytes_sent, meter.seconds, meter.calls] if meter else [0, 0, 0],
-                            dtype=torch.float64)
+        sent = torch.tensor(
+            [meter.bytes_sent, meter.seconds, meter.calls] if meter else [0, 0, 0],
+            dtype=torch.float64,
+        )
         table, total, peak = self._reduce(table, sent)
         tokens = table[:, :E]
         forwards = table[:, E + 3].clamp(min=1)
         mean = tokens.mean(dim=1).clamp(min=1e-12)
-        figures = {"moe/tokens_per_expert_min": tokens.min().item(),
-                   "moe/tokens_per_expert_max": tokens.max().item(),
-                   "moe/imbalance": (tokens.max(dim=1).values / mean).max().item(),
-                   "moe/dropped_tokens": table[:, E].sum().item(),
-                   "moe/aux_loss": (table[:, E + 1] / forwards).mean().item(),
-                   "moe/z_loss": (table[:, E + 2] / forwards).mean().item()}
+        figures = {
+            "moe/tokens_per_expert_min": tokens.min().item(),
+            "moe/tokens_per_expert_max": tokens.max().item(),
+            "moe/imbalance": (tokens.max(dim=1).values / mean).max().item(),
+            "moe/dropped_tokens": table[:, E].sum().item(),
+            "moe/aux_loss": (table[:, E + 1] / forwards).mean().item(),
+            "moe/z_loss": (table[:, E + 2] / forwards).mean().item(),
+        }
         if meter is not None:
-            figures.update({"moe/all_to_all_bytes": total[0].item() / self.world,
-                            "moe/all_to_all_bytes_max": peak[0].item(),
-                            "moe/all_to_all_s": peak[1].item(),
-                            "moe/all_to_all_calls": peak[2].item()})
+            figures.update(
+                {
+                    "moe/all_to_all_bytes": total[0].item() / self.world,
+                    "moe/all_to_all_bytes_max": peak[0].item(),
+                    "moe/all_to_all_s": peak[1].item(),
+                    "moe/all_to_all_calls": peak[2].item(),
+                }
+            )
         return figures
 
     def _reduce(self, table: torch.Tensor, sent: torch.Tensor):
@@ -86,12 +94,15 @@ class MoEEngine:
         peak = sent.to(device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
         summed, peak = summed.cpu(), peak.cpu()
-        return summed[:table.numel()].view_as(table), summed[table.numel():], peak
+        return summed[: table.numel()].view_as(table), summed[table.numel() :], peak
 
     def _device(self) -> torch.device:
         backend = dist.get_backend(self.group)
-        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else \
-            torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
 
     def __getattr__(self, name):
         return getattr(self.engine, name)

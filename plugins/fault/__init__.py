@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from plait import hookimpl
 from plait.config import AT_LEAST_1, Range, range_problems
+from plait.plugins.fault.config import FaultToleranceConfig
 from plait.types import PluginInfo
 
 RANGES = {"max_bad_steps": AT_LEAST_1, "spike_factor": Range(0, meaning="0: off")}
@@ -44,8 +45,9 @@ class BadStepsError(RuntimeError):
 
 
 def restart_count() -> int:
-    return max(int(os.environ.get(v, 0)) for v in ("TORCHELASTIC_RESTART_COUNT",
-                                                   "SLURM_RESTART_COUNT"))
+    return max(
+        int(os.environ.get(v, 0)) for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+    )
 
 
 class StepGuard:
@@ -57,9 +59,17 @@ class StepGuard:
 
     @hookimpl
     def plait_declare(self) -> PluginInfo:
-        return PluginInfo(name="step_guard", selected_by={"fault.name": "checkpoint"},
-                          description="skip non-finite steps and loss spikes on every rank, roll "
-                                      "back after fault.max_bad_steps, count restarts")
+        return PluginInfo(
+            name="step_guard",
+            selected_by={"fault.name": "checkpoint"},
+            description="skip non-finite steps and loss spikes on every rank, roll "
+            "back after fault.max_bad_steps, count restarts",
+        )
+
+    @hookimpl
+    def plait_register_configs(self, config_store) -> None:
+        """The fault plugins' schema (``config.py``), stored once, by this one of them."""
+        config_store.store(group="fault", name="base_fault_tolerance", node=FaultToleranceConfig)
 
     @hookimpl
     def plait_validate(self, cfg) -> list[str]:
@@ -69,16 +79,22 @@ class StepGuard:
     def plait_check_step(self, cfg, loss, grad_norm, topology) -> bool:
         finite = bool(torch.isfinite(loss))
         # one MAX reduction: either flag on any rank, and the highest rank's loss
-        figures = torch.tensor([0.0 if finite else 1.0,
-                                0.0 if torch.isfinite(grad_norm) else 1.0,
-                                float(loss) if finite else 0.0], device=loss.device)
+        figures = torch.tensor(
+            [
+                0.0 if finite else 1.0,
+                0.0 if torch.isfinite(grad_norm) else 1.0,
+                float(loss) if finite else 0.0,
+            ],
+            device=loss.device,
+        )
         group = topology.trainer_group  # None: every rank trains
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
         bad_loss, bad_norm, highest = figures.tolist()
         if bad_loss or bad_norm:
             what = "non-finite " + " and ".join(
-                n for n, b in (("loss", bad_loss), ("gradient norm", bad_norm)) if b)
+                n for n, b in (("loss", bad_loss), ("gradient norm", bad_norm)) if b
+            )
         elif spike := self._spike(highest, cfg.fault.spike_factor):
             what = spike
             self.spikes += 1
@@ -88,13 +104,18 @@ class StepGuard:
             return False
         self.bad_in_a_row += 1
         if topology.rank == 0:
-            print(f"plait: {what} on some rank: step skipped on every rank "
-                  f"({self.bad_in_a_row} in a row)", file=sys.stderr, flush=True)
+            print(
+                f"plait: {what} on some rank: step skipped on every rank "
+                f"({self.bad_in_a_row} in a row)",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.bad_in_a_row >= cfg.fault.max_bad_steps:
             raise BadStepsError(
                 f"fault.max_bad_steps={cfg.fault.max_bad_steps} consecutive steps with a "
                 f"{what}: ending this attempt so that a restart "
-                "(launcher.max_restarts) resumes from the last complete checkpoint")
+                "(launcher.max_restarts) resumes from the last complete checkpoint"
+            )
         return True
 
     def _spike(self, loss: float, factor: float) -> str | None:
@@ -104,15 +125,16 @@ class StepGuard:
         median = statistics.median(self.taken)
         if loss <= factor * median:
             return None
-        return (f"loss spike ({loss:.4g} > fault.spike_factor={factor:g} x the median "
-                f"{median:.4g} of the last {len(self.taken)} steps)")
+        return (
+            f"loss spike ({loss:.4g} > fault.spike_factor={factor:g} x the median "
+            f"{median:.4g} of the last {len(self.taken)} steps)"
+        )
 
     @hookimpl
     def plait_on_run_start(self, cfg, state) -> None:
         self.spike_factor = cfg.fault.spike_factor
         if restart_count():
-            print(f"plait: restart {restart_count()}: continuing at step {state.step}",
-                  flush=True)
+            print(f"plait: restart {restart_count()}: continuing at step {state.step}", flush=True)
 
     @hookimpl(wrapper=True)
     def plait_log_metrics(self, step, metrics):

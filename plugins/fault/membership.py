@@ -51,8 +51,11 @@ def leave_job(reason: str, first_on_node: bool) -> NoReturn:
     is killed. Without an elastic agent the worker only ends itself."""
     agent = agent_pid() if under_torch_elastic() else None
     if first_on_node:
-        print(f"{reason}\nplait: this node leaves the job: stopping its agent (SIGTERM)",
-              file=sys.stderr, flush=True)
+        print(
+            f"{reason}\nplait: this node leaves the job: stopping its agent (SIGTERM)",
+            file=sys.stderr,
+            flush=True,
+        )
         if agent is not None:
             os.kill(agent, signal.SIGTERM)
     deadline = time.monotonic() + AGENT_GRACE_S

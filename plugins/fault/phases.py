@@ -87,8 +87,9 @@ def torch_optimizer(optimizer) -> torch.optim.Optimizer | None:
     ZeRO optimizer as ``.optimizer``; torch's ``PostLocalSGDOptimizer``, an ``Optimizer``
     that skips ``Optimizer.__init__`` and so has no step hooks, as ``.optim``)."""
     for _ in range(4):
-        if (isinstance(optimizer, torch.optim.Optimizer)
-                and hasattr(optimizer, "_optimizer_step_pre_hooks")):
+        if isinstance(optimizer, torch.optim.Optimizer) and hasattr(
+            optimizer, "_optimizer_step_pre_hooks"
+        ):
             return optimizer
         optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "optim", None)
     return None
@@ -202,8 +203,11 @@ class PhaseClock:
     def _grad_ready(self, param) -> None:
         if self.inside:
             self._last_grad = time.perf_counter()
-            self._work_last_grad = (self.work.stamp() if self._work_last_grad is None
-                                    else self.work.stamp_again(self._work_last_grad))
+            self._work_last_grad = (
+                self.work.stamp()
+                if self._work_last_grad is None
+                else self.work.stamp_again(self._work_last_grad)
+            )
             progress.grads += 1
             progress.changed_at = time.monotonic()
 
@@ -229,17 +233,19 @@ def timing_wanted(cfg) -> bool:
 class StepTiming:
     @hookimpl
     def plait_declare(self) -> PluginInfo:
-        return PluginInfo(name="step_timing", selected_by={"fault.name": "checkpoint"},
-                          description="per-rank forward, backward compute, optimizer and "
-                                      "collective-wait times of every step")
+        return PluginInfo(
+            name="step_timing",
+            selected_by={"fault.name": "checkpoint"},
+            description="per-rank forward, backward compute, optimizer and "
+            "collective-wait times of every step",
+        )
 
     # outermost: the phases of the whole step, whatever other wrappers add
     @hookimpl(wrapper=True, tryfirst=True)
     def plait_build_engine(self, cfg, topology):
         engine = yield
         if timing_wanted(cfg):
-            clock = PhaseClock(engine.model, getattr(engine, "optimizer", None),
-                               topology.device)
+            clock = PhaseClock(engine.model, getattr(engine, "optimizer", None), topology.device)
             engine.train_step = functools.partial(clock.train_step, engine.train_step)
         return engine
 
@@ -251,4 +257,3 @@ class StepTiming:
 
 
 plugin = StepTiming()
-

@@ -34,6 +34,7 @@ from collections import deque
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from plait import hookimpl
 from plait.config import AT_LEAST_1, Range, range_problems
@@ -41,16 +42,17 @@ from plait.plugins.fault.membership import NodeExcluded, leave_job
 from plait.types import PluginInfo
 
 ACTIONS = ("warn", "exclude")
-RANGES = {"straggler_factor": Range(1, low_open=True, meaning="or 0: off"),
-          "straggler_window": AT_LEAST_1}
+RANGES = {
+    "straggler_factor": Range(1, low_open=True, meaning="or 0: off"),
+    "straggler_window": AT_LEAST_1,
+}
 PER_RANK = re.compile(r"^compute_s/rank(\d+)$")
 
 
 def compute_by_rank(metrics: dict[str, float]) -> dict[int, float]:
     """Each rank's compute seconds (``compute_s/rank<r>``: on the device's own clock) of a
     logged step."""
-    return {int(m.group(1)): value for key, value in metrics.items()
-            if (m := PER_RANK.match(key))}
+    return {int(m.group(1)): value for key, value in metrics.items() if (m := PER_RANK.match(key))}
 
 
 def slowdowns(window: list[dict[int, float]]) -> dict[int, float]:
@@ -75,9 +77,12 @@ class StragglerDetector:
 
     @hookimpl
     def plait_declare(self) -> PluginInfo:
-        return PluginInfo(name="straggler", selected_by={"fault.name": "checkpoint"},
-                          description="name the rank whose compute holds the job back "
-                                      "(fault.straggler_factor); warn, or exclude its node")
+        return PluginInfo(
+            name="straggler",
+            selected_by={"fault.name": "checkpoint"},
+            description="name the rank whose compute holds the job back "
+            "(fault.straggler_factor); warn, or exclude its node",
+        )
 
     @hookimpl
     def plait_validate(self, cfg, dims) -> list[str]:
@@ -86,21 +91,30 @@ class StragglerDetector:
         if fault.straggler_factor == 0:  # 0 is off, not out of range
             problems = [p for p in problems if not p.startswith("fault.straggler_factor=")]
         if fault.straggler_action not in ACTIONS:
-            problems.append(f"fault.straggler_action={fault.straggler_action}: choose warn or "
-                            "exclude")
+            problems.append(
+                f"fault.straggler_action={fault.straggler_action}: choose warn or exclude"
+            )
         elif fault.straggler_action == "exclude":
             if not dims.elastic:
                 problems.append(
                     f"fault.straggler_action=exclude takes the straggler's node out of an "
                     f"elastic job, but launcher.nnodes={cfg.launcher.nnodes} is fixed: give a "
-                    "range (e.g. launcher.nnodes=1:2), or set fault.straggler_action=warn")
-            if fault.checkpoint_every == 0:
-                problems.append("fault.straggler_action=exclude re-forms the group from the "
-                                "checkpoint after the verdict, but fault.checkpoint_every=0 "
-                                "writes one only at the end: set fault.checkpoint_every=N")
+                    "range (e.g. launcher.nnodes=1:2), or set fault.straggler_action=warn"
+                )
+            # the exclusion happens at a periodic checkpoint: the checkpoint group's setting
+            # (None where another plugin than the checkpoint plugin is selected for it)
+            every = OmegaConf.select(cfg, "checkpoint.every", default=None)
+            if every == 0:
+                problems.append(
+                    "fault.straggler_action=exclude re-forms the group from the "
+                    "checkpoint after the verdict, but checkpoint.every=0 "
+                    "writes one only at the end: set checkpoint.every=N"
+                )
             if fault.straggler_factor == 0:
-                problems.append("fault.straggler_action=exclude with fault.straggler_factor=0 "
-                                "(the detector off): set fault.straggler_factor > 1")
+                problems.append(
+                    "fault.straggler_action=exclude with fault.straggler_factor=0 "
+                    "(the detector off): set fault.straggler_factor > 1"
+                )
         return problems
 
     @hookimpl
@@ -130,13 +144,20 @@ class StragglerDetector:
         if named is not None:
             metrics["straggler/rank"], metrics["straggler/slowdown"] = float(named[0]), named[1]
             if self.named is None or self.named[0] != named[0]:
-                print(f"plait: straggler at step {step}: rank {named[0]} (node "
-                      f"{self.node_of[named[0]]}) computes {named[1]:.2f}x the median of the "
-                      f"other ranks over the last {len(self.window)} logged steps "
-                      f"(fault.straggler_factor={self.factor})", file=sys.stderr, flush=True)
+                print(
+                    f"plait: straggler at step {step}: rank {named[0]} (node "
+                    f"{self.node_of[named[0]]}) computes {named[1]:.2f}x the median of the "
+                    f"other ranks over the last {len(self.window)} logged steps "
+                    f"(fault.straggler_factor={self.factor})",
+                    file=sys.stderr,
+                    flush=True,
+                )
         elif self.named is not None:
-            print(f"plait: straggler at step {step}: rank {self.named[0]} is no longer named",
-                  file=sys.stderr, flush=True)
+            print(
+                f"plait: straggler at step {step}: rank {self.named[0]} is no longer named",
+                file=sys.stderr,
+                flush=True,
+            )
         self.named = named
 
     @hookimpl(wrapper=True)
@@ -154,8 +175,9 @@ class StragglerDetector:
 
     def _agree(self, topology) -> tuple[int, float] | None:
         """The logging rank's verdict on every trainer (one small broadcast)."""
-        verdict = torch.tensor(self.named if self.named else (-1.0, 0.0), dtype=torch.float64,
-                               device=topology.device)
+        verdict = torch.tensor(
+            self.named if self.named else (-1.0, 0.0), dtype=torch.float64, device=topology.device
+        )
         dist.broadcast(verdict, src=topology.trainer_ranks[0], group=topology.trainer_group)
         rank, slowdown = verdict.tolist()
         return (int(rank), slowdown) if rank >= 0 else None
@@ -163,20 +185,31 @@ class StragglerDetector:
     def _exclude(self, cfg, topology, written) -> None:
         rank, slowdown = self.pending
         node = topology.node_of[rank]
-        why = (f"rank {rank} computes {slowdown:.2f}x the median of the others "
-               f"(fault.straggler_factor={cfg.fault.straggler_factor})")
+        why = (
+            f"rank {rank} computes {slowdown:.2f}x the median of the others "
+            f"(fault.straggler_factor={cfg.fault.straggler_factor})"
+        )
         smallest = topology.dims.nodes.min
         if node == 0 or topology.dims.nnodes <= smallest:
             if topology.is_logging_rank:
-                print(f"plait: straggler: {why}, but node {node} "
-                      + ("hosts the rendezvous (node 0 cannot leave)" if node == 0 else
-                         f"is one of the {smallest} node(s) launcher.nnodes="
-                         f"{cfg.launcher.nnodes} needs")
-                      + ": not excluded", file=sys.stderr, flush=True)
+                print(
+                    f"plait: straggler: {why}, but node {node} "
+                    + (
+                        "hosts the rendezvous (node 0 cannot leave)"
+                        if node == 0
+                        else f"is one of the {smallest} node(s) launcher.nnodes="
+                        f"{cfg.launcher.nnodes} needs"
+                    )
+                    + ": not excluded",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self.pending = None
             return
-        message = (f"plait: excluding node {node} (fault.straggler_action=exclude): {why}; the "
-                   f"group re-forms without it from checkpoint {written.name}")
+        message = (
+            f"plait: excluding node {node} (fault.straggler_action=exclude): {why}; the "
+            f"group re-forms without it from checkpoint {written.name}"
+        )
         if topology.node_rank == node:
             leave_job(message, first_on_node=topology.local_rank == 0)
         raise NodeExcluded(message)

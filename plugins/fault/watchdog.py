@@ -131,9 +131,13 @@ class Heartbeats:
         self.timeout_s, self.rank, self.node_of = timeout_s, rank, node_of
         self.interval = min(max(timeout_s / 10, 0.2), 2.0)
         self.address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, wait_for_workers=False,
-                              timeout=timedelta(seconds=max(2 * self.interval, 1.0)))
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=max(2 * self.interval, 1.0)),
+        )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.store = dist.PrefixStore(f"plait/heartbeat/attempt_{attempt}", store)
         self.calls = StoreCalls(max(2 * self.interval, 1.0))
@@ -142,8 +146,9 @@ class Heartbeats:
 
     def publish(self) -> None:
         self.beat += 1
-        record = json.dumps({"beat": self.beat, "position": list(progress.position),
-                             "where": progress.describe()})
+        record = json.dumps(
+            {"beat": self.beat, "position": list(progress.position), "where": progress.describe()}
+        )
         key = f"rank{self.rank}"
 
         def write() -> None:  # TCPStore's set does not wait for an answer; check does
@@ -185,39 +190,50 @@ class Heartbeats:
         alive = {}
         for rank in range(len(self.node_of)):
             before, now = first.get(rank), second.get(rank)
-            if rank != self.rank and (now is None or before is None
-                                      or now["beat"] == before["beat"]):
+            if rank != self.rank and (
+                now is None or before is None or now["beat"] == before["beat"]
+            ):
                 verdict.lost.setdefault(self.node_of[rank], []).append(rank)
             else:
                 alive[rank] = now
-        verdict.whole_nodes = [n for n, ranks in verdict.lost.items()
-                               if len(ranks) == self.node_of.count(n)]
+        verdict.whole_nodes = [
+            n for n, ranks in verdict.lost.items() if len(ranks) == self.node_of.count(n)
+        ]
         if second:  # the furthest point any rank reached, lost ones included
             furthest = max(second.values(), key=lambda r: r["position"])
             verdict.ahead = furthest["where"]
-            verdict.behind = {r: h["where"] for r, h in alive.items()
-                              if h["position"] < furthest["position"]}
+            verdict.behind = {
+                r: h["where"] for r, h in alive.items() if h["position"] < furthest["position"]
+            }
         return verdict
 
     def describe(self, verdict: Verdict) -> str:
         parts = []
         if verdict.host_lost:
             node = self.node_of[0]
-            parts.append(f"node {node} was lost, or the link to it: the rendezvous store at "
-                         f"{verdict.host_lost} (node {node}, rank 0's) has not answered for "
-                         f"{time.monotonic() - self.store_ok_at:.1f} s")
+            parts.append(
+                f"node {node} was lost, or the link to it: the rendezvous store at "
+                f"{verdict.host_lost} (node {node}, rank 0's) has not answered for "
+                f"{time.monotonic() - self.store_ok_at:.1f} s"
+            )
         for node in verdict.whole_nodes:
             ranks = verdict.lost[node]
-            parts.append(f"node {node} was lost (rank{'s' * (len(ranks) > 1)} "
-                         f"{', '.join(map(str, ranks))}: no heartbeat)")
+            parts.append(
+                f"node {node} was lost (rank{'s' * (len(ranks) > 1)} "
+                f"{', '.join(map(str, ranks))}: no heartbeat)"
+            )
         for node, ranks in verdict.lost.items():
             if node not in verdict.whole_nodes:
-                parts += [f"rank {r} (node {node}) was lost (no heartbeat: its process is gone "
-                          "or frozen)" for r in ranks]
+                parts += [
+                    f"rank {r} (node {node}) was lost (no heartbeat: its process is gone or frozen)"
+                    for r in ranks
+                ]
         for rank, where in verdict.behind.items():
             who = "this rank" if rank == self.rank else f"rank {rank} (node {self.node_of[rank]})"
-            parts.append(f"{who} did not arrive: it is alive at {where}, while the furthest "
-                         f"rank waits at {verdict.ahead}")
+            parts.append(
+                f"{who} did not arrive: it is alive at {where}, while the furthest "
+                f"rank waits at {verdict.ahead}"
+            )
         return "; ".join(parts) or "every rank is alive and at the same point"
 
 
@@ -243,18 +259,23 @@ class Watchdog(threading.Thread):
             if self.judged.is_set() or not verdict.found:
                 continue
             self.judged.set()
-            print(f"plait: rank {beats.rank} (node {beats.node_of[beats.rank]}): no progress for "
-                  f"{stuck:.1f} s at {progress.describe()} (fault.collective_timeout_s="
-                  f"{beats.timeout_s:g}): {beats.describe(verdict)}; ending this rank",
-                  file=sys.stderr, flush=True)
+            print(
+                f"plait: rank {beats.rank} (node {beats.node_of[beats.rank]}): no progress for "
+                f"{stuck:.1f} s at {progress.describe()} (fault.collective_timeout_s="
+                f"{beats.timeout_s:g}): {beats.describe(verdict)}; ending this rank",
+                file=sys.stderr,
+                flush=True,
+            )
             end_rank(verdict, beats)
 
 
 def end_rank(verdict: Verdict, beats: Heartbeats) -> None:
     """A node cut off from the store's node leaves the job; any other rank exits."""
     if verdict.host_lost:
-        leave_job("plait: this node cannot reach the rendezvous host, so it cannot rejoin",
-                  first_on_node=_first_on_node())
+        leave_job(
+            "plait: this node cannot reach the rendezvous host, so it cannot rejoin",
+            first_on_node=_first_on_node(),
+        )
     os._exit(1)
 
 
@@ -269,9 +290,12 @@ class CollectiveWatchdog:
 
     @hookimpl
     def plait_declare(self) -> PluginInfo:
-        return PluginInfo(name="collective_watchdog", selected_by={"fault.name": "checkpoint"},
-                          description="fault.collective_timeout_s: every process group's "
-                                      "timeout, and a heartbeat that names who did not arrive")
+        return PluginInfo(
+            name="collective_watchdog",
+            selected_by={"fault.name": "checkpoint"},
+            description="fault.collective_timeout_s: every process group's "
+            "timeout, and a heartbeat that names who did not arrive",
+        )
 
     @hookimpl
     def plait_validate(self, cfg) -> list[str]:
@@ -299,9 +323,13 @@ class CollectiveWatchdog:
         if COLLECTIVE_ERROR.search(str(error)):
             beats = watchdog.heartbeats
             verdict = beats.verdict()
-            print(f"plait: rank {beats.rank} (node {beats.node_of[beats.rank]}): a collective "
-                  f"failed at {progress.describe()} (fault.collective_timeout_s="
-                  f"{self.timeout_s:g}): {beats.describe(verdict)}", file=sys.stderr, flush=True)
+            print(
+                f"plait: rank {beats.rank} (node {beats.node_of[beats.rank]}): a collective "
+                f"failed at {progress.describe()} (fault.collective_timeout_s="
+                f"{self.timeout_s:g}): {beats.describe(verdict)}",
+                file=sys.stderr,
+                flush=True,
+            )
             if verdict.host_lost:
                 end_rank(verdict, beats)
         watchdog.stopped.set()

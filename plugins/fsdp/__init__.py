@@ -18,7 +18,10 @@ Megatron-style shards are sharded again over the dp group. So does context paral
 ``dp x cp`` ranks form the shard mesh (torchtitan's ``dp_shard_cp``). So do pipeline stages
 (``engine:pipeline``, ``engine:pipeline_step``): each stage chunk is sharded over its own dp
 axis of the topology's mesh, torch's ``PipelineStage`` reduce-scatters on the last micro-batch,
-and this engine clips by the norm over dp shards, tp shards and stages, then steps.
+and this engine clips by the norm over dp shards, tp shards and stages, then steps. It does not
+declare ``engine:split_backward``, so the pipeline plugin refuses the zero-bubble schedules
+beside it: their split input/weight backward gave wrong gradients with FSDP under
+``PipelineStage`` (grad norm 5.45 instead of 7.33 at step 1, not traced further).
 
 What plait took from torch: ``fully_shard``, ``MixedPrecisionPolicy``, ``DeviceMesh``, DCP's
 ``get_state_dict``/``set_state_dict`` (full tensors by name for the layout-free checkpoint). What
@@ -49,19 +52,26 @@ class FSDPConfig(StrategyConfig):
 
 RANGES = {"replicate": AT_LEAST_1}
 OFFLOAD = ("none", "cpu")
-# pipeline schedules whose backward is split into input and weight parts (not composed, above)
-SPLIT_BACKWARD = ("zero_bubble", "zbv")
 
 
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(
-        name="fsdp", selected_by={"strategy.name": "fsdp"},
+        name="fsdp",
+        selected_by={"strategy.name": "fsdp"},
         precisions=frozenset({"fp32", "bf16"}),  # every parallel axis
-        provides=frozenset({"engine:tensor_parallel", "engine:layout_free_state",
-                            "engine:expert_parallel", "engine:context_parallel",
-                            "engine:pipeline", "engine:pipeline_step"}),
-        description="torch FSDP2 (fully_shard), HSDP with strategy.replicate")
+        provides=frozenset(
+            {
+                "engine:tensor_parallel",
+                "engine:layout_free_state",
+                "engine:expert_parallel",
+                "engine:context_parallel",
+                "engine:pipeline",
+                "engine:pipeline_step",
+            }
+        ),
+        description="torch FSDP2 (fully_shard), HSDP with strategy.replicate",
+    )
 
 
 @hookimpl
@@ -77,49 +87,62 @@ def plait_validate(cfg, dims, hook) -> list[str]:
         problems.append(f"strategy.offload={settings.offload}: choose none or cpu")
     on_cpu = runs_on_cpu(cfg)
     if settings.offload == "cpu" and on_cpu:
-        problems.append("strategy.offload=cpu with device=cpu: the run is on the host already "
-                        "(FSDP's CPUOffloadPolicy moves shards off a GPU); use strategy.offload="
-                        "none, or device=cuda")
+        problems.append(
+            "strategy.offload=cpu with device=cpu: the run is on the host already "
+            "(FSDP's CPUOffloadPolicy moves shards off a GPU); use strategy.offload="
+            "none, or device=cuda"
+        )
     if problems:
         return problems
     if dims.dp % settings.replicate:
-        problems.append(f"strategy.replicate={settings.replicate} does not divide dp={dims.dp}: "
-                        f"choose a divisor of {dims.dp} (e.g. the number of nodes)")
+        problems.append(
+            f"strategy.replicate={settings.replicate} does not divide dp={dims.dp}: "
+            f"choose a divisor of {dims.dp} (e.g. the number of nodes)"
+        )
     if dims.ep > 1 and settings.replicate > 1:
-        problems.append(f"strategy.replicate={settings.replicate} with parallel.ep={dims.ep}: "
-                        "plait shards experts over their expert-data-parallel group, not over "
-                        "HSDP's replica groups; use strategy.replicate=1 or parallel.ep=1")
+        problems.append(
+            f"strategy.replicate={settings.replicate} with parallel.ep={dims.ep}: "
+            "plait shards experts over their expert-data-parallel group, not over "
+            "HSDP's replica groups; use strategy.replicate=1 or parallel.ep=1"
+        )
     if settings.replicate > 1 and dims.cp > 1:
-        problems.append(f"strategy.replicate={settings.replicate} with parallel.cp={dims.cp}: "
-                        "HSDP's shard groups are cut from the dp ranks alone, not the dp x cp "
-                        "ranks that share gradients (not built): use strategy.replicate=1")
-    schedule = cfg.pipeline.get("schedule") if "pipeline" in cfg else None
-    if dims.pp > 1 and schedule in SPLIT_BACKWARD:
-        problems.append(f"pipeline.schedule={schedule} with strategy=fsdp: the zero-bubble "
-                        "schedules split each backward into input and weight gradients, and "
-                        "FSDP under torch's PipelineStage then gave wrong gradients (grad norm "
-                        "5.45 instead of 7.33 at step 1, not traced further); use "
-                        "pipeline.schedule=1f1b, gpipe or interleaved_1f1b")
-    untried = {name: value for name, value in (("strategy.replicate", settings.replicate),
-                                                ("parallel.ep", dims.ep), ("parallel.cp", dims.cp))
-               if value > 1}
+        problems.append(
+            f"strategy.replicate={settings.replicate} with parallel.cp={dims.cp}: "
+            "HSDP's shard groups are cut from the dp ranks alone, not the dp x cp "
+            "ranks that share gradients (not built): use strategy.replicate=1"
+        )
+    untried = {
+        name: value
+        for name, value in (
+            ("strategy.replicate", settings.replicate),
+            ("parallel.ep", dims.ep),
+            ("parallel.cp", dims.cp),
+        )
+        if value > 1
+    }
     if dims.pp > 1 and untried:
-        problems.append(f"{' '.join(f'{n}={v}' for n, v in untried.items())} with parallel.pp="
-                        f"{dims.pp} and strategy=fsdp: fsdp under pipeline stages is checked "
-                        "against one process with dp and tp only (not built further); drop "
-                        "pipeline stages (parallel.pp=1) or set "
-                        f"{' and '.join(f'{n}=1' for n in untried)}")
+        problems.append(
+            f"{' '.join(f'{n}={v}' for n, v in untried.items())} with parallel.pp="
+            f"{dims.pp} and strategy=fsdp: fsdp under pipeline stages is checked "
+            "against one process with dp and tp only (not built further); drop "
+            "pipeline stages (parallel.pp=1) or set "
+            f"{' and '.join(f'{n}=1' for n in untried)}"
+        )
     if dims.elastic:
-        problems.append(f"launcher.nnodes={cfg.launcher.nnodes} with strategy=fsdp: an elastic "
-                        "job changes the shard count, which plait does not re-form for FSDP; use "
-                        "a fixed launcher.nnodes or strategy=zero1..zero3")
+        problems.append(
+            f"launcher.nnodes={cfg.launcher.nnodes} with strategy=fsdp: an elastic "
+            "job changes the shard count, which plait does not re-form for FSDP; use "
+            "a fixed launcher.nnodes or strategy=zero1..zero3"
+        )
     comm = hook.plait_comm_spec(cfg=cfg)
     if comm is not None and not (comm.native and comm.compression == "none"):
-        problems.append(f"comm={comm.algorithm} comm.compression={comm.compression} with "
-                        "strategy=fsdp: FSDP reduce-scatters gradients with its own collectives "
-                        "and cannot call a plait reducer; use comm=allreduce (with "
-                        "strategy.replicate for the hierarchical scheme, HSDP), or "
-                        f"{offered_by('engine:grad_reducer')}")
+        problems.append(
+            f"comm={comm.algorithm} comm.compression={comm.compression} with "
+            "strategy=fsdp: FSDP reduce-scatters gradients with its own collectives "
+            "and cannot call a plait reducer; use comm=allreduce (with "
+            "strategy.replicate for the hierarchical scheme, HSDP), or "
+            f"{offered_by('engine:grad_reducer')}"
+        )
     return problems
 
 
@@ -142,23 +165,32 @@ def plait_strategy_cost(cfg, strategy, model, dims) -> StrategyCost | None:
     dense, experts = parameters_per_rank(model, dims)
     psi = dense + experts * getattr(dims, "ep", 1)  # shards of Ψ/shard per rank, experts too
     blocks = getattr(model, "blocks", None)
-    unit = max((sum(p.numel() for p in b.parameters()) for b in blocks.values()),
-               default=0) if blocks is not None else psi
+    unit = (
+        max((sum(p.numel() for p in b.parameters()) for b in blocks.values()), default=0)
+        if blocks is not None
+        else psi
+    )
     b = BYTES_PER_VALUE[cfg.precision]
-    return StrategyCost(params=4 * psi // shard, grads=4 * psi // shard,
-                        optimizer=8 * psi // shard, buffers=unit // dims.tp * (b + 4),
-                        dp_bytes_per_step=3 * (shard - 1) / shard * psi * b)
+    return StrategyCost(
+        params=4 * psi // shard,
+        grads=4 * psi // shard,
+        optimizer=8 * psi // shard,
+        buffers=unit // dims.tp * (b + 4),
+        dp_bytes_per_step=3 * (shard - 1) / shard * psi * b,
+    )
 
 
 @hookimpl
 def plait_read_model_shards(checkpoint) -> dict[tuple[int, int], dict]:
     """``plait export`` / ``plait sample``: the checkpoint's layout-free copy, which every fsdp
     checkpoint holds (the engine's own files are DTensor shards by dp rank), read whole."""
-    from plait.plugins.checkpoint.layout_free import DIRECTORY, read_model
+    from plait.engine.layout_free import DIRECTORY, read_model
 
     if not (Path(checkpoint) / DIRECTORY).is_dir():
-        raise ValueError(f"{checkpoint}: no {DIRECTORY}/ copy in it, which strategy=fsdp "
-                         "checkpoints are read from; give a complete checkpoint of the run")
+        raise ValueError(
+            f"{checkpoint}: no {DIRECTORY}/ copy in it, which strategy=fsdp "
+            "checkpoints are read from; give a complete checkpoint of the run"
+        )
     return {(0, 0): read_model(Path(checkpoint))}
 
 

@@ -11,7 +11,7 @@ communication. Buffers (a rotary embedding's ``inv_freq``) keep their values acr
 attributes plait's tensor-parallel layers set on them; they are carried over by name.
 
 Under pipeline stages (``parallel.pp>1``) the model is this rank's
-:class:`~plait.plugins.pipeline.split.PipelineStageModules`: each of its stage chunks is sharded
+:class:`~plait.engine.stages.PipelineStageModules`: each of its stage chunks is sharded
 as a model of its own (its layers, then the chunk, which takes the stage's embedding or head),
 as torchtitan shards each model part, so torch's ``PipelineStage`` sees an ``FSDPModule`` and
 syncs its gradients on the last micro-batch only. The chunks share their parts with the
@@ -23,13 +23,18 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from plait.engine.stages import PipelineStageModules
 from plait.host_memory import return_freed_memory
 from plait.meta import ParameterInit
-from plait.plugins.pipeline.split import PipelineStageModules
 
 # carried over the parameters fully_shard replaces: tensor-parallel shards' and experts' marks
-TENSOR_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride",
-                         "allreduce", "group_name")
+TENSOR_PARALLEL_ATTRS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "allreduce",
+    "group_name",
+)
 
 
 def dp_mesh(cfg, topology):
@@ -41,8 +46,9 @@ def dp_mesh(cfg, topology):
     if replicate == 1:
         return topology.dp_cp_mesh()
     dims = topology.dims
-    return topology.mesh._unflatten("dp", (replicate, dims.dp // replicate),
-                                    ("replicate", "shard"))["replicate", "shard"]
+    return topology.mesh._unflatten(
+        "dp", (replicate, dims.dp // replicate), ("replicate", "shard")
+    )["replicate", "shard"]
 
 
 def expert_data_parallel_mesh(topology):
@@ -56,8 +62,12 @@ def expert_units(model: nn.Module) -> list[nn.Module]:
     """Each expert of every MoE layer this rank holds (expert parallelism): its own FSDP unit
     over the expert-data-parallel mesh, as torchtitan shards experts; the dispatcher calls each
     expert, so each gathers its parameters when it runs."""
-    return [expert for m in model.modules() if getattr(m, "is_moe_layer", False)
-            for expert in m.experts.values()]
+    return [
+        expert
+        for m in model.modules()
+        if getattr(m, "is_moe_layer", False)
+        for expert in m.experts.values()
+    ]
 
 
 def mixed_precision(cfg):
@@ -96,8 +106,10 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def tensor_parallel_attrs(model: nn.Module) -> dict[str, dict]:
-    return {name: {a: getattr(p, a) for a in TENSOR_PARALLEL_ATTRS if hasattr(p, a)}
-            for name, p in model.named_parameters()}
+    return {
+        name: {a: getattr(p, a) for a in TENSOR_PARALLEL_ATTRS if hasattr(p, a)}
+        for name, p in model.named_parameters()
+    }
 
 
 def restore(model: nn.Module, attrs: dict[str, dict]) -> nn.Module:
@@ -126,8 +138,13 @@ def shard(cfg, model: nn.Module, topology) -> nn.Module:
     plan = [(expert, edp_mesh) for expert in experts]
     plan += [(unit, mesh) for root in stage_roots(model) for unit in units(root)]
     for unit, unit_mesh in plan:
-        fully_shard(unit, mesh=unit_mesh, reshard_after_forward=cfg.strategy.reshard_after_forward,
-                    mp_policy=mixed_precision(cfg), offload_policy=offload)
+        fully_shard(
+            unit,
+            mesh=unit_mesh,
+            reshard_after_forward=cfg.strategy.reshard_after_forward,
+            mp_policy=mixed_precision(cfg),
+            offload_policy=offload,
+        )
         unit.set_force_sum_reduction_for_comms(True)  # gloo's AVG is wrong (pytorch#162338)
         if unit_mesh.size() > 1 or topology.dims.dp_cp == 1:
             unit.set_gradient_divide_factor(float(topology.dims.dp_cp))

@@ -53,10 +53,20 @@ class HFModelConfig(ModelConfig):
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(
-        name="hf", selected_by={"model._target_": TARGET},
-        provides=frozenset({"model:tensor_parallel_plan", "model:activation_checkpointing_plan",
-                            "model:experts", "model:context_parallel", BUILD_CHECKS}),
-        description="transformers causal LMs from a local directory, read slice by slice")
+        name="hf",
+        selected_by={"model._target_": TARGET},
+        provides=frozenset(
+            {
+                "model:hf_format",
+                "model:tensor_parallel_plan",
+                "model:activation_checkpointing_plan",
+                "model:experts",
+                "model:context_parallel",
+                BUILD_CHECKS,
+            }
+        ),
+        description="transformers causal LMs from a local directory, read slice by slice",
+    )
 
 
 @hookimpl
@@ -67,26 +77,32 @@ def plait_register_configs(config_store) -> None:
 @hookimpl
 def plait_validate(cfg, dims, hook) -> list[str]:
     if importlib.util.find_spec("transformers") is None:
-        return ["model=hf needs transformers: pip install -e \".[hf]\""]
+        return ['model=hf needs transformers: pip install -e ".[hf]"']
     from plait.plugins.hf import checks, experts
     from plait.plugins.hf.model import CONFIG, load_config, resolve_directory
 
     m = cfg.model
     if OmegaConf.is_missing(m, "path"):
-        return ["model=hf needs model.path=<a directory with config.json and *.safetensors, or a "
-                "model name already in the local Hugging Face cache>"]
+        return [
+            "model=hf needs model.path=<a directory with config.json and *.safetensors, or a "
+            "model name already in the local Hugging Face cache>"
+        ]
     try:
         directory = resolve_directory(m.path)
     except ValueError as e:
         return [str(e)]
     if not (directory / CONFIG).is_file():
-        return [f"model.path={m.path} holds no {CONFIG}: give a directory written by "
-                "save_pretrained (config.json and *.safetensors weights)"]
+        return [
+            f"model.path={m.path} holds no {CONFIG}: give a directory written by "
+            "save_pretrained (config.json and *.safetensors weights)"
+        ]
     try:
         config = load_config(directory)
     except Exception as e:
-        return [f"model.path={m.path}: transformers cannot read its {CONFIG} ({type(e).__name__}: "
-                f"{e}): give a causal LM's directory"]
+        return [
+            f"model.path={m.path}: transformers cannot read its {CONFIG} ({type(e).__name__}: "
+            f"{e}): give a causal LM's directory"
+        ]
     problems = checks.dtype_problems(cfg, config)
     if m.pretrained:
         problems += checks.file_problems(cfg, directory)
@@ -128,6 +144,8 @@ def plait_export_model(cfg, state_dict, model, format, out):
     from plait.plugins.hf.writer import is_transformers_model, write_model
 
     if not is_transformers_model(model):
-        raise ValueError(f"format=hf writes a transformers model; model._target_="
-                         f"{cfg.model._target_} is not one: export without format= (a state_dict)")
+        raise ValueError(
+            f"format=hf writes a transformers model; model._target_="
+            f"{cfg.model._target_} is not one: export without format= (a state_dict)"
+        )
     return write_model(model, state_dict, Path(out))

@@ -49,8 +49,9 @@ def read_header(path: Path) -> tuple[dict, int]:
             raise ValueError(f"{path.name} has {size} bytes, too few for a safetensors header")
         n = int.from_bytes(prefix, "little")
         if 8 + n > size:
-            raise ValueError(f"{path.name} is truncated: {size} bytes, its header alone needs "
-                             f"{8 + n}")
+            raise ValueError(
+                f"{path.name} is truncated: {size} bytes, its header alone needs {8 + n}"
+            )
         try:
             header = json.loads(f.read(n))
         except ValueError as e:
@@ -95,9 +96,11 @@ class CheckpointFiles:
         where = self.directory
         index_path = where / INDEX
         if not index_path.exists() and not (where / SINGLE).exists():
-            return [f"{where} holds neither {SINGLE} nor {INDEX}: give a directory written by "
-                    "save_pretrained (safetensors weights), or model.pretrained=false to start "
-                    "from random weights"]
+            return [
+                f"{where} holds neither {SINGLE} nor {INDEX}: give a directory written by "
+                "save_pretrained (safetensors weights), or model.pretrained=false to start "
+                "from random weights"
+            ]
         try:
             weight_map = self.weight_map
         except (ValueError, KeyError, OSError) as e:
@@ -106,8 +109,10 @@ class CheckpointFiles:
         for file in sorted(set(weight_map.values())):
             path = where / file
             if not path.is_file():
-                problems.append(f"{path} is missing (named by {INDEX}): copy the whole "
-                                "checkpoint directory again")
+                problems.append(
+                    f"{path} is missing (named by {INDEX}): copy the whole "
+                    "checkpoint directory again"
+                )
                 continue
             try:
                 header, expected = read_header(path)
@@ -116,26 +121,36 @@ class CheckpointFiles:
                 continue
             actual = path.stat().st_size
             if actual != expected:
-                problems.append(f"{path} is truncated: {actual} bytes, its header describes "
-                                f"{expected}: copy the checkpoint again")
+                problems.append(
+                    f"{path} is truncated: {actual} bytes, its header describes "
+                    f"{expected}: copy the checkpoint again"
+                )
             headers[file] = header
         for name, file in weight_map.items():
             if file in headers and name not in headers[file]:
-                problems.append(f"{INDEX} maps {name} to {file}, whose header lacks it: the "
-                                "index and the shards come from different checkpoints")
+                problems.append(
+                    f"{INDEX} maps {name} to {file}, whose header lacks it: the "
+                    "index and the shards come from different checkpoints"
+                )
                 break
         if index_path.exists() and len(headers) == len(set(weight_map.values())):
             total = json.loads(index_path.read_text()).get("metadata", {}).get("total_size")
-            held = sum(e["data_offsets"][1] - e["data_offsets"][0]
-                       for h in headers.values() for e in h.values())
+            held = sum(
+                e["data_offsets"][1] - e["data_offsets"][0]
+                for h in headers.values()
+                for e in h.values()
+            )
             if total is not None and int(total) != held:
-                problems.append(f"{index_path}: total_size={total} but the shards hold {held} "
-                                "bytes of tensors: the index and the shards come from different "
-                                "checkpoints")
+                problems.append(
+                    f"{index_path}: total_size={total} but the shards hold {held} "
+                    "bytes of tensors: the index and the shards come from different "
+                    "checkpoints"
+                )
         return problems
 
-    def read(self, name: str, box: tuple[slice, ...] | None = None,
-             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def read(
+        self, name: str, box: tuple[slice, ...] | None = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """``tensor[box]`` (all of it without ``box``) as ``dtype``, reading only that box."""
         from safetensors import safe_open
 
@@ -148,13 +163,17 @@ class CheckpointFiles:
         return value
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> None:
+def write_safetensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
     """Write ``tensors`` into ``path`` (contiguous CPU copies), fsynced."""
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path),
-              metadata=metadata or {"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+        str(path),
+        metadata=metadata or {"format": "pt"},
+    )
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -4,6 +4,7 @@ loaded."""
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import torch.nn as nn
@@ -15,20 +16,27 @@ TOKENIZER = "tokenizer.json"
 
 
 def build_problem(cfg, directory: Path, config) -> str:
-    return (f"model.path={cfg.model.path}: transformers cannot build a causal LM from its config "
-            f"(model_type {getattr(config, 'model_type', '?')!r}, architectures "
-            f"{getattr(config, 'architectures', None)}): give the directory of a model "
-            "AutoModelForCausalLM can build")
+    return (
+        f"model.path={cfg.model.path}: transformers cannot build a causal LM from its config "
+        f"(model_type {getattr(config, 'model_type', '?')!r}, architectures "
+        f"{getattr(config, 'architectures', None)}): give the directory of a model "
+        "AutoModelForCausalLM can build"
+    )
 
 
 def dtype_problems(cfg, config) -> list[str]:
     quantization = getattr(config, "quantization_config", None)
     if quantization:
-        method = (quantization.get("quant_method") if isinstance(quantization, dict)
-                  else getattr(quantization, "quant_method", "?"))
-        return [f"model.path={cfg.model.path} is quantized ({method}), a dtype the run cannot "
-                "hold: plait trains fp32 master weights from fp32, bf16 or fp16 checkpoints; "
-                "give the unquantized model"]
+        method = (
+            quantization.get("quant_method")
+            if isinstance(quantization, dict)
+            else getattr(quantization, "quant_method", "?")
+        )
+        return [
+            f"model.path={cfg.model.path} is quantized ({method}), a dtype the run cannot "
+            "hold: plait trains fp32 master weights from fp32, bf16 or fp16 checkpoints; "
+            "give the unquantized model"
+        ]
     return []
 
 
@@ -43,13 +51,17 @@ def file_problems(cfg, directory: Path) -> list[str]:
     odd = {dtype: name for dtype, name in held.items() if dtype not in FLOAT_DTYPES}
     if odd:
         dtype, name = next(iter(odd.items()))
-        problems.append(f"model.path={cfg.model.path} holds {dtype} tensors (e.g. {name}), a "
-                        "dtype the run cannot hold: plait trains fp32 master weights from F32, "
-                        "BF16 or F16 checkpoints; convert it, or model.pretrained=false")
+        problems.append(
+            f"model.path={cfg.model.path} holds {dtype} tensors (e.g. {name}), a "
+            "dtype the run cannot hold: plait trains fp32 master weights from F32, "
+            "BF16 or F16 checkpoints; convert it, or model.pretrained=false"
+        )
     if cfg.precision == "fp16" and "BF16" in held:
-        problems.append(f"precision=fp16 cannot hold model.path={cfg.model.path}'s bf16 weights "
-                        "(bf16 reaches 3e38, fp16 65504: activations overflow): use "
-                        "precision=bf16 or fp32")
+        problems.append(
+            f"precision=fp16 cannot hold model.path={cfg.model.path}'s bf16 weights "
+            "(bf16 reaches 3e38, fp16 65504: activations overflow): use "
+            "precision=bf16 or fp32"
+        )
     return problems
 
 
@@ -65,20 +77,26 @@ def checkpoint_problems(cfg, model: nn.Module) -> list[str]:
         if stored is None:
             missing.append(name)
         elif files.entries[stored].shape != tuple(p.shape):
-            resized.append(f"{stored}: {list(files.entries[stored].shape)} in the checkpoint, "
-                           f"{list(p.shape)} in the model")
+            resized.append(
+                f"{stored}: {list(files.entries[stored].shape)} in the checkpoint, "
+                f"{list(p.shape)} in the model"
+            )
     problems = []
     if missing:
-        problems.append(f"model.path={cfg.model.path} lacks {len(missing)} of the model's "
-                        f"parameters, e.g. {missing[:3]}: plait reads tensors under the names "
-                        "transformers loads them by (renames and the base-model prefix), but "
-                        "does not convert weights it fuses or splits on load; give a checkpoint "
-                        "save_pretrained wrote with this transformers, or "
-                        "model.pretrained=false")
+        problems.append(
+            f"model.path={cfg.model.path} lacks {len(missing)} of the model's "
+            f"parameters, e.g. {missing[:3]}: plait reads tensors under the names "
+            "transformers loads them by (renames and the base-model prefix), but "
+            "does not convert weights it fuses or splits on load; give a checkpoint "
+            "save_pretrained wrote with this transformers, or "
+            "model.pretrained=false"
+        )
     if resized:
-        problems.append(f"model.path={cfg.model.path}: tensors do not match config.json: "
-                        f"{'; '.join(resized[:3])}: the weights and the config come from "
-                        "different models")
+        problems.append(
+            f"model.path={cfg.model.path}: tensors do not match config.json: "
+            f"{'; '.join(resized[:3])}: the weights and the config come from "
+            "different models"
+        )
     return problems
 
 
@@ -86,8 +104,10 @@ def context_problems(cfg, config) -> list[str]:
     limit = getattr(config.get_text_config(), "max_position_embeddings", None)
     if limit is None or cfg.train.seq_len <= limit:
         return []
-    return [f"train.seq_len={cfg.train.seq_len} is longer than model.path={cfg.model.path}'s "
-            f"context (max_position_embeddings={limit}): lower train.seq_len"]
+    return [
+        f"train.seq_len={cfg.train.seq_len} is longer than model.path={cfg.model.path}'s "
+        f"context (max_position_embeddings={limit}): lower train.seq_len"
+    ]
 
 
 def divisors(n: int) -> list[int]:
@@ -99,27 +119,38 @@ def tensor_parallel_problems(cfg, model: nn.Module, config, tp: int) -> list[str
     layer the plan splits along a size tp does not divide."""
     problems = plans.refusals(model, tp, model.plait_architecture)
     text = config.get_text_config()
-    for key, what in (("num_attention_heads", "attention heads"),
-                      ("num_key_value_heads", "key/value heads")):
+    for key, what in (
+        ("num_attention_heads", "attention heads"),
+        ("num_key_value_heads", "key/value heads"),
+    ):
         heads = getattr(text, key, None)
         if heads and heads % tp:
-            problems.append(f"parallel.tp={tp} does not divide {key}={heads} ({what}) of "
-                            f"model.path={cfg.model.path}: choose tp in {divisors(heads)}")
+            problems.append(
+                f"parallel.tp={tp} does not divide {key}={heads} ({what}) of "
+                f"model.path={cfg.model.path}: choose tp in {divisors(heads)}"
+            )
     if problems:
         return problems
     plan = model.tensor_parallel_plan or {}
-    from plait.plugins.tensor_parallel.plan import TensorParallelPlan
-
-    split = TensorParallelPlan(plan)
     for name, module in model.named_modules():
-        style = split.style_of(name)
+        style = style_of(plan, name)
         size = split_size(module, style)
         if size is not None and size % tp:
-            problems.append(f"parallel.tp={tp} does not divide {name} ({style}, {size} "
-                            f"{'rows' if isinstance(module, nn.Embedding) else 'features'}) of "
-                            f"model.path={cfg.model.path}: choose tp in {divisors(size)}")
+            problems.append(
+                f"parallel.tp={tp} does not divide {name} ({style}, {size} "
+                f"{'rows' if isinstance(module, nn.Embedding) else 'features'}) of "
+                f"model.path={cfg.model.path}: choose tp in {divisors(size)}"
+            )
             break
     return problems
+
+
+def style_of(plan: dict[str, str], name: str) -> str:
+    """The style a tensor-parallel plan gives module ``name``: its first matching pattern's
+    (fnmatch), else ``replicate`` (the tensor-parallel plugin's rule, which applies the plan)."""
+    return next(
+        (style for pattern, style in plan.items() if fnmatchcase(name, pattern)), "replicate"
+    )
 
 
 def split_size(module: nn.Module, style: str) -> int | None:
@@ -145,13 +176,17 @@ def tokenizer_problems(cfg, hook, directory: Path, config) -> list[str]:
         from plait.plugins.data.tokenizer import load_tokenizer_file
 
         if load_tokenizer_file(own).identity != data.identity:
-            problems.append(f"the data was tokenized with the {data.name} tokenizer "
-                            f"({data.identity[:19]}), not model.path={cfg.model.path}'s own "
-                            f"{TOKENIZER}: its ids mean other text to this model; prepare the "
-                            f"data with it (plait prepare data.tokenizer={cfg.model.path} "
-                            "out=...)")
+            problems.append(
+                f"the data was tokenized with the {data.name} tokenizer "
+                f"({data.identity[:19]}), not model.path={cfg.model.path}'s own "
+                f"{TOKENIZER}: its ids mean other text to this model; prepare the "
+                f"data with it (plait prepare data.tokenizer={cfg.model.path} "
+                "out=...)"
+            )
     if data.vocab_size > vocab:
-        problems.append(f"the data's tokenizer has {data.vocab_size} ids, model.path="
-                        f"{cfg.model.path}'s vocabulary {vocab}: prepare the data with the "
-                        f"model's tokenizer (plait prepare data.tokenizer={cfg.model.path})")
+        problems.append(
+            f"the data's tokenizer has {data.vocab_size} ids, model.path="
+            f"{cfg.model.path}'s vocabulary {vocab}: prepare the data with the "
+            f"model's tokenizer (plait prepare data.tokenizer={cfg.model.path})"
+        )
     return problems

@@ -56,21 +56,34 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if documents is not None:
             raise ValueError("transformers models take no packed documents here")
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                              enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
 
 
 UNHONOURED = ("softcap", "s_aux", "sinks")  # keywords an attention function may be asked to apply
 
 
-def core_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                           value: torch.Tensor, attention_mask, dropout: float = 0.0,
-                           scaling: float | None = None, sliding_window: int | None = None,
-                           **kwargs) -> tuple[torch.Tensor, None]:
+def core_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """The attention implementation ``plait_context_parallel``: ``module.core_attention`` on
     ``q, k, v`` (``[b, heads, seq, d]``), the output ``[b, seq, heads, d]`` as every
     ``transformers`` attention function returns it, and no weights. What it cannot honour was
@@ -90,8 +103,10 @@ def core_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
     if scaling is not None and scaling != inner.scale:
         asked.append(f"scaling={scaling} (the core's {inner.scale})")
     if asked:
-        raise RuntimeError(f"{type(module).__name__} asks {NAME} for {', '.join(asked)}, which "
-                           "plait's context-parallel attention does not apply")
+        raise RuntimeError(
+            f"{type(module).__name__} asks {NAME} for {', '.join(asked)}, which "
+            "plait's context-parallel attention does not apply"
+        )
     return core(query, key, value).transpose(1, 2).contiguous(), None
 
 
@@ -104,8 +119,11 @@ def register() -> None:
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The model's causal attention modules: ``transformers``' ``*Attention`` classes with
     ``is_causal`` set."""
-    return {name: m for name, m in model.named_modules()
-            if type(m).__name__.endswith("Attention") and getattr(m, "is_causal", False)}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if type(m).__name__.endswith("Attention") and getattr(m, "is_causal", False)
+    }
 
 
 def no_plan_reason(model: nn.Module, config) -> str | None:
@@ -113,29 +131,37 @@ def no_plan_reason(model: nn.Module, config) -> str | None:
     cls = getattr(type(model), "transformers_class", type(model))
     arch = cls.__name__
     if not cls._can_set_attn_implementation():
-        return (f"{arch}'s attention does not go through transformers' attention interface "
-                "(ALL_ATTENTION_FUNCTIONS), where plait puts its exchange")
+        return (
+            f"{arch}'s attention does not go through transformers' attention interface "
+            "(ALL_ATTENTION_FUNCTIONS), where plait puts its exchange"
+        )
     if not getattr(cls, "_supports_context_parallel", True):
         return f"transformers marks {arch} as unable to run under context parallelism"
     modules = attention_modules(model)
     if not modules:
         return f"{arch} has no causal attention module (is_causal) for plait to replace"
-    unscaled = [name for name, m in modules.items() if not isinstance(getattr(m, "scaling", None),
-                                                                        float)]
+    unscaled = [
+        name for name, m in modules.items() if not isinstance(getattr(m, "scaling", None), float)
+    ]
     if unscaled:
         return f"{arch}'s attention module {unscaled[0]} has no scaling"
-    own = [f"{name}.{p}" for name, m in modules.items() for p, _ in m.named_parameters(
-        recurse=False)]
+    own = [
+        f"{name}.{p}" for name, m in modules.items() for p, _ in m.named_parameters(recurse=False)
+    ]
     if own:  # attention sinks (gpt-oss' s_aux) and the like enter the softmax itself
-        return (f"{arch}'s attention module holds parameters of its own ({own[0]}) that enter "
-                "its softmax")
+        return (
+            f"{arch}'s attention module holds parameters of its own ({own[0]}) that enter "
+            "its softmax"
+        )
     text = config.get_text_config()
     if getattr(text, "attn_logit_softcapping", None) is not None:
         return f"{arch} soft-caps its attention logits (attn_logit_softcapping)"
     odd = sorted(set(getattr(text, "layer_types", None) or ()) - set(LAYER_TYPES))
     if odd:
-        return (f"{arch} has {', '.join(odd)} layers (layer_types); plait's exchange computes "
-                "full causal attention")
+        return (
+            f"{arch} has {', '.join(odd)} layers (layer_types); plait's exchange computes "
+            "full causal attention"
+        )
     return None
 
 
@@ -194,15 +220,19 @@ def problems(cfg, model: nn.Module, config, cp: int) -> list[str]:
     found, path, seq_len = [], cfg.model.path, cfg.train.seq_len
     window = sliding_window(config)
     if window is not None and window < seq_len:
-        found.append(f"parallel.cp={cp}: model.path={path} attends within a sliding window of "
-                     f"{window} tokens (sliding_window), shorter than train.seq_len={seq_len}; "
-                     "plait's context-parallel attention sees every earlier token: set "
-                     f"train.seq_len <= {window}, or parallel.cp=1")
+        found.append(
+            f"parallel.cp={cp}: model.path={path} attends within a sliding window of "
+            f"{window} tokens (sliding_window), shorter than train.seq_len={seq_len}; "
+            "plait's context-parallel attention sees every earlier token: set "
+            f"train.seq_len <= {window}, or parallel.cp=1"
+        )
     dropout = attention_dropout(model)
     if dropout is not None:
         name, rate = dropout
-        found.append(f"parallel.cp={cp}: model.path={path} drops out attention probabilities "
-                     f"({name}: {rate}); the attention of context-parallel ranks has no dropout "
-                     "on its probabilities: set the attention dropout of its config.json "
-                     "(attention_dropout, attn_pdrop, ...) to 0, or parallel.cp=1")
+        found.append(
+            f"parallel.cp={cp}: model.path={path} drops out attention probabilities "
+            f"({name}: {rate}); the attention of context-parallel ranks has no dropout "
+            "on its probabilities: set the attention dropout of its config.json "
+            "(attention_dropout, attn_pdrop, ...) to 0, or parallel.cp=1"
+        )
     return found

@@ -1,9 +1,10 @@
-"""``checkpoint.hf_every=N``: the model in Hugging Face's format every ``N`` steps and after the
-last, from any layout, into ``run.dir/hf/step_<n>`` (``run.dir/hf/latest`` names the newest);
-``from_pretrained`` loads each.
+"""``checkpoint.hf_every=N`` (the checkpoint plugin's setting): the model in Hugging Face's format
+every ``N`` steps and after the last, from any layout, into ``run.dir/hf/step_<n>``
+(``run.dir/hf/latest`` names the newest); ``from_pretrained`` loads each.
 
-It follows plait's own checkpoint at the same step (a wrapper around ``plait_save_checkpoint``,
-on every rank). Every rank hands over its model state by the unsplit names (the engine's
+The checkpoint plugin asks for it after its own checkpoint at the same step
+(``plait_save_model_copy(format="hf")``, on every rank); this plugin answers for a
+``transformers`` model. Every rank hands over its model state by the unsplit names (the engine's
 ``layout_free_state``, capability ``engine:layout_free_state``: data-parallel and ZeRO / FSDP
 shards joined), tensor-parallel shards are all-gathered over the tp group, and one rank per
 pipeline stage (dp rank 0, tp rank 0) writes that stage's file ``model-<s>-of-<pp>.safetensors``
@@ -17,44 +18,25 @@ bench_hf_load.py --saves`` times the two stops).
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from plait import hookimpl
-from plait.config import CheckpointConfig, Range, range_problems
 from plait.meta import meta_model
 from plait.types import PluginInfo
-
-RESHARDABLE = "engine:layout_free_state"
-
-
-@dataclass
-class HFCheckpointConfig(CheckpointConfig):
-    name: str = "hf"
-    hf_every: int = 0  # steps between Hugging Face copies of the model; 0: never
-
-
-RANGES = {"hf_every": Range(0, meaning="0: never")}
 
 
 def model_state(engine, topology) -> dict[str, torch.Tensor]:
     """This rank's stage, every tensor full (a collective on every rank)."""
-    from plait.plugins.checkpoint.layout_free import tensor_parallel_placements
-    from plait.plugins.tensor_parallel.layers import merge_tensors
+    from plait.engine.layout_free import gather_shard, tensor_parallel_placements
 
     state = dict(engine.layout_free_state()["model"])
     placements = tensor_parallel_placements(engine)
-    if not placements:
-        return state
-    group, size = topology.get_tensor_model_parallel_group(), topology.dims.tp
     for name, local in state.items():
         if name in placements:
-            shards = [torch.empty_like(local) for _ in range(size)]
-            dist.all_gather(shards, local.contiguous(), group=group)
-            state[name] = merge_tensors(shards, *placements[name])
+            state[name] = gather_shard(local, placements[name], topology)
     return state
 
 
@@ -64,12 +46,14 @@ def gather_experts(state: dict[str, torch.Tensor], topology, model) -> dict[str,
     writer writes every expert once."""
     if topology.dims.ep == 1:
         return state
-    prefixes = tuple(f"{name}.experts." for name, m in model.named_modules()
-                     if getattr(m, "is_moe_layer", False))
+    prefixes = tuple(
+        f"{name}.experts." for name, m in model.named_modules() if getattr(m, "is_moe_layer", False)
+    )
     mine = {name: value for name, value in state.items() if name.startswith(prefixes)}
     gathered = [None] * topology.dims.ep
-    dist.all_gather_object(gathered, {n: v.cpu() for n, v in mine.items()},
-                           group=topology.get_expert_parallel_group())
+    dist.all_gather_object(
+        gathered, {n: v.cpu() for n, v in mine.items()}, group=topology.group("ep")
+    )
     for experts in gathered:
         state.update(experts)
     return state
@@ -81,10 +65,16 @@ def barrier(topology) -> None:
 
 
 def save(cfg, engine, step: int, topology, model) -> Path:
-    from plait.plugins.checkpoint.directory import atomic_write_text
+    from plait.engine.files import atomic_write_text
     from plait.plugins.hf.checkpoint_files import write_safetensors
-    from plait.plugins.hf.writer import (copy_side_files, partial_directory, publish, stage_file,
-                                         tensors_to_write, write_index)
+    from plait.plugins.hf.writer import (
+        copy_side_files,
+        partial_directory,
+        publish,
+        stage_file,
+        tensors_to_write,
+        write_index,
+    )
 
     root = Path(cfg.run.dir) / "hf"
     out = root / f"step_{step:08d}"
@@ -96,8 +86,9 @@ def save(cfg, engine, step: int, topology, model) -> Path:
         partial.mkdir(parents=True)
     barrier(topology)
     if topology.dp_rank == 0 and topology.tp_rank == 0:
-        write_safetensors(partial / stage_file(topology.pp_rank, pp),
-                          tensors_to_write(model, state))
+        write_safetensors(
+            partial / stage_file(topology.pp_rank, pp), tensors_to_write(model, state)
+        )
     del state
     barrier(topology)
     if topology.is_logging_rank:
@@ -111,46 +102,26 @@ def save(cfg, engine, step: int, topology, model) -> Path:
 
 
 class HFCheckpoints:
-    """The plugin: writes after plait's checkpoints; the model's config, source directory and
-    dtypes come from the model plugin's model on the meta device (no state kept)."""
+    """The plugin: writes the copy the checkpoint plugin asks for; the model's config, source
+    directory and dtypes come from the model plugin's model on the meta device (no state kept).
+    Always active: it answers only for a ``transformers`` model (whose plugin, ``hf`` or
+    ``llama``, declares ``model:hf_format``)."""
 
     @hookimpl
     def plait_declare(self) -> PluginInfo:
-        return PluginInfo(name="hf_checkpoint", selected_by={"checkpoint.name": "hf"},
-                          description="checkpoint.hf_every: Hugging Face copies during training")
+        return PluginInfo(
+            name="hf_checkpoint",
+            description="Hugging Face copies during training (plait_save_model_copy, format hf)",
+        )
 
     @hookimpl
-    def plait_register_configs(self, config_store) -> None:
-        config_store.store(group="checkpoint", name="base_hf_checkpoint", node=HFCheckpointConfig)
-
-    @hookimpl
-    def plait_validate(self, cfg, hook) -> list[str]:
-        problems = range_problems("checkpoint", cfg.checkpoint, RANGES)
-        if problems or not cfg.checkpoint.hf_every:
-            return problems
+    def plait_save_model_copy(self, cfg, engine, topology, step, format, hook) -> Path | None:
         from plait.plugins.hf.writer import is_transformers_model
 
         model = meta_model(hook, cfg)
-        if model is not None and not is_transformers_model(model):
-            problems.append(f"checkpoint.hf_every={cfg.checkpoint.hf_every} writes Hugging Face's "
-                            f"format, which needs a transformers model (model=hf, llama_tiny), "
-                            f"not model._target_={cfg.model._target_}: set checkpoint.hf_every=0")
-        if not any(RESHARDABLE in info.provides for info in hook.plait_declare()):
-            problems.append(f"checkpoint.hf_every={cfg.checkpoint.hf_every}: strategy="
-                            f"{cfg.strategy.name} cannot hand over its model state by name "
-                            f"({RESHARDABLE}): use strategy=ddp, zero0..zero3 or fsdp, or set "
-                            "checkpoint.hf_every=0")
-        return problems
-
-    @hookimpl(wrapper=True)
-    def plait_save_checkpoint(self, cfg, engine, state, topology, final, hook):
-        written = yield
-        every = cfg.checkpoint.hf_every
-        if every and (state.step % every == 0 or final):
-            path = save(cfg, engine, state.step, topology, meta_model(hook, cfg))
-            if topology.is_logging_rank:
-                print(f"plait: wrote {path} (Hugging Face format)", flush=True)
-        return written
+        if format != "hf" or model is None or not is_transformers_model(model):
+            return None
+        return save(cfg, engine, step, topology, model)
 
 
 plugin = HFCheckpoints()

@@ -39,8 +39,13 @@ import re
 import torch
 import torch.nn as nn
 
-from plait.plugins.models.moe import (LocalDispatcher, MoEStats, Routing, routed_output,
-                                      router_losses_and_stats)
+from plait.plugins.models.moe import (
+    LocalDispatcher,
+    MoEStats,
+    Routing,
+    routed_output,
+    router_losses_and_stats,
+)
 
 SERVED_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock")
 EP_STYLES = ("grouped_gemm", "ep_dispatch_experts")  # expert weights by expert; their dispatch
@@ -87,8 +92,10 @@ def expert_names(model: nn.Module) -> tuple[str, str, str] | None:
             for target in t._original_target_patterns:
                 for fused in FUSED:
                     if target.endswith(fused):
-                        sources[fused] = [s.rsplit("*.", 1)[-1].removesuffix(".weight")
-                                          for s in t._original_source_patterns]
+                        sources[fused] = [
+                            s.rsplit("*.", 1)[-1].removesuffix(".weight")
+                            for s in t._original_source_patterns
+                        ]
     gate_up, down = sources.get(FUSED[0], []), sources.get(FUSED[1], [])
     if len(gate_up) != 2 or len(down) != 1:
         return None
@@ -112,8 +119,9 @@ class ExpertMLP(nn.Module):
     """One expert: ``down(act(gate(x)) * up(x))``, its projections under the checkpoint's names
     (``transformers``' fused ``gate_up_proj[e]`` is ``[gate; up]``, ``down_proj[e]`` is down)."""
 
-    def __init__(self, hidden: int, intermediate: int, act_fn: nn.Module,
-                 names: tuple[str, str, str]):
+    def __init__(
+        self, hidden: int, intermediate: int, act_fn: nn.Module, names: tuple[str, str, str]
+    ):
         super().__init__()
         self.names = names
         gate, up, down = names
@@ -139,12 +147,19 @@ class PlaitMoEBlock:
         jitter = getattr(self, "jitter_noise", 0.0)
         if self.training and jitter > 0:  # Mixtral's router jitter, as its own block applies it
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
-                1.0 - jitter, 1.0 + jitter)
+                1.0 - jitter, 1.0 + jitter
+            )
         tokens = hidden_states.reshape(-1, shape[-1])
         logits, gates, chosen = self.gate(tokens)
         counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
-        routing = Routing(chosen, gates, torch.ones_like(chosen, dtype=torch.bool),
-                          logits.float().softmax(dim=-1), counts, counts)
+        routing = Routing(
+            chosen,
+            gates,
+            torch.ones_like(chosen, dtype=torch.bool),
+            logits.float().softmax(dim=-1),
+            counts,
+            counts,
+        )
         out = routed_output(tokens, routing, self.dispatcher, self.experts)
         return router_losses_and_stats(self, out, routing, logits).view(shape)
 
@@ -185,9 +200,12 @@ def adopt_experts(model: nn.Module) -> list[str]:
         n_experts, hidden = fused.num_experts, fused.hidden_dim
         device = fused.down_proj.device
         with torch.device(device):
-            experts = nn.ModuleDict({str(e): ExpertMLP(hidden, fused.intermediate_dim,
-                                                       fused.act_fn, names)
-                                     for e in range(n_experts)})
+            experts = nn.ModuleDict(
+                {
+                    str(e): ExpertMLP(hidden, fused.intermediate_dim, fused.act_fn, names)
+                    for e in range(n_experts)
+                }
+            )
         block.experts = experts
         block.__class__ = plait_block_class(type(block))
         block.n_experts, block.top_k = n_experts, block.gate.top_k
@@ -204,15 +222,20 @@ def kept_converters(model: nn.Module, converters: list) -> list:
     those fusing the experts of adopted blocks are not (their experts are read one by one)."""
     if not getattr(model, "plait_expert_blocks", None):
         return converters
-    return [c for c in converters
-            if not any(t.endswith(FUSED) for t in c._original_target_patterns)]
+    return [
+        c for c in converters if not any(t.endswith(FUSED) for t in c._original_target_patterns)
+    ]
 
 
 def expert_parameter_count(model: nn.Module) -> int:
     """Parameters of the adopted blocks' routed experts, for plait's estimates
     (:func:`plait.meta.parameters_per_rank`)."""
-    return sum(p.numel() for m in model.modules() if getattr(m, "is_moe_layer", False)
-               for p in m.experts.parameters())
+    return sum(
+        p.numel()
+        for m in model.modules()
+        if getattr(m, "is_moe_layer", False)
+        for p in m.experts.parameters()
+    )
 
 
 def refusals(cfg, model: nn.Module, dims) -> list[str]:
@@ -221,45 +244,64 @@ def refusals(cfg, model: nn.Module, dims) -> list[str]:
     arch, path, ep = model.plait_architecture, cfg.model.path, dims.ep
     plan = ep_plan(model)
     if not plan:
-        return [f"parallel.ep={ep}: {arch} (model.path={path}) has no base_model_ep_plan in its "
-                "config, so it has no mixture-of-experts layers to spread: set parallel.ep=1"]
-    problems = [f"parallel.ep={ep}: {arch}'s expert-parallel plan gives {pattern!r} the style "
-                f"{style!r}, which plait does not honour (it honours {', '.join(EP_STYLES)}): "
-                "set parallel.ep=1" for pattern, style in plan.items() if style not in EP_STYLES]
+        return [
+            f"parallel.ep={ep}: {arch} (model.path={path}) has no base_model_ep_plan in its "
+            "config, so it has no mixture-of-experts layers to spread: set parallel.ep=1"
+        ]
+    problems = [
+        f"parallel.ep={ep}: {arch}'s expert-parallel plan gives {pattern!r} the style "
+        f"{style!r}, which plait does not honour (it honours {', '.join(EP_STYLES)}): "
+        "set parallel.ep=1"
+        for pattern, style in plan.items()
+        if style not in EP_STYLES
+    ]
     names = expert_names(model)
     blocks = planned_blocks(model)
     for name, block in blocks:
         why = None if getattr(block, "is_moe_layer", False) else unserved_reason(block, names)
         if why is not None:
-            problems.append(f"parallel.ep={ep}: {arch}'s mixture-of-experts block {name} cannot "
-                            f"be spread by plait: {why}: set parallel.ep=1")
+            problems.append(
+                f"parallel.ep={ep}: {arch}'s mixture-of-experts block {name} cannot "
+                f"be spread by plait: {why}: set parallel.ep=1"
+            )
             break
     adopted = [m for m in model.modules() if getattr(m, "is_moe_layer", False)]
     if not adopted and not problems:
-        return [f"parallel.ep={ep}: {arch}'s base_model_ep_plan {sorted(plan)} names no "
-                "mixture-of-experts block plait adopted: set parallel.ep=1"]
+        return [
+            f"parallel.ep={ep}: {arch}'s base_model_ep_plan {sorted(plan)} names no "
+            "mixture-of-experts block plait adopted: set parallel.ep=1"
+        ]
     counts = sorted({m.n_experts for m in adopted})
     for n in counts:
         if n % ep:
             fits = [e for e in range(1, dims.dp + 1) if dims.dp % e == 0 and n % e == 0]
-            problems.append(f"parallel.ep={ep} does not divide the {n} experts per layer of "
-                            f"model.path={path} (num_experts in its config.json): each "
-                            f"expert-parallel rank holds num_experts/ep experts; choose "
-                            f"parallel.ep in {fits}")
+            problems.append(
+                f"parallel.ep={ep} does not divide the {n} experts per layer of "
+                f"model.path={path} (num_experts in its config.json): each "
+                f"expert-parallel rank holds num_experts/ep experts; choose "
+                f"parallel.ep in {fits}"
+            )
     if adopted and dims.cp > 1:
-        problems.append(f"parallel.ep={ep} with parallel.cp={dims.cp}: expert parallelism is "
-                        "carved out of the dp ranks alone, not the dp x cp ranks that share "
-                        "gradients (not built): set parallel.ep=1 or parallel.cp=1")
+        problems.append(
+            f"parallel.ep={ep} with parallel.cp={dims.cp}: expert parallelism is "
+            "carved out of the dp ranks alone, not the dp x cp ranks that share "
+            "gradients (not built): set parallel.ep=1 or parallel.cp=1"
+        )
     return problems
 
 
 def loss_problems(cfg, model: nn.Module) -> list[str]:
     """The adopted blocks' load-balancing loss (``output_router_logits``) under fp16, at any
     ``ep`` (as for plait's GPT-MoE)."""
-    weighted = any(getattr(m, "aux_loss_coeff", 0) for m in model.modules()
-                   if getattr(m, "is_moe_layer", False))
+    weighted = any(
+        getattr(m, "aux_loss_coeff", 0)
+        for m in model.modules()
+        if getattr(m, "is_moe_layer", False)
+    )
     if cfg.precision != "fp16" or not weighted:
         return []
-    return [f"precision=fp16 with model.path={cfg.model.path}'s router load-balancing loss "
-            "(output_router_logits in its config.json): the router's auxiliary losses enter the "
-            "backward unscaled by the fp16 loss scale; use precision=bf16 or fp32"]
+    return [
+        f"precision=fp16 with model.path={cfg.model.path}'s router load-balancing loss "
+        "(output_router_logits in its config.json): the router's auxiliary losses enter the "
+        "backward unscaled by the fp16 loss scale; use precision=bf16 or fp32"
+    ]

@@ -44,8 +44,10 @@ def resolve_directory(path: str) -> Path:
     if directory.is_dir():
         return directory
     if directory.exists():
-        raise ValueError(f"model.path={path} is a file: give the directory that holds "
-                         f"{CONFIG} and the *.safetensors weights")
+        raise ValueError(
+            f"model.path={path} is a file: give the directory that holds "
+            f"{CONFIG} and the *.safetensors weights"
+        )
     if str(path).count("/") == 1 and not str(path).startswith((".", "/", "~")):
         from huggingface_hub import snapshot_download
 
@@ -53,9 +55,11 @@ def resolve_directory(path: str) -> Path:
             return Path(snapshot_download(str(path), local_files_only=True))
         except Exception:
             pass
-    raise ValueError(f"model.path={path} is neither a directory nor a model in the local Hugging "
-                     "Face cache, and plait never downloads: give a local directory (save_"
-                     f"pretrained's output), or fetch it first (huggingface-cli download {path})")
+    raise ValueError(
+        f"model.path={path} is neither a directory nor a model in the local Hugging "
+        "Face cache, and plait never downloads: give a local directory (save_"
+        f"pretrained's output), or fetch it first (huggingface-cli download {path})"
+    )
 
 
 def load_config(directory: Path):
@@ -132,8 +136,11 @@ def plait_class(base: type) -> type:
     renames up by class name): ``LlamaForCausalLM(PlaitCausalLM, LlamaForCausalLM)``, made once
     per class, a name of this module (so it pickles)."""
     if base not in _CLASSES:
-        cls = type(base.__name__, (PlaitCausalLM, base),
-                   {"__module__": __name__, "transformers_class": base})
+        cls = type(
+            base.__name__,
+            (PlaitCausalLM, base),
+            {"__module__": __name__, "transformers_class": base},
+        )
         globals()[cls.__name__] = cls
         _CLASSES[base] = cls
     return _CLASSES[base]
@@ -156,19 +163,20 @@ def checkpoint_names(model: nn.Module, checkpoint: CheckpointFiles) -> dict[str,
     the conversion mapping's renames and the base-model prefix. Keys a converter must transform
     (fuse, split) are left out, so the model's parameter is missing and refused."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (WeightConverter, WeightRenaming,
-                                                 rename_source_key)
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     with as_transformers_class(model):
         transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = experts.kept_converters(
-        model, [t for t in transforms if isinstance(t, WeightConverter)])
+        model, [t for t in transforms if isinstance(t, WeightConverter)]
+    )
     meta = model.state_dict()
     names = {}
     for key in sorted(checkpoint.weight_map):
-        renamed, converted = rename_source_key(key, renamings, converters,
-                                               model.base_model_prefix, meta)
+        renamed, converted = rename_source_key(
+            key, renamings, converters, model.base_model_prefix, meta
+        )
         if converted is None:
             names.setdefault(renamed, key)
     return names
@@ -198,8 +206,7 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
     return aliases
 
 
-def checkpoint_name(names: dict[str, str], aliases: dict[str, list[str]],
-                    name: str) -> str | None:
+def checkpoint_name(names: dict[str, str], aliases: dict[str, list[str]], name: str) -> str | None:
     """The name the parameter ``name`` is stored under in the checkpoint, or None."""
     for candidate in (name, *aliases.get(name, ())):
         if candidate in names:
@@ -207,16 +214,22 @@ def checkpoint_name(names: dict[str, str], aliases: dict[str, list[str]],
     return None
 
 
-def read_parameter(checkpoint: CheckpointFiles, names: dict[str, str],
-                   aliases: dict[str, list[str]], name: str, box) -> torch.Tensor:
+def read_parameter(
+    checkpoint: CheckpointFiles,
+    names: dict[str, str],
+    aliases: dict[str, list[str]],
+    name: str,
+    box,
+) -> torch.Tensor:
     stored = checkpoint_name(names, aliases, name)
     if stored is None:
         raise KeyError(f"{checkpoint.directory} holds no tensor {name}")
     return checkpoint.read(stored, box)
 
 
-def hf_model(config, checkpoint: CheckpointFiles | None = None,
-             directory: Path | None = None) -> nn.Module:
+def hf_model(
+    config, checkpoint: CheckpointFiles | None = None, directory: Path | None = None
+) -> nn.Module:
     """A ``transformers`` causal LM for ``config`` with plait's contract and plans, fp32; its
     values from ``checkpoint`` (box by box) or, without one, initialised by name. ``directory``:
     where it came from (its tokenizer files go with an export)."""
@@ -235,15 +248,18 @@ def hf_model(config, checkpoint: CheckpointFiles | None = None,
     model.plait_original_modules = _Shared(dict(model.named_modules()))
     model.plait_names = _Shared(checkpoint_names(model, checkpoint) if checkpoint else {})
     if checkpoint is not None:
-        model.read_parameter = partial(read_parameter, checkpoint, model.plait_names.value,
-                                       model.plait_aliases.value)
+        model.read_parameter = partial(
+            read_parameter, checkpoint, model.plait_names.value, model.plait_aliases.value
+        )
     model.tensor_parallel_plan = plans.tensor_parallel_plan(model)
     model.pipeline_plan = plans.pipeline_plan(model)
     if model.pipeline_plan is not None:  # whole decoder layers; the attention core is a function
         model.activation_checkpointing_plan = {"full": f"{model.pipeline_plan['layers']}.*"}
     else:  # its forward mixes the embedding into later layers' inputs: no layer list will do
-        model.no_pipeline_plan_reason = (f"{architecture} has no base_model_pp_plan in its "
-                                         "config, so transformers names no pipeline stages")
+        model.no_pipeline_plan_reason = (
+            f"{architecture} has no base_model_pp_plan in its "
+            "config, so transformers names no pipeline stages"
+        )
     context_parallel.prepare(model, config)
     return model
 
@@ -251,5 +267,6 @@ def hf_model(config, checkpoint: CheckpointFiles | None = None,
 def build_hf(path: str, pretrained: bool = True) -> nn.Module:
     """``model=hf``'s ``_target_``: the model in ``path`` (a directory or a cached name)."""
     directory = resolve_directory(path)
-    return hf_model(load_config(directory), CheckpointFiles(directory) if pretrained else None,
-                    directory)
+    return hf_model(
+        load_config(directory), CheckpointFiles(directory) if pretrained else None, directory
+    )

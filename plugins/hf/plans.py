@@ -96,20 +96,26 @@ def refusals(model: nn.Module, tp: int, arch: str) -> list[str]:
     honour (each named)."""
     tp_plan = dict(getattr(model, "tp_plan", None) or {})
     if not tp_plan:
-        return [f"parallel.tp={tp}: {arch} has no base_model_tp_plan in its config: set "
-                "parallel.tp=1, or give tensor_parallel.plan={module pattern: style}"]
+        return [
+            f"parallel.tp={tp}: {arch} has no base_model_tp_plan in its config: set "
+            "parallel.tp=1, or give tensor_parallel.plan={module pattern: style}"
+        ]
     problems = []
     parameters = {name for name, _ in model.named_parameters()}
     for pattern, style in unsupported_styles(tp_plan).items():
         why = UNTIL.get(style, "plait has no layer for it yet")
-        problems.append(f"parallel.tp={tp}: {arch}'s tensor-parallel plan gives {pattern!r} the "
-                        f"style {style!r}, which plait does not honour ({why}): set "
-                        "parallel.tp=1")
+        problems.append(
+            f"parallel.tp={tp}: {arch}'s tensor-parallel plan gives {pattern!r} the "
+            f"style {style!r}, which plait does not honour ({why}): set "
+            "parallel.tp=1"
+        )
     for pattern in tp_plan:
         if pattern in parameters:
-            problems.append(f"parallel.tp={tp}: {arch}'s tensor-parallel plan names the "
-                            f"parameter {pattern!r}; plait splits modules only: set "
-                            "parallel.tp=1")
+            problems.append(
+                f"parallel.tp={tp}: {arch}'s tensor-parallel plan names the "
+                f"parameter {pattern!r}; plait splits modules only: set "
+                "parallel.tp=1"
+            )
     return problems
 
 
@@ -127,5 +133,9 @@ def pipeline_plan(model: nn.Module) -> dict | None:
     if len(lists) != 1:
         return None
     layers = lists[0]
-    return {"first": [n for n in names if order[n] < order[layers]], "layers": layers,
-            "last": [n for n in names if order[n] > order[layers]], "layers_run_alone": False}
+    return {
+        "first": [n for n in names if order[n] < order[layers]],
+        "layers": layers,
+        "last": [n for n in names if order[n] > order[layers]],
+        "layers_run_alone": False,
+    }

@@ -20,8 +20,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from plait.plugins.hf.checkpoint_files import (FLOAT_DTYPES, INDEX, SINGLE, read_header,
-                                               write_safetensors)
+from plait.plugins.hf.checkpoint_files import (
+    FLOAT_DTYPES,
+    INDEX,
+    SINGLE,
+    read_header,
+    write_safetensors,
+)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
 SKIPPED = {INDEX, "pytorch_model.bin.index.json", "config.json"}
@@ -42,8 +47,11 @@ def tensors_to_write(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[s
 
     from plait.plugins.hf.model import as_transformers_class
 
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {}) \
-        if getattr(model.config.get_text_config(), "tie_word_embeddings", False) else set()
+    tied = (
+        set(getattr(model, "all_tied_weights_keys", None) or {})
+        if getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+        else set()
+    )
     kept = {name: value for name, value in state.items() if name not in tied}
     with as_transformers_class(model):
         named = revert_weight_conversion(model, kept)
@@ -64,8 +72,12 @@ def copy_side_files(model: nn.Module, directory: Path) -> None:
     if source is not None and (Path(source) / "config.json").exists():
         shutil.copyfile(Path(source) / "config.json", directory / "config.json")
         for file in sorted(Path(source).iterdir()):
-            if file.is_file() and not file.name.startswith(".") and file.name not in SKIPPED \
-                    and not file.name.endswith(WEIGHT_SUFFIXES):
+            if (
+                file.is_file()
+                and not file.name.startswith(".")
+                and file.name not in SKIPPED
+                and not file.name.endswith(WEIGHT_SUFFIXES)
+            ):
                 shutil.copyfile(file, directory / file.name)
     else:
         model.config.to_json_file(str(directory / "config.json"))
@@ -79,8 +91,10 @@ def write_index(directory: Path, files: list[str]) -> None:
         for name, entry in header.items():
             weight_map[name] = file
             total += entry["data_offsets"][1] - entry["data_offsets"][0]
-    text = json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(
-        weight_map.items()))}, indent=2)
+    text = json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+        indent=2,
+    )
     (directory / INDEX).write_text(text)
 
 

@@ -53,8 +53,11 @@ class LocalLauncherConfig(LauncherConfig):
     rdzv_conf: Any = field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False}))
 
 
-RANGES = {"node_rank": AT_LEAST_0, "max_restarts": AT_LEAST_0,
-          "master_port": Range(0, 65535, meaning="0: a free port, single node only")}
+RANGES = {
+    "node_rank": AT_LEAST_0,
+    "max_restarts": AT_LEAST_0,
+    "master_port": Range(0, 65535, meaning="0: a free port, single node only"),
+}
 
 
 def started_externally() -> bool:
@@ -65,9 +68,11 @@ def started_externally() -> bool:
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="local_launcher", selected_by={"launcher.name": "local"},
-                      description="torch elastic launch on this node, or run in place under "
-                                  "torchrun / srun")
+    return PluginInfo(
+        name="local_launcher",
+        selected_by={"launcher.name": "local"},
+        description="torch elastic launch on this node, or run in place under torchrun / srun",
+    )
 
 
 @hookimpl
@@ -80,21 +85,29 @@ def plait_validate(cfg, dims) -> list[str]:
     launcher = cfg.launcher
     problems = range_problems("launcher", launcher, RANGES)
     if launcher.start_method not in START_METHODS:
-        problems.append(f"launcher.start_method={launcher.start_method}: choose one of "
-                        f"{', '.join(START_METHODS)}")
+        problems.append(
+            f"launcher.start_method={launcher.start_method}: choose one of "
+            f"{', '.join(START_METHODS)}"
+        )
     nodes = dims.nodes
     if launcher.node_rank >= nodes.max:
-        problems.append(f"launcher.node_rank={launcher.node_rank} with launcher.nnodes="
-                        f"{launcher.nnodes}: give each node its rank, 0 to {nodes.max - 1}")
+        problems.append(
+            f"launcher.node_rank={launcher.node_rank} with launcher.nnodes="
+            f"{launcher.nnodes}: give each node its rank, 0 to {nodes.max - 1}"
+        )
     if not started_externally():
         if nodes.max > 1 and launcher.master_port == 0:
-            problems.append(f"launcher.nnodes={launcher.nnodes} needs launcher.master_port=<port>: "
-                            "the port node 0 listens on for the rendezvous, the same on every "
-                            "node (e.g. 29500)")
+            problems.append(
+                f"launcher.nnodes={launcher.nnodes} needs launcher.master_port=<port>: "
+                "the port node 0 listens on for the rendezvous, the same on every "
+                "node (e.g. 29500)"
+            )
         if nodes.elastic and launcher.max_restarts < 1:
-            problems.append(f"launcher.nnodes={launcher.nnodes} goes on after a node leaves by "
-                            "restarting the group at the smaller size, which spends a restart: "
-                            "set launcher.max_restarts >= 1 (one per node that may leave)")
+            problems.append(
+                f"launcher.nnodes={launcher.nnodes} goes on after a node leaves by "
+                "restarting the group at the smaller size, which spends a restart: "
+                "set launcher.max_restarts >= 1 (one per node that may leave)"
+            )
     return problems + gpu_problems(cfg) + task_count_problems(cfg, dims, os.environ)
 
 
@@ -112,9 +125,11 @@ def gpu_problems(cfg) -> list[str]:
     gpus = torch.cuda.device_count()
     if processes is None or gpus >= int(processes):
         return []
-    return [f"device={cfg.device} gives each process the GPU of its local rank, but this node has "
-            f"{gpus} GPU(s) for {processes} processes (launcher.nproc_per_node={processes}): "
-            f"set launcher.nproc_per_node={gpus}, or device=cpu"]
+    return [
+        f"device={cfg.device} gives each process the GPU of its local rank, but this node has "
+        f"{gpus} GPU(s) for {processes} processes (launcher.nproc_per_node={processes}): "
+        f"set launcher.nproc_per_node={gpus}, or device=cpu"
+    ]
 
 
 @hookimpl
@@ -133,8 +148,9 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
     # inherit a 1-process job's count (seen: 2 threads per worker of 2 on 2 cores, whose compute
     # then read 20x its CPU time spinning at OpenMP barriers).
     threads_given = "OMP_NUM_THREADS" in os.environ
-    os.environ.setdefault("OMP_NUM_THREADS",
-                          str(max(1, (os.cpu_count() or 1) // launcher.nproc_per_node)))
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launcher.nproc_per_node))
+    )
     if dims.elastic:
         # torch 2.13's shared rendezvous TCPStore breaks a re-formed group with a new member:
         # the host's agent publishes MASTER_ADDR for the first round only, so a node joining a
@@ -148,8 +164,7 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
         from plait.plugins.launch.forkserver import launcher_stdio, use_forkserver, worker_entry
 
         use_forkserver(on_cpu=runs_on_cpu(cfg))
-        entrypoint, args = worker_entry, (entrypoint, dict(os.environ), launcher_stdio(),
-                                          *args)
+        entrypoint, args = worker_entry, (entrypoint, dict(os.environ), launcher_stdio(), *args)
     launch = elastic_launch(launch_config(cfg, dims), entrypoint=entrypoint)
     expendable = expendable_ranks(cfg, dims, hook)
     try:
@@ -163,8 +178,12 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
         # the agent was stopped (a scheduler, Ctrl-C, or a worker of this node that leaves an
         # elastic job: plait.plugins.fault.membership); it stopped its workers and, unlike a
         # finished job, left the rendezvous open for the other nodes
-        print(f"plait: this node's agent was stopped by {stopped.sigval.name}; its workers are "
-              "stopped", file=sys.stderr, flush=True)
+        print(
+            f"plait: this node's agent was stopped by {stopped.sigval.name}; its workers are "
+            "stopped",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(128 + stopped.sigval) from None
     finally:
         if not threads_given:
@@ -202,6 +221,7 @@ def launch_config(cfg, dims):
 def expendable_ranks(cfg, dims, hook) -> Callable[[int], frozenset[int]] | None:
     """The ranks whose death the strategy survives (``Roles.expendable``), by world size; None
     when it declares none (torch's own agent then runs, as for every strategy without roles)."""
+
     def expendable(world_size: int) -> frozenset[int]:
         roles = hook.plait_assign_roles(cfg=cfg, world_size=world_size)
         return frozenset(roles.expendable) if roles is not None else frozenset()

@@ -65,8 +65,12 @@ class DepartingAgent(LocalElasticAgent):
             if exitcode != 0:
                 # done without a value, as far as the context's count of finished workers goes
                 self._pcontext._return_values.setdefault(local_rank, None)
-                print(f"plait: rank {rank} died ({describe_exit(exitcode)}); the strategy lets "
-                      "the job go on without it", file=sys.stderr, flush=True)
+                print(
+                    f"plait: rank {rank} died ({describe_exit(exitcode)}); the strategy lets "
+                    "the job go on without it",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return super()._monitor_workers(worker_group)
 
 

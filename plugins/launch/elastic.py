@@ -20,21 +20,30 @@ class ElasticReport:
 
     @hookimpl
     def plait_declare(self) -> PluginInfo:
-        return PluginInfo(name="elastic_report",
-                          description="with launcher.nnodes=MIN:MAX: log the size each re-formed "
-                                      "group runs at and the accumulation that keeps the batch")
+        return PluginInfo(
+            name="elastic_report",
+            description="with launcher.nnodes=MIN:MAX: log the size each re-formed "
+            "group runs at and the accumulation that keeps the batch",
+        )
 
     @hookimpl
     def plait_on_run_start(self, cfg, state, topology) -> None:
         dims = topology.dims
         if not dims.elastic:
             return
-        self.figures = {"nodes": float(dims.nnodes), "world_size": float(dims.world_size),
-                        "dp": float(dims.dp), "grad_accum_steps": float(dims.grad_accum_steps)}
-        print(f"plait: elastic group of {dims.nnodes} node(s) (launcher.nnodes="
-              f"{cfg.launcher.nnodes}): world size {dims.world_size}, dp {dims.dp}, "
-              f"grad_accum_steps {dims.grad_accum_steps}, train.batch_size "
-              f"{cfg.train.batch_size} kept; continuing at step {state.step}", flush=True)
+        self.figures = {
+            "nodes": float(dims.nnodes),
+            "world_size": float(dims.world_size),
+            "dp": float(dims.dp),
+            "grad_accum_steps": float(dims.grad_accum_steps),
+        }
+        print(
+            f"plait: elastic group of {dims.nnodes} node(s) (launcher.nnodes="
+            f"{cfg.launcher.nnodes}): world size {dims.world_size}, dp {dims.dp}, "
+            f"grad_accum_steps {dims.grad_accum_steps}, train.batch_size "
+            f"{cfg.train.batch_size} kept; continuing at step {state.step}",
+            flush=True,
+        )
 
     @hookimpl(wrapper=True)
     def plait_log_metrics(self, metrics):

@@ -30,8 +30,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
-from multiprocessing import reduction
 from importlib.metadata import entry_points
+from multiprocessing import reduction
 from typing import Any, Callable
 
 # The environment the server started with: a forked worker's variables that differ from it were
@@ -74,8 +74,9 @@ def launcher_stdio() -> tuple[PassedFd, PassedFd]:
     return PassedFd(1), PassedFd(2)
 
 
-def worker_entry(entrypoint: Callable[..., Any], launcher_env: dict[str, str],
-                 stdio: tuple[int, int], *args: Any) -> Any:
+def worker_entry(
+    entrypoint: Callable[..., Any], launcher_env: dict[str, str], stdio: tuple[int, int], *args: Any
+) -> Any:
     """Run ``entrypoint(*args)`` in a forked worker as if it had been spawned by the launcher:
     its environment, thread count and standard output and error (``stdio``, the launcher's
     as :func:`launcher_stdio` passed them)."""

@@ -47,9 +47,15 @@ class SlurmLauncherConfig(LauncherConfig):
     master_port: int = 0  # 0: derived from the job id, the same in every task
 
 
-RANGES = {"nodes": AT_LEAST_1, "tasks_per_node": AT_LEAST_1, "gpus_per_node": Range(0),
-          "cpus_per_task": AT_LEAST_1, "time": Range(1, meaning="minutes"),
-          "mem_gb": AT_LEAST_1, "master_port": Range(0, 65535, meaning="0: from the job id")}
+RANGES = {
+    "nodes": AT_LEAST_1,
+    "tasks_per_node": AT_LEAST_1,
+    "gpus_per_node": Range(0),
+    "cpus_per_task": AT_LEAST_1,
+    "time": Range(1, meaning="minutes"),
+    "mem_gb": AT_LEAST_1,
+    "master_port": Range(0, 65535, meaning="0: from the job id"),
+}
 
 
 def in_srun_task(environ: Mapping[str, str]) -> bool:
@@ -77,8 +83,9 @@ def tasks_on_node(environ: Mapping[str, str]) -> str:
         return environ["SLURM_NTASKS_PER_NODE"]
     node = int(environ.get("SLURM_NODEID", 0))
     counts = []
-    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE",
-                           environ.get("SLURM_TASKS_PER_NODE", environ["SLURM_NTASKS"]))
+    per_node = environ.get(
+        "SLURM_STEP_TASKS_PER_NODE", environ.get("SLURM_TASKS_PER_NODE", environ["SLURM_NTASKS"])
+    )
     for part in per_node.split(","):
         count, _, times = part.partition("(x")
         counts += [count] * int(times.rstrip(")") or 1)
@@ -115,16 +122,21 @@ def task_count_problems(cfg, dims, environ: Mapping[str, str]) -> list[str]:
     planned = dims.nodes.max * cfg.launcher.nproc_per_node
     if tasks == planned:
         return []
-    return [f"srun started {tasks} task(s) but the plan has launcher.nnodes * "
-            f"launcher.nproc_per_node = {planned} workers: one task per worker (srun --ntasks="
-            f"{planned}), or set the launcher's node and process counts to the tasks'"]
+    return [
+        f"srun started {tasks} task(s) but the plan has launcher.nnodes * "
+        f"launcher.nproc_per_node = {planned} workers: one task per worker (srun --ntasks="
+        f"{planned}), or set the launcher's node and process counts to the tasks'"
+    ]
 
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="slurm_launcher", selected_by={"launcher.name": "slurm"},
-                      description="submit through Hydra's submitit launcher; in the allocation "
-                                  "each srun task is one worker")
+    return PluginInfo(
+        name="slurm_launcher",
+        selected_by={"launcher.name": "slurm"},
+        description="submit through Hydra's submitit launcher; in the allocation "
+        "each srun task is one worker",
+    )
 
 
 @hookimpl
@@ -140,7 +152,8 @@ def plait_validate(cfg, dims) -> list[str]:
         problems.append(
             f"launcher=slurm takes its layout from launcher.nodes={launcher.nodes} and "
             f"launcher.tasks_per_node={launcher.tasks_per_node}; do not set launcher.nnodes="
-            f"{launcher.nnodes} or launcher.nproc_per_node={launcher.nproc_per_node}")
+            f"{launcher.nnodes} or launcher.nproc_per_node={launcher.nproc_per_node}"
+        )
     return problems + task_count_problems(cfg, dims, os.environ)
 
 
@@ -150,6 +163,7 @@ def plait_launch(cfg, entrypoint, args) -> dict[int, Any]:
         raise ValueError(
             "launcher=slurm runs its workers as the tasks of a SLURM job, which `plait train "
             "launcher=slurm ...` submits through Hydra's submitit launcher; this process is not "
-            "such a task (inside an sbatch script use `srun plait train launcher=local ...`)")
+            "such a task (inside an sbatch script use `srun plait train launcher=local ...`)"
+        )
     os.environ.update(torch_env_from_slurm(os.environ, cfg.launcher.master_port))
     return {int(os.environ["RANK"]): entrypoint(*args)}

@@ -36,9 +36,13 @@ RANGES = {"sync_every": AT_LEAST_1, "node_sync_every": Range(0, meaning="0: off"
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="local_sgd", selected_by={"strategy.name": "local_sgd"},
-                      parallel_axes=frozenset({"dp"}), precisions=frozenset({"fp32", "bf16"}),
-                      description="local SGD: replicas step alone, parameters averaged every H")
+    return PluginInfo(
+        name="local_sgd",
+        selected_by={"strategy.name": "local_sgd"},
+        parallel_axes=frozenset({"dp"}),
+        precisions=frozenset({"fp32", "bf16"}),
+        description="local SGD: replicas step alone, parameters averaged every H",
+    )
 
 
 @hookimpl
@@ -51,9 +55,11 @@ def plait_validate(cfg) -> list[str]:
     settings = cfg.strategy
     problems = range_problems("strategy", settings, RANGES)
     if settings.node_sync_every >= settings.sync_every > 0:
-        problems.append(f"strategy.node_sync_every={settings.node_sync_every} must be below "
-                        f"strategy.sync_every={settings.sync_every}: the average inside each node "
-                        "runs more often than the one across nodes (0: off)")
+        problems.append(
+            f"strategy.node_sync_every={settings.node_sync_every} must be below "
+            f"strategy.sync_every={settings.sync_every}: the average inside each node "
+            "runs more often than the one across nodes (0: off)"
+        )
     return problems
 
 

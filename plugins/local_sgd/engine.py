@@ -22,7 +22,6 @@ clipping clips each replica's own gradient. Checkpoints hold every replica
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from pathlib import Path
 
@@ -30,24 +29,33 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
-    HierarchicalModelAverager)
+    HierarchicalModelAverager,
+)
 from torch.distributed.optim import PostLocalSGDOptimizer
 
-from plait.plugins.optim.accumulate import accumulate_gradients
-from plait.plugins.optim.mixed_precision import autocast
+from plait.engine.hyperparameters import set_lr
+from plait.engine.step import TorchEngine, accumulate, mean_over
 from plait.topology import split_by_node
-from plait.types import Batch, StepOutput, model_inputs
+from plait.types import Batch, StepOutput
 
 
-class LocalSGDEngine:
+class LocalSGDEngine(TorchEngine):
+    """The base step (:class:`plait.engine.step.TorchEngine`) of each replica on its own: no
+    gradient reduction, no step guard (it would be a collective every step), the optimizer
+    wrapped in torch's model averager."""
+
     def __init__(self, cfg, model, optimizer, loss_fn, topology):
-        self.device = topology.device
-        self.model = model.to(self.device)
-        self.loss_fn = loss_fn
-        self.precision = cfg.precision
-        self.max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
-        self.dp_group = topology.get_data_parallel_group()
-        self.dp_size = topology.dims.dp
+        super().__init__(
+            cfg,
+            topology,
+            None,
+            model.to(topology.device),
+            optimizer,
+            loss_fn,
+            loss_scaling=False,
+            loss_group="dp",
+        )
+        self.dp_group = self.loss_group
         self.checkpoint_name = f"replica_dp{topology.dp_rank}.pt"
         self.sync_every = cfg.strategy.sync_every
         self.steps = 0
@@ -58,24 +66,28 @@ class LocalSGDEngine:
         if cfg.strategy.node_sync_every:
             averager = self.hierarchical_averager(cfg.strategy.node_sync_every)
         else:
-            averager = PeriodicModelAverager(period=self.sync_every,
-                                             warmup_steps=self.sync_every - 1,
-                                             process_group=self.dp_group)
+            averager = PeriodicModelAverager(
+                period=self.sync_every,
+                warmup_steps=self.sync_every - 1,
+                process_group=self.dp_group,
+            )
         return PostLocalSGDOptimizer(optimizer, averager)
 
     def hierarchical_averager(self, node_sync_every: int) -> HierarchicalModelAverager:
         ranks = dist.get_process_group_ranks(self.dp_group)
         nodes = split_by_node(ranks, self.node_of)
         size = len(nodes[0]) if nodes else 0
-        if nodes is None or nodes != [ranks[i: i + size] for i in range(0, len(ranks), size)]:
+        if nodes is None or nodes != [ranks[i : i + size] for i in range(0, len(ranks), size)]:
             raise ValueError(
                 f"strategy.node_sync_every={node_sync_every} averages the replicas of each node, "
                 f"but the nodes hold unequal or interleaved shares of them ({nodes or ranks}): "
                 "launch the same launcher.nproc_per_node on every node, or set "
-                "strategy.node_sync_every=0")
+                "strategy.node_sync_every=0"
+            )
         averager = HierarchicalModelAverager(
             OrderedDict([(node_sync_every, size), (self.sync_every, len(ranks))]),
-            process_group=self.dp_group)
+            process_group=self.dp_group,
+        )
         averager.step = 1  # the step just taken when it is called (see the module docstring)
         return averager
 
@@ -87,39 +99,28 @@ class LocalSGDEngine:
         """The replicas were averaged after the step just taken."""
         return self.steps % self.sync_every == 0
 
-    def _loss(self, batch: Batch) -> torch.Tensor:
-        x, kwargs, y = model_inputs(batch, self.device)
-        with autocast(self.precision, self.device):
-            return self.loss_fn(self.model(x, **kwargs), y)
-
-    def _mean_over_dp(self, value: torch.Tensor) -> float:
-        if self.dp_size > 1:
-            dist.all_reduce(value, group=self.dp_group)
-            value = value / self.dp_size
-        return float(value)
-
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        mean = accumulate_gradients(micro_batches, self._loss)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+        set_lr(self.optimizer, lr)
+        local_loss = accumulate(micro_batches, self.loss_of)
         self.steps += 1
-        self.optimizer_step()
-        self.optimizer.zero_grad(set_to_none=True)
-        mean_loss = self._mean_over_dp(mean) if self.averaged else float(mean)
-        return StepOutput(loss=mean_loss, grad_norm=float(grad_norm),
-                          metrics={"replicas_averaged": float(self.averaged)})
-
-    @torch.no_grad()
-    def eval_loss(self, batch: Batch) -> float:
-        self.model.eval()
-        loss = self._loss(batch).detach().float()
-        self.model.train()
-        return self._mean_over_dp(loss)
+        grad_norm, _, _ = self.finish_step(local_loss)
+        loss = (
+            mean_over(local_loss, self.dp_group, self.loss_size)()
+            if self.averaged
+            else float(local_loss)
+        )
+        return StepOutput(
+            loss=loss,
+            grad_norm=float(grad_norm),
+            metrics={"replicas_averaged": float(self.averaged)},
+        )
 
     def state(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "steps": self.steps}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "steps": self.steps,
+        }
 
     def load(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -135,5 +136,8 @@ class LocalSGDEngine:
         torch.save(self.state(), directory / self.checkpoint_name)
 
     def load_state(self, directory: Path) -> None:
-        self.load(torch.load(directory / self.checkpoint_name, map_location=self.device,
-                             weights_only=True))
+        self.load(
+            torch.load(
+                directory / self.checkpoint_name, map_location=self.device, weights_only=True
+            )
+        )

@@ -40,8 +40,10 @@ def plait_validate(cfg, hook) -> list[str]:
             hook.plait_build_model(cfg=cfg)
     except Exception as e:
         cause = e.__cause__ or e  # the model's own error, not Hydra's wrapper
-        return [f"model._target_={cfg.model._target_} cannot be built with these settings "
-                f"({type(cause).__name__}: {cause}): fix model._target_ or the model.* settings"]
+        return [
+            f"model._target_={cfg.model._target_} cannot be built with these settings "
+            f"({type(cause).__name__}: {cause}): fix model._target_ or the model.* settings"
+        ]
     return []
 
 

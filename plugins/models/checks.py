@@ -7,8 +7,10 @@ from __future__ import annotations
 def context_problems(cfg, block_size: int) -> list[str]:
     if cfg.train.seq_len <= block_size:
         return []
-    return [f"train.seq_len={cfg.train.seq_len} is longer than the model's context "
-            f"model.block_size={block_size}: lower train.seq_len or raise model.block_size"]
+    return [
+        f"train.seq_len={cfg.train.seq_len} is longer than the model's context "
+        f"model.block_size={block_size}: lower train.seq_len or raise model.block_size"
+    ]
 
 
 def tensor_parallel_problems(cfg, tp: int, divides: dict[str, str]) -> list[str]:

@@ -54,11 +54,21 @@ class GPTConfig(ModelConfig):
     expert_hidden: Optional[int] = None  # an expert's MLP width; None: 4 x n_embd
 
 
-RANGES = {"vocab_size": AT_LEAST_1, "block_size": AT_LEAST_1, "n_layer": AT_LEAST_1,
-          "n_head": AT_LEAST_1, "n_embd": AT_LEAST_1, "dropout": Range(0, 1, high_open=True),
-          "n_experts": Range(0, meaning="0: dense MLPs"), "top_k": AT_LEAST_1,
-          "moe_every": AT_LEAST_1, "aux_loss_coeff": AT_LEAST_0, "z_loss_coeff": AT_LEAST_0,
-          "capacity_factor": POSITIVE, "expert_hidden": AT_LEAST_1}
+RANGES = {
+    "vocab_size": AT_LEAST_1,
+    "block_size": AT_LEAST_1,
+    "n_layer": AT_LEAST_1,
+    "n_head": AT_LEAST_1,
+    "n_embd": AT_LEAST_1,
+    "dropout": Range(0, 1, high_open=True),
+    "n_experts": Range(0, meaning="0: dense MLPs"),
+    "top_k": AT_LEAST_1,
+    "moe_every": AT_LEAST_1,
+    "aux_loss_coeff": AT_LEAST_0,
+    "z_loss_coeff": AT_LEAST_0,
+    "capacity_factor": POSITIVE,
+    "expert_hidden": AT_LEAST_1,
+}
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -85,13 +95,19 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         dropout = self.dropout if self.training else 0.0
         if documents is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents),
-                                              dropout_p=dropout)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=document_mask(documents), dropout_p=dropout
+        )
 
 
 class CausalSelfAttention(nn.Module):
@@ -127,8 +143,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool,
-                 mlp: nn.Module | None = None):
+    def __init__(
+        self, n_embd: int, n_head: int, dropout: float, bias: bool, mlp: nn.Module | None = None
+    ):
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
@@ -189,19 +206,34 @@ class GPT(nn.Module):
     pipeline_plan = {"first": ["embed"], "layers": "blocks", "last": ["norm", "head"]}
     # What each train.activation_checkpointing mode recomputes (module-name patterns): every
     # block, or only the attention core (Korthikanti et al. 2022, "selective").
-    activation_checkpointing_plan = {"full": "blocks.*",
-                                     "selective": "blocks.*.attn.core_attention"}
+    activation_checkpointing_plan = {
+        "full": "blocks.*",
+        "selective": "blocks.*.attn.core_attention",
+    }
     # Context parallelism (plait.plugins.context_parallel.apply): the embedding takes the token
     # ids and is given the positions of this rank's tokens; the attention cores are replaced.
-    context_parallel_plan = {"embed": "sequence_split",
-                             "blocks.*.attn.core_attention": "attention"}
+    context_parallel_plan = {"embed": "sequence_split", "blocks.*.attn.core_attention": "attention"}
 
-    def __init__(self, vocab_size: int = 256, block_size: int = 64, n_layer: int = 2,
-                 n_head: int = 4, n_embd: int = 64, dropout: float = 0.0, bias: bool = True,
-                 tie_embeddings: bool = False, n_experts: int = 0, top_k: int = 2,
-                 moe_every: int = 1, shared_expert: bool = False, router: str = "softmax",
-                 aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.001,
-                 capacity_factor: float | None = None, expert_hidden: int | None = None):
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 64,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 64,
+        dropout: float = 0.0,
+        bias: bool = True,
+        tie_embeddings: bool = False,
+        n_experts: int = 0,
+        top_k: int = 2,
+        moe_every: int = 1,
+        shared_expert: bool = False,
+        router: str = "softmax",
+        aux_loss_coeff: float = 0.01,
+        z_loss_coeff: float = 0.001,
+        capacity_factor: float | None = None,
+        expert_hidden: int | None = None,
+    ):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"model.n_embd={n_embd} is not divisible by model.n_head={n_head}")
@@ -213,9 +245,18 @@ class GPT(nn.Module):
         def mlp(i: int) -> nn.Module | None:
             if not n_experts or i % moe_every:
                 return None
-            return MoE(n_embd, n_experts, top_k, lambda: MLP(n_embd, dropout, bias, expert_hidden),
-                       shared_expert, router, aux_loss_coeff, z_loss_coeff, capacity_factor,
-                       layer_index=i)
+            return MoE(
+                n_embd,
+                n_experts,
+                top_k,
+                lambda: MLP(n_embd, dropout, bias, expert_hidden),
+                shared_expert,
+                router,
+                aux_loss_coeff,
+                z_loss_coeff,
+                capacity_factor,
+                layer_index=i,
+            )
 
         self.blocks = nn.ModuleDict(
             {str(i): Block(n_embd, n_head, dropout, bias, mlp(i)) for i in range(n_layer)}
@@ -224,10 +265,12 @@ class GPT(nn.Module):
             dense = any(i % moe_every for i in range(n_layer))
             styles = {**GPT.tensor_parallel_plan, **self.moe_tensor_parallel_plan}
             self.tensor_parallel_plan = {  # patterns must match modules of this model
-                k: v for k, v in styles.items()
+                k: v
+                for k, v in styles.items()
                 if not (k.startswith("blocks.*.mlp.shared") and not shared_expert)
                 and not (k in ("blocks.*.mlp.fc", "blocks.*.mlp.proj") and not dense)
-                and k != "embed"}  # no sequence parallelism: routing needs whole sequences
+                and k != "embed"
+            }  # no sequence parallelism: routing needs whole sequences
         self.norm = nn.LayerNorm(n_embd, bias=bias)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_embeddings:
@@ -265,8 +308,9 @@ class GPT(nn.Module):
             n += routed * self.top_k // self.n_experts
         return 6 * n + 12 * self.n_layer * self.n_embd * seq_len
 
-    def activation_bytes(self, batch_size: int, seq_len: int, bytes_per_value: int,
-                         recompute: str = "none") -> int:
+    def activation_bytes(
+        self, batch_size: int, seq_len: int, bytes_per_value: int, recompute: str = "none"
+    ) -> int:
         """Bytes one forward of ``batch_size`` sequences saves for backward, values in
         ``bytes_per_value`` bytes (the model's dtype), without dropout (the default).
 
@@ -298,8 +342,12 @@ class GPT(nn.Module):
         tail = (2 * s * b * h + 2 * s * b) * v + s * b * self.head.out_features * fp32
         ids = (2 * s * b + s) * int64  # inputs, targets, positions
         moe = [blk.mlp for blk in self.blocks.values() if getattr(blk.mlp, "is_moe_layer", False)]
-        extra = 0 if recompute == "full" else sum(self._moe_activation_bytes(m, s * b, v)
-                                                  for m in moe) - len(moe) * 8 * s * b * h * v
+        extra = (
+            0
+            if recompute == "full"
+            else sum(self._moe_activation_bytes(m, s * b, v) for m in moe)
+            - len(moe) * 8 * s * b * h * v
+        )
         return self.n_layer * per_layer + tail + ids + extra
 
     def _moe_activation_bytes(self, moe: nn.Module, tokens: int, v: int) -> int:
@@ -330,10 +378,18 @@ class GPT(nn.Module):
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(
-        name="gpt", selected_by={"model._target_": GPTConfig._target_},
-        provides=frozenset({"model:tensor_parallel_plan", "model:activation_checkpointing_plan",
-                            "model:context_parallel", "model:experts"}),
-        description="plait's GPT: schema, checks, and what it lets split")
+        name="gpt",
+        selected_by={"model._target_": GPTConfig._target_},
+        provides=frozenset(
+            {
+                "model:tensor_parallel_plan",
+                "model:activation_checkpointing_plan",
+                "model:context_parallel",
+                "model:experts",
+            }
+        ),
+        description="plait's GPT: schema, checks, and what it lets split",
+    )
 
 
 @hookimpl
@@ -349,12 +405,16 @@ def plait_validate(cfg, dims) -> list[str]:
         return problems
     problems = context_problems(cfg, m.block_size)
     if m.n_embd % m.n_head:
-        problems.append(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}: "
-                        "choose n_embd as a multiple of n_head")
+        problems.append(
+            f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}: "
+            "choose n_embd as a multiple of n_head"
+        )
     if dims.cp > 1 and m.dropout > 0:
-        problems.append(f"model.dropout={m.dropout} with parallel.cp={dims.cp}: the attention "
-                        "of context-parallel ranks has no dropout on its probabilities: set "
-                        "model.dropout=0 or parallel.cp=1")
+        problems.append(
+            f"model.dropout={m.dropout} with parallel.cp={dims.cp}: the attention "
+            "of context-parallel ranks has no dropout on its probabilities: set "
+            "model.dropout=0 or parallel.cp=1"
+        )
     divides = {"n_head": "attention heads", "vocab_size": "vocabulary"}
     if m.n_experts and m.expert_hidden is not None:
         divides["expert_hidden"] = "an expert's MLP width"
@@ -366,27 +426,37 @@ def expert_problems(cfg, dims) -> list[str]:
     m, problems = cfg.model, []
     if not m.n_experts:
         if dims.ep > 1:
-            problems.append(f"parallel.ep={dims.ep} spreads a mixture of experts' experts over "
-                            f"ranks, but model.n_experts=0 (dense MLPs): set model.n_experts to a "
-                            f"multiple of {dims.ep}, or parallel.ep=1")
+            problems.append(
+                f"parallel.ep={dims.ep} spreads a mixture of experts' experts over "
+                f"ranks, but model.n_experts=0 (dense MLPs): set model.n_experts to a "
+                f"multiple of {dims.ep}, or parallel.ep=1"
+            )
         return problems
     if dims.ep > 1 and dims.cp > 1:
-        problems.append(f"parallel.ep={dims.ep} with parallel.cp={dims.cp}: expert parallelism "
-                        "is carved out of the dp ranks alone, not the dp x cp ranks that share "
-                        "gradients (not built): set parallel.ep=1 or parallel.cp=1")
+        problems.append(
+            f"parallel.ep={dims.ep} with parallel.cp={dims.cp}: expert parallelism "
+            "is carved out of the dp ranks alone, not the dp x cp ranks that share "
+            "gradients (not built): set parallel.ep=1 or parallel.cp=1"
+        )
     if m.router not in ROUTERS:
         problems.append(f"model.router={m.router}: choose one of {', '.join(ROUTERS)}")
     if m.top_k > m.n_experts:
-        problems.append(f"model.top_k={m.top_k} is larger than model.n_experts={m.n_experts}: each "
-                        f"token goes to top_k different experts; set model.top_k <= "
-                        f"{m.n_experts}")
+        problems.append(
+            f"model.top_k={m.top_k} is larger than model.n_experts={m.n_experts}: each "
+            f"token goes to top_k different experts; set model.top_k <= "
+            f"{m.n_experts}"
+        )
     if m.n_experts % dims.ep:
         fits = [e for e in range(1, dims.dp + 1) if dims.dp % e == 0 and m.n_experts % e == 0]
-        problems.append(f"parallel.ep={dims.ep} does not divide model.n_experts={m.n_experts}: "
-                        f"each expert-parallel rank holds n_experts/ep experts; choose "
-                        f"parallel.ep in {fits}, or model.n_experts as a multiple of {dims.ep}")
+        problems.append(
+            f"parallel.ep={dims.ep} does not divide model.n_experts={m.n_experts}: "
+            f"each expert-parallel rank holds n_experts/ep experts; choose "
+            f"parallel.ep in {fits}, or model.n_experts as a multiple of {dims.ep}"
+        )
     if cfg.precision == "fp16" and (m.aux_loss_coeff or m.z_loss_coeff):
-        problems.append("precision=fp16 with model.n_experts: the router's auxiliary losses enter "
-                        "the backward unscaled by the fp16 loss scale; use precision=bf16 or "
-                        "fp32, or model.aux_loss_coeff=0 model.z_loss_coeff=0")
+        problems.append(
+            "precision=fp16 with model.n_experts: the router's auxiliary losses enter "
+            "the backward unscaled by the fp16 loss scale; use precision=bf16 or "
+            "fp32, or model.aux_loss_coeff=0 model.z_loss_coeff=0"
+        )
     return problems

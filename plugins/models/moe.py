@@ -69,8 +69,9 @@ def capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float) ->
     return math.ceil(capacity_factor * tokens * top_k / n_experts)
 
 
-def route(logits: torch.Tensor, top_k: int, router: str = "softmax",
-          capacity_factor: float | None = None) -> Routing:
+def route(
+    logits: torch.Tensor, top_k: int, router: str = "softmax", capacity_factor: float | None = None
+) -> Routing:
     """Top-``k`` routing of ``logits`` ``[T, E]`` (computed in fp32), see the module docstring."""
     logits = logits.float()
     n_tokens, n_experts = logits.shape
@@ -137,8 +138,9 @@ class MoEStats:
     rows: list[torch.Tensor] = field(default_factory=list)  # [E + 3] float64 each
 
     def add(self, routing: Routing, aux: torch.Tensor, z: torch.Tensor) -> None:
-        extra = torch.tensor([routing.dropped, float(aux.detach()), float(z.detach())],
-                             dtype=torch.float64)
+        extra = torch.tensor(
+            [routing.dropped, float(aux.detach()), float(z.detach())], dtype=torch.float64
+        )
         self.rows.append(torch.cat([routing.tokens_per_expert.detach().cpu().double(), extra]))
 
     def last(self, forwards: int) -> list[torch.Tensor]:
@@ -160,8 +162,9 @@ class LocalDispatcher:
     """Every expert is on this rank: ``tokens`` sorted by expert, ``counts[e]`` of them for expert
     ``e``, go through their expert; the outputs come back in the same order."""
 
-    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor,
-                 experts: nn.ModuleDict) -> torch.Tensor:
+    def __call__(
+        self, tokens: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleDict
+    ) -> torch.Tensor:
         chunks = tokens.split(counts.tolist())
         return torch.cat([experts[str(e)](chunk) for e, chunk in enumerate(chunks)])
 
@@ -177,16 +180,26 @@ class MoE(nn.Module):
 
     is_moe_layer = True
 
-    def __init__(self, n_embd: int, n_experts: int, top_k: int,
-                 make_expert: Callable[[], nn.Module], shared_expert: bool = False, router: str = "softmax",
-                 aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
-                 capacity_factor: float | None = None, layer_index: int = 0):
+    def __init__(
+        self,
+        n_embd: int,
+        n_experts: int,
+        top_k: int,
+        make_expert: Callable[[], nn.Module],
+        shared_expert: bool = False,
+        router: str = "softmax",
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        capacity_factor: float | None = None,
+        layer_index: int = 0,
+    ):
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"model.router={router}: choose one of {', '.join(ROUTERS)}")
         if not 1 <= top_k <= n_experts:
-            raise ValueError(f"model.top_k={top_k} must be between 1 and model.n_experts="
-                             f"{n_experts}")
+            raise ValueError(
+                f"model.top_k={top_k} must be between 1 and model.n_experts={n_experts}"
+            )
         self.n_experts, self.top_k, self.router_kind = n_experts, top_k, router
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.capacity_factor, self.layer_index = capacity_factor, layer_index
@@ -207,23 +220,24 @@ class MoE(nn.Module):
         return router_losses_and_stats(self, out, routing, logits).view_as(x)
 
 
-def routed_output(tokens: torch.Tensor, routing: Routing, dispatcher: Callable,
-                  experts: nn.ModuleDict) -> torch.Tensor:
+def routed_output(
+    tokens: torch.Tensor, routing: Routing, dispatcher: Callable, experts: nn.ModuleDict
+) -> torch.Tensor:
     """Sort the kept choices by expert, run them through ``dispatcher``, and sum each token's
     outputs weighted by their gates."""
     k = routing.experts.shape[1]
     kept = routing.kept.flatten()
     chosen = routing.experts.flatten()[kept]
     order = torch.argsort(chosen, stable=True)
-    token_of = (torch.arange(tokens.shape[0], device=tokens.device)
-                .repeat_interleave(k)[kept][order])
+    token_of = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(k)[kept][order]
     gates = routing.gates.flatten()[kept][order].to(tokens.dtype)
     outputs = dispatcher(tokens[token_of], routing.tokens_per_expert, experts)
     return torch.zeros_like(tokens).index_add(0, token_of, outputs * gates.unsqueeze(-1))
 
 
-def router_losses_and_stats(layer: nn.Module, out: torch.Tensor, routing: Routing,
-                            logits: torch.Tensor) -> torch.Tensor:
+def router_losses_and_stats(
+    layer: nn.Module, out: torch.Tensor, routing: Routing, logits: torch.Tensor
+) -> torch.Tensor:
     """``out`` carrying ``layer``'s weighted auxiliary losses into the backward (a training
     forward with ``aux_loss_coeff`` or ``z_loss_coeff``), the routing recorded in ``layer.stats``
     (a training forward not recomputed in the backward)."""

@@ -28,9 +28,15 @@ class AdamWConfig(OptimizerConfig):
 
 
 # torch.optim.AdamW's own rules (lr, eps, weight_decay >= 0, betas in [0, 1)), and the schedule's.
-RANGES = {"lr": AT_LEAST_0, "min_lr": AT_LEAST_0, "weight_decay": AT_LEAST_0, "eps": AT_LEAST_0,
-          "betas": Range(0, 1, high_open=True), "decay_steps": AT_LEAST_1,
-          "warmup_steps": Range(0, meaning="0: no warm-up")}
+RANGES = {
+    "lr": AT_LEAST_0,
+    "min_lr": AT_LEAST_0,
+    "weight_decay": AT_LEAST_0,
+    "eps": AT_LEAST_0,
+    "betas": Range(0, 1, high_open=True),
+    "decay_steps": AT_LEAST_1,
+    "warmup_steps": Range(0, meaning="0: no warm-up"),
+}
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -62,8 +68,11 @@ def cosine_with_warmup(lr: float, min_lr: float, warmup: int, decay: int) -> Cal
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="adamw", selected_by={"optimizer.name": "adamw"},
-                      description="torch AdamW + cosine schedule with warm-up")
+    return PluginInfo(
+        name="adamw",
+        selected_by={"optimizer.name": "adamw"},
+        description="torch AdamW + cosine schedule with warm-up",
+    )
 
 
 @hookimpl
@@ -76,19 +85,27 @@ def plait_validate(cfg) -> list[str]:
     opt = cfg.optimizer
     problems = range_problems("optimizer", opt, RANGES)
     if len(opt.betas) != 2:
-        problems.append(f"optimizer.betas={opt.betas} needs two numbers (beta1, beta2), e.g. "
-                        "optimizer.betas=[0.9,0.95]")
+        problems.append(
+            f"optimizer.betas={opt.betas} needs two numbers (beta1, beta2), e.g. "
+            "optimizer.betas=[0.9,0.95]"
+        )
     return problems
 
 
 @hookimpl
 def plait_build_optimizer(cfg, model) -> torch.optim.Optimizer:
     opt = cfg.optimizer
-    on_cuda = next(model.parameters()).is_cuda or (cfg.device in ("cuda", "auto")
-                                                   and torch.cuda.is_available())
+    on_cuda = next(model.parameters()).is_cuda or (
+        cfg.device in ("cuda", "auto") and torch.cuda.is_available()
+    )
     fused = opt.fused if opt.fused is not None else on_cuda
-    return torch.optim.AdamW(param_groups(model, opt.weight_decay), lr=opt.lr,
-                             betas=tuple(opt.betas), eps=opt.eps, fused=fused or None)
+    return torch.optim.AdamW(
+        param_groups(model, opt.weight_decay),
+        lr=opt.lr,
+        betas=tuple(opt.betas),
+        eps=opt.eps,
+        fused=fused or None,
+    )
 
 
 @hookimpl

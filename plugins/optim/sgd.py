@@ -28,15 +28,23 @@ class SGDConfig(OptimizerConfig):
 
 
 # torch.optim.SGD's own rules, and the schedule's.
-RANGES = {"lr": AT_LEAST_0, "min_lr": AT_LEAST_0, "momentum": Range(0, 1, high_open=True),
-          "weight_decay": AT_LEAST_0, "decay_steps": AT_LEAST_1,
-          "warmup_steps": Range(0, meaning="0: no warm-up")}
+RANGES = {
+    "lr": AT_LEAST_0,
+    "min_lr": AT_LEAST_0,
+    "momentum": Range(0, 1, high_open=True),
+    "weight_decay": AT_LEAST_0,
+    "decay_steps": AT_LEAST_1,
+    "warmup_steps": Range(0, meaning="0: no warm-up"),
+}
 
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="sgd", selected_by={"optimizer.name": "sgd"},
-                      description="torch SGD (momentum, Nesterov) + cosine schedule with warm-up")
+    return PluginInfo(
+        name="sgd",
+        selected_by={"optimizer.name": "sgd"},
+        description="torch SGD (momentum, Nesterov) + cosine schedule with warm-up",
+    )
 
 
 @hookimpl
@@ -49,16 +57,22 @@ def plait_validate(cfg) -> list[str]:
     opt = cfg.optimizer
     problems = range_problems("optimizer", opt, RANGES)
     if opt.nesterov and opt.momentum == 0:
-        problems.append("optimizer.nesterov=true needs momentum: set optimizer.momentum > 0 "
-                        "(e.g. 0.9) or optimizer.nesterov=false")
+        problems.append(
+            "optimizer.nesterov=true needs momentum: set optimizer.momentum > 0 "
+            "(e.g. 0.9) or optimizer.nesterov=false"
+        )
     return problems
 
 
 @hookimpl
 def plait_build_optimizer(cfg, model) -> torch.optim.Optimizer:
     opt = cfg.optimizer
-    return torch.optim.SGD(param_groups(model, opt.weight_decay), lr=opt.lr,
-                           momentum=opt.momentum, nesterov=opt.nesterov)
+    return torch.optim.SGD(
+        param_groups(model, opt.weight_decay),
+        lr=opt.lr,
+        momentum=opt.momentum,
+        nesterov=opt.nesterov,
+    )
 
 
 @hookimpl

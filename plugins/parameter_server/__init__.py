@@ -43,9 +43,12 @@ RANGES = {"servers": AT_LEAST_1, "max_staleness": AT_LEAST_0}
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(
-        name="parameter_server", selected_by={"strategy.name": "parameter_server"},
-        parallel_axes=frozenset({"dp"}), precisions=frozenset({"fp32", "bf16"}),
-        description="parameter servers (sync or async), sharded by bytes, point-to-point")
+        name="parameter_server",
+        selected_by={"strategy.name": "parameter_server"},
+        parallel_axes=frozenset({"dp"}),
+        precisions=frozenset({"fp32", "bf16"}),
+        description="parameter servers (sync or async), sharded by bytes, point-to-point",
+    )
 
 
 @hookimpl
@@ -60,13 +63,17 @@ def plait_assign_roles(cfg, world_size: int) -> Roles:
         raise ValueError(
             f"strategy.servers={servers} leaves no worker among the {world_size} processes "
             f"launched: set strategy.servers below {world_size}, or launch more processes "
-            "(launcher.nproc_per_node / launcher.nnodes)")
+            "(launcher.nproc_per_node / launcher.nnodes)"
+        )
     workers = tuple(range(servers, world_size))
     sync = cfg.strategy.mode == "sync"
     # async: a worker other than the first (which logs, checkpoints and ends the servers) may
     # die and the job goes on without it (server.py notices); sync needs every worker each step
-    return Roles({SERVER: tuple(range(servers)), TRAINER: workers}, lockstep=sync,
-                 expendable=() if sync else workers[1:])
+    return Roles(
+        {SERVER: tuple(range(servers)), TRAINER: workers},
+        lockstep=sync,
+        expendable=() if sync else workers[1:],
+    )
 
 
 @hookimpl
@@ -74,8 +81,10 @@ def plait_validate(cfg) -> list[str]:
     settings = cfg.strategy
     problems = range_problems("strategy", settings, RANGES)
     if settings.mode not in MODES:
-        problems.append(f"strategy.mode={settings.mode}: choose sync (every step averages every "
-                        "worker's gradient) or async (workers go at their own pace)")
+        problems.append(
+            f"strategy.mode={settings.mode}: choose sync (every step averages every "
+            "worker's gradient) or async (workers go at their own pace)"
+        )
     return problems
 
 

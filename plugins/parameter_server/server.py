@@ -56,10 +56,11 @@ import torch
 import torch.distributed as dist
 
 from plait.config import job_last_step
+from plait.engine import norm
+from plait.engine.hyperparameters import set_lr
+from plait.plugins.parameter_server import SERVER
 from plait.plugins.parameter_server.sharding import flat, shards_of, unflatten_into
 from plait.plugins.parameter_server.store import inbox, job_store, publish, saved_key
-
-from plait.plugins.parameter_server import SERVER
 
 BYE = 1  # the tag of a worker's goodbye (pushes and replies travel on tag 0)
 WHOLE_RUN = timedelta(days=365)  # how long a goodbye may take: the worker's whole run
@@ -73,7 +74,9 @@ class Server:
         self.index = self.servers.index(topology.rank)
         model = hook.plait_build_model(cfg=cfg).to(topology.device)
         self.params = shards_of(list(model.parameters()), len(self.servers))[self.index]
-        self.optimizer = hook.plait_build_optimizer(cfg=cfg, model=torch.nn.ParameterList(self.params))
+        self.optimizer = hook.plait_build_optimizer(
+            cfg=cfg, model=torch.nn.ParameterList(self.params)
+        )
         self.max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
         self.size = sum(p.numel() for p in self.params)
         self.version = 0
@@ -92,14 +95,22 @@ class Server:
             self.load(Path(resume_from))
 
     def save(self, directory: Path, step: int) -> None:
-        torch.save({"params": [p.detach() for p in self.params],
-                    "optimizer": self.optimizer.state_dict(), "version": self.version,
-                    "step": step, "log": self.log, "staleness": self.staleness},
-                   directory / self.checkpoint_name)
+        torch.save(
+            {
+                "params": [p.detach() for p in self.params],
+                "optimizer": self.optimizer.state_dict(),
+                "version": self.version,
+                "step": step,
+                "log": self.log,
+                "staleness": self.staleness,
+            },
+            directory / self.checkpoint_name,
+        )
 
     def load(self, directory: Path) -> None:
-        state = torch.load(directory / self.checkpoint_name, map_location=self.params[0].device,
-                           weights_only=True)
+        state = torch.load(
+            directory / self.checkpoint_name, map_location=self.params[0].device, weights_only=True
+        )
         with torch.no_grad():
             for p, saved in zip(self.params, state["params"], strict=True):
                 p.copy_(saved)
@@ -116,15 +127,11 @@ class Server:
             p.grad = torch.empty_like(p)
         unflatten_into(grad, [p.grad for p in self.params])
         grad_norm = math.nan
-        if clip:
-            squares = grad.square().sum()
-            if self.group is not None:
-                dist.all_reduce(squares, group=self.group)
-            total = squares.sqrt()
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.max_norm, total)
+        if clip:  # the servers hold disjoint shards: their squares add up over the servers
+            total = norm.grad_norm(self.params, norm.ShardGroups(shard=self.group))
+            norm.clip_grads_(self.params, self.max_norm, total)
             grad_norm = float(total)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
@@ -132,8 +139,16 @@ class Server:
 
     def record(self, worker: int, worker_version: int, applied: bool) -> None:
         staleness = self.version - worker_version - int(applied)
-        self.log.append({"t": time.time(), "worker": worker, "worker_version": worker_version,
-                         "version": self.version, "staleness": staleness, "applied": applied})
+        self.log.append(
+            {
+                "t": time.time(),
+                "worker": worker,
+                "worker_version": worker_version,
+                "version": self.version,
+                "staleness": staleness,
+                "applied": applied,
+            }
+        )
         if applied:
             self.staleness[str(staleness)] = self.staleness.get(str(staleness), 0) + 1
 
@@ -178,8 +193,9 @@ class Server:
 
         for worker in self.workers:
             goodbye = dist.irecv(torch.empty(1), src=worker, tag=BYE)
-            threading.Thread(target=await_goodbye, args=(worker, goodbye), daemon=True,
-                             name=f"goodbye-{worker}").start()
+            threading.Thread(
+                target=await_goodbye, args=(worker, goodbye), daemon=True, name=f"goodbye-{worker}"
+            ).start()
 
     def lose(self, worker: int, error: Exception) -> None:
         """Stop waiting for ``worker``: logged, printed, published (async only)."""
@@ -189,11 +205,21 @@ class Server:
             return
         self.alive.discard(worker)
         why = first_line(error)
-        self.log.append({"t": time.time(), "worker": worker, "left": why, "version": self.version,
-                         "alive": len(self.alive)})
-        print(f"plait: parameter server {self.index}: worker rank {worker} lost at version "
-              f"{self.version} ({why}); {len(self.alive)} of {len(self.workers)} workers go on",
-              file=sys.stderr, flush=True)
+        self.log.append(
+            {
+                "t": time.time(),
+                "worker": worker,
+                "left": why,
+                "version": self.version,
+                "alive": len(self.alive),
+            }
+        )
+        print(
+            f"plait: parameter server {self.index}: worker rank {worker} lost at version "
+            f"{self.version} ({why}); {len(self.alive)} of {len(self.workers)} workers go on",
+            file=sys.stderr,
+            flush=True,
+        )
         self.publish()
 
     def send(self, message: torch.Tensor, worker: int) -> None:
@@ -241,10 +267,18 @@ class Server:
     def publish(self) -> None:
         """This server's load and staleness histogram, for the logging worker to log."""
         wall = time.perf_counter() - self.started
-        publish(self.store, f"server{self.index}", {
-            "version": self.version, "dropped": sum(e.get("applied") is False for e in self.log),
-            "busy_fraction": self.busy_s / wall, "updates_per_s": self.version / wall,
-            "workers_alive": len(self.alive), "staleness": self.staleness})
+        publish(
+            self.store,
+            f"server{self.index}",
+            {
+                "version": self.version,
+                "dropped": sum(e.get("applied") is False for e in self.log),
+                "busy_fraction": self.busy_s / wall,
+                "updates_per_s": self.version / wall,
+                "workers_alive": len(self.alive),
+                "staleness": self.staleness,
+            },
+        )
 
     def write_log(self) -> None:
         path = Path(self.cfg.run.dir) / f"ps_server{self.index}.jsonl"

@@ -31,14 +31,16 @@ def shards_of(params: list[torch.Tensor], servers: int) -> list[list[torch.Tenso
 def flat(tensors: list[torch.Tensor], *trailer: float) -> torch.Tensor:
     """One fp32 message: the tensors flattened, then a few header numbers (version, lr, norm)."""
     device = tensors[0].device
-    return torch.cat([t.detach().reshape(-1).float() for t in tensors]
-                     + [torch.tensor(trailer, dtype=torch.float32, device=device)])
+    return torch.cat(
+        [t.detach().reshape(-1).float() for t in tensors]
+        + [torch.tensor(trailer, dtype=torch.float32, device=device)]
+    )
 
 
 def unflatten_into(message: torch.Tensor, tensors: list[torch.Tensor]) -> list[float]:
     """Copy a message's body into ``tensors`` in place; return its trailer."""
     offset = 0
     for t in tensors:
-        t.copy_(message[offset: offset + t.numel()].view_as(t))
+        t.copy_(message[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
     return message[offset:].tolist()

@@ -35,5 +35,8 @@ def publish(store: dist.Store, who: str, figures: dict) -> None:
 
 def read_figures(store: dist.Store, names: list[str]) -> dict[str, dict]:
     """The last figures each of ``names`` published (left out: one that has not yet)."""
-    return {name: json.loads(store.get(f"figures/{name}")) for name in names
-            if store.check([f"figures/{name}"])}
+    return {
+        name: json.loads(store.get(f"figures/{name}"))
+        for name in names
+        if store.check([f"figures/{name}"])
+    }

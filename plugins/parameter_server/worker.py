@@ -25,14 +25,13 @@ import torch
 import torch.distributed as dist
 
 from plait.config import job_last_step
-from plait.plugins.optim.clip_grads import clip_grad_norm_
-from plait.plugins.optim.accumulate import accumulate_gradients
-from plait.plugins.optim.mixed_precision import autocast
+from plait.engine.norm import clip_grad_norm_
+from plait.engine.precision import autocast
+from plait.engine.step import accumulate, mean_over
 from plait.plugins.parameter_server import SERVER
 from plait.plugins.parameter_server.server import BYE
 from plait.plugins.parameter_server.sharding import flat, shards_of, unflatten_into
-from plait.plugins.parameter_server.store import (inbox, job_store, publish, read_figures,
-                                                  saved_key)
+from plait.plugins.parameter_server.store import inbox, job_store, publish, read_figures, saved_key
 from plait.types import Batch, StepOutput, model_inputs
 
 
@@ -47,7 +46,8 @@ class WorkerEngine:
         self.servers = list(topology.roles.ranks[SERVER])
         self.shards = shards_of(list(self.model.parameters()), len(self.servers))
         self.rank, self.workers = topology.rank, topology.trainer_ranks
-        self.step_group = topology.step_group
+        self.step_group = topology.step_group  # None: this worker alone
+        self.step_size = dist.get_world_size(self.step_group) if self.step_group else 1
         self.samples_per_step = cfg.train.batch_size // topology.dims.dp
         self.last_step = job_last_step(cfg.train)
         self.log_every = cfg.train.log_every
@@ -59,8 +59,9 @@ class WorkerEngine:
         publish(self.store, f"worker{self.rank}", {"steps": 0, "samples_per_s": 0.0})
         self.replies = [flat(shard, 0, 0) for shard in self.shards]
         self.versions = [0] * len(self.servers)
-        self.grad_norm = self._receive([dist.irecv(r, src=s)
-                                        for r, s in zip(self.replies, self.servers)])
+        self.grad_norm = self._receive(
+            [dist.irecv(r, src=s) for r, s in zip(self.replies, self.servers)]
+        )
 
     def _receive(self, works) -> float:
         """Wait for the servers' replies, load them into the model; the reported grad norm."""
@@ -77,14 +78,8 @@ class WorkerEngine:
         with autocast(self.precision, self.device):
             return self.loss_fn(self.model(x, **kwargs), y)
 
-    def _mean_over_step_group(self, value: torch.Tensor) -> float:
-        if self.step_group is not None and dist.get_world_size(self.step_group) > 1:
-            dist.all_reduce(value, group=self.step_group)
-            value = value / dist.get_world_size(self.step_group)
-        return float(value)
-
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
-        mean = accumulate_gradients(micro_batches, self._loss)
+        mean = accumulate(micro_batches, self._loss)
         own_norm = None
         if not self.sync:  # each push is an update of its own: clip it here
             own_norm = float(clip_grad_norm_(self.model.parameters(), self.max_norm))
@@ -101,9 +96,12 @@ class WorkerEngine:
         self.steps += 1
         if not self.sync and self.steps == self.last_step:
             self._say_goodbye()
-        mean_loss = self._mean_over_step_group(mean)
-        return StepOutput(loss=mean_loss, grad_norm=own_norm if own_norm is not None else server_norm,
-                          metrics=self._figures())
+        mean_loss = mean_over(mean, self.step_group, self.step_size)()
+        return StepOutput(
+            loss=mean_loss,
+            grad_norm=own_norm if own_norm is not None else server_norm,
+            metrics=self._figures(),
+        )
 
     def _say_goodbye(self) -> None:
         """async: this worker's pushes are over (its last one was served)."""
@@ -115,17 +113,22 @@ class WorkerEngine:
         worker's and server's figures (W&B: worker throughput, staleness histogram, load)."""
         wall = time.perf_counter() - self.started
         samples = (self.steps - self.first_step) * self.samples_per_step
-        publish(self.store, f"worker{self.rank}",
-                {"steps": self.steps, "samples_per_s": samples / wall})
+        publish(
+            self.store, f"worker{self.rank}", {"steps": self.steps, "samples_per_s": samples / wall}
+        )
         if not self.saves_checkpoint or self.steps % self.log_every:
             return {}
-        names = [f"worker{w}" for w in self.workers] + [f"server{s}" for s in range(len(self.servers))]
+        names = [f"worker{w}" for w in self.workers] + [
+            f"server{s}" for s in range(len(self.servers))
+        ]
         metrics = {}
         for name, figures in read_figures(self.store, names).items():
             for key, value in figures.items():
                 if key == "staleness":
                     for age, count in value.items():
-                        metrics[f"ps/staleness/{age}"] = metrics.get(f"ps/staleness/{age}", 0) + count
+                        metrics[f"ps/staleness/{age}"] = (
+                            metrics.get(f"ps/staleness/{age}", 0) + count
+                        )
                 else:
                     metrics[f"ps/{name}/{key}"] = float(value)
         return metrics
@@ -135,15 +138,16 @@ class WorkerEngine:
         self.model.eval()
         loss = self._loss(batch).detach().float()
         self.model.train()
-        return self._mean_over_step_group(loss)
+        return mean_over(loss, self.step_group, self.step_size)()
 
     def save_state(self, directory: Path) -> None:
         """The model as this worker last pulled it (in sync mode, the servers' parameters after
         the step) and the step count; every server writes its shard beside them."""
         if not self.saves_checkpoint:
             return
-        torch.save({"model": self.model.state_dict(), "steps": self.steps},
-                   directory / "model_pp0_tp0.pt")
+        torch.save(
+            {"model": self.model.state_dict(), "steps": self.steps}, directory / "model_pp0_tp0.pt"
+        )
         for i in range(len(self.servers)):
             self.store.queue_push(inbox(i), f"checkpoint {self.steps} {directory}")
         self.store.wait([saved_key(self.steps, i) for i in range(len(self.servers))])

@@ -37,7 +37,9 @@ import torch.distributed as dist
 
 from plait import hookimpl
 from plait.config import AT_LEAST_1, PipelineConfig, range_problems
+from plait.engine.stages import PipelineStageModules
 from plait.meta import meta_model
+from plait.plugin_manager import offered_by, provided
 from plait.plugins.pipeline.schedules import (
     SCHEDULES,
     schedule_problems,
@@ -47,15 +49,14 @@ from plait.plugins.pipeline.schedules import (
 from plait.plugins.pipeline.split import (
     BALANCES,
     PipelinePlan,
-    PipelineStageModules,
     build_stage_modules,
     measure_part_times,
     model_plan,
     part_modules,
     split_stages,
 )
-from plait.plugin_manager import provided
 from plait.types import (
+    AxisCost,
     LossScaledEngine,
     PipelineDrivenEngine,
     PluginInfo,
@@ -66,8 +67,16 @@ from plait.types import (
 PIPELINE, SELF_STEPPING = "engine:pipeline", "engine:pipeline_step"
 STEPPED_HERE = "engine:pipeline without engine:pipeline_step"
 # What the engine a pipeline wraps must have, by what its strategy declares.
-INNER_SURFACES = {PIPELINE: PipelineDrivenEngine, SELF_STEPPING: SelfSteppingEngine,
-                  STEPPED_HERE: LossScaledEngine}
+INNER_SURFACES = {
+    PIPELINE: PipelineDrivenEngine,
+    SELF_STEPPING: SelfSteppingEngine,
+    STEPPED_HERE: LossScaledEngine,
+}
+# Schedules whose backward is split into input and weight parts, and the capability of an engine
+# whose gradients stay right under them (this plugin averages DDP's itself, after the schedule;
+# DeepSpeed's ZeRO-1 reduces after it too; FSDP under torch's PipelineStage does not declare it).
+SPLIT_BACKWARD = ("zero_bubble", "zbv")
+SPLIT_BACKWARD_SAFE = "engine:split_backward"
 
 
 @dataclass
@@ -93,9 +102,11 @@ RANGES = {"microbatches": AT_LEAST_1, "virtual_stages": AT_LEAST_1}
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(
-        name="pipeline", selected_by={"pipeline.name": "torch"},
+        name="pipeline",
+        selected_by={"pipeline.name": "torch"},
         requires={"pp": frozenset({PIPELINE})},
-        description="pipeline stages + schedules via torch.distributed.pipelining")
+        description="pipeline stages + schedules via torch.distributed.pipelining",
+    )
 
 
 @hookimpl
@@ -114,13 +125,17 @@ def balance_problems(par, n_blocks: int | None, n_stages: int) -> list[str]:
     balance = par.balance
     if isinstance(balance, str):
         if balance not in BALANCES:
-            return [f"pipeline.balance={balance}: choose one of {', '.join(BALANCES)} or a list "
-                    "of layer counts per stage, e.g. pipeline.balance=[3,5]"]
+            return [
+                f"pipeline.balance={balance}: choose one of {', '.join(BALANCES)} or a list "
+                "of layer counts per stage, e.g. pipeline.balance=[3,5]"
+            ]
         return []
     counts = list(balance)
     if len(counts) != n_stages or min(counts) < 1 or (n_blocks and sum(counts) != n_blocks):
-        return [f"pipeline.balance={counts} must list {n_stages} layer counts (one per pipeline "
-                f"stage), each at least 1, adding up to the model's {n_blocks} layers"]
+        return [
+            f"pipeline.balance={counts} must list {n_stages} layer counts (one per pipeline "
+            f"stage), each at least 1, adding up to the model's {n_blocks} layers"
+        ]
     return []
 
 
@@ -135,8 +150,11 @@ def shared_across_stages(model: torch.nn.Module, plan: PipelinePlan) -> bool:
 def outside_plan(model: torch.nn.Module, plan: PipelinePlan) -> list[str]:
     """Parameters no stage part holds (every stage would keep its own copy)."""
     roots = (*plan.first, plan.layers, *plan.last)
-    return [name for name, _ in model.named_parameters()
-            if not any(name.startswith(root + ".") for root in roots)]
+    return [
+        name
+        for name, _ in model.named_parameters()
+        if not any(name.startswith(root + ".") for root in roots)
+    ]
 
 
 def plan_problems(cfg, model: torch.nn.Module, pp: int) -> tuple[PipelinePlan | None, list[str]]:
@@ -150,22 +168,28 @@ def plan_problems(cfg, model: torch.nn.Module, pp: int) -> tuple[PipelinePlan | 
     except ValueError as e:
         return None, [str(e)]
     if plan is None:
-        return None, [f"parallel.pp={pp}: {what} has no pipeline_plan: name its layer list (a "
-                      "ModuleList or ModuleDict of its repeated layers) with pipeline.layers=<"
-                      "module name>, or set parallel.pp=1"]
+        return None, [
+            f"parallel.pp={pp}: {what} has no pipeline_plan: name its layer list (a "
+            "ModuleList or ModuleDict of its repeated layers) with pipeline.layers=<"
+            "module name>, or set parallel.pp=1"
+        ]
     try:
         part_modules(model, plan)
     except (ValueError, AttributeError) as e:
         return None, [f"parallel.pp={pp}: {e}"]
     outside = outside_plan(model, plan)
     if outside:
-        return None, [f"parallel.pp={pp}: parameters of {what} belong to no pipeline stage's "
-                      f"part ({outside[:4]}): name a layer list whose first and last parts hold "
-                      "every parameter, or set parallel.pp=1"]
+        return None, [
+            f"parallel.pp={pp}: parameters of {what} belong to no pipeline stage's "
+            f"part ({outside[:4]}): name a layer list whose first and last parts hold "
+            "every parameter, or set parallel.pp=1"
+        ]
     if cfg.pipeline.balance == "time" and not plan.layers_run_alone:
-        return None, [f"pipeline.balance=time times each layer alone, which {what}'s layers "
-                      "cannot run (they take more than the previous layer's output from the "
-                      "model's forward): use pipeline.balance=layers or params"]
+        return None, [
+            f"pipeline.balance=time times each layer alone, which {what}'s layers "
+            "cannot run (they take more than the previous layer's output from the "
+            "model's forward): use pipeline.balance=layers or params"
+        ]
     return plan, []
 
 
@@ -176,6 +200,14 @@ def plait_validate(cfg, dims, hook) -> list[str]:
     if pp == 1 or problems:
         return problems
     problems = schedule_problems(settings, pp)
+    if settings.schedule in SPLIT_BACKWARD and SPLIT_BACKWARD_SAFE not in provided(hook):
+        problems.append(
+            f"pipeline.schedule={settings.schedule} with strategy="
+            f"{cfg.strategy.name}: the zero-bubble schedules split each backward "
+            "into input and weight gradients, which this strategy's engine does not "
+            f"declare it survives ({SPLIT_BACKWARD_SAFE!r}); use pipeline.schedule="
+            f"1f1b, gpipe or interleaved_1f1b, or {offered_by(SPLIT_BACKWARD_SAFE)}"
+        )
     model = meta_model(hook, cfg)
     if problems or model is None:  # a model that cannot be built: the models plugin says why
         return problems
@@ -185,33 +217,45 @@ def plait_validate(cfg, dims, hook) -> list[str]:
     n_stages = pp * stages_per_rank(cfg)
     n_blocks = len(part_modules(model, plan)[1])
     if n_stages > n_blocks:
-        problems.append(f"parallel.pp={pp} x {n_stages // pp} stage(s) per rank = {n_stages} "
-                        f"pipeline stages, but the model has {n_blocks} layers: each stage needs "
-                        "one; lower parallel.pp / pipeline.virtual_stages or add layers")
+        problems.append(
+            f"parallel.pp={pp} x {n_stages // pp} stage(s) per rank = {n_stages} "
+            f"pipeline stages, but the model has {n_blocks} layers: each stage needs "
+            "one; lower parallel.pp / pipeline.virtual_stages or add layers"
+        )
     problems += balance_problems(settings, n_blocks, n_stages)
     if settings.balance == "time" and dims.cp > 1:
-        problems.append(f"pipeline.balance=time with parallel.cp={dims.cp}: the profiling pass "
-                        "times each part alone, which context-parallel attention (an exchange "
-                        "among ranks) cannot do: use pipeline.balance=layers or params")
+        problems.append(
+            f"pipeline.balance=time with parallel.cp={dims.cp}: the profiling pass "
+            "times each part alone, which context-parallel attention (an exchange "
+            "among ranks) cannot do: use pipeline.balance=layers or params"
+        )
     per_dp = cfg.train.batch_size // dims.dp
     if per_dp % settings.microbatches:
-        problems.append(f"pipeline.microbatches={settings.microbatches} does not divide the batch "
-                        f"of each data-parallel rank (train.batch_size={cfg.train.batch_size} / "
-                        f"dp={dims.dp} = {per_dp}): choose a divisor of {per_dp}")
+        problems.append(
+            f"pipeline.microbatches={settings.microbatches} does not divide the batch "
+            f"of each data-parallel rank (train.batch_size={cfg.train.batch_size} / "
+            f"dp={dims.dp} = {per_dp}): choose a divisor of {per_dp}"
+        )
     if cfg.train.grad_accum_steps != settings.microbatches:
-        problems.append(f"train.grad_accum_steps={cfg.train.grad_accum_steps} with parallel.pp="
-                        f"{pp}: the pipeline micro-batches are the step's accumulation micro-"
-                        f"batches; leave train.grad_accum_steps unset (1) or equal to "
-                        f"pipeline.microbatches={settings.microbatches}")
+        problems.append(
+            f"train.grad_accum_steps={cfg.train.grad_accum_steps} with parallel.pp="
+            f"{pp}: the pipeline micro-batches are the step's accumulation micro-"
+            f"batches; leave train.grad_accum_steps unset (1) or equal to "
+            f"pipeline.microbatches={settings.microbatches}"
+        )
     if dims.elastic:
-        problems.append(f"launcher.nnodes={cfg.launcher.nnodes} with parallel.pp={pp}: a smaller "
-                        "world keeps the global batch by accumulating more micro-batches, but "
-                        "the schedule's pipeline.microbatches is fixed; use a fixed "
-                        "launcher.nnodes, or parallel.pp=1")
+        problems.append(
+            f"launcher.nnodes={cfg.launcher.nnodes} with parallel.pp={pp}: a smaller "
+            "world keeps the global batch by accumulating more micro-batches, but "
+            "the schedule's pipeline.microbatches is fixed; use a fixed "
+            "launcher.nnodes, or parallel.pp=1"
+        )
     if shared_across_stages(model, plan):
-        problems.append(f"parallel.pp={pp} with a parameter shared by the embedding and the head "
-                        "(tied embeddings): they live on different stages; untie them (for "
-                        "plait's GPT: model.tie_embeddings=false)")
+        problems.append(
+            f"parallel.pp={pp} with a parameter shared by the embedding and the head "
+            "(tied embeddings): they live on different stages; untie them (for "
+            "plait's GPT: model.tie_embeddings=false)"
+        )
     return problems
 
 
@@ -259,15 +303,35 @@ def plait_build_engine(cfg, loss_fn, grad_reducer, topology, hook):
     if topology.dims.pp == 1 or engine is None:
         return engine
     if not isinstance(engine.model, PipelineStageModules):
-        raise ValueError("parallel.pp>1 but the model was not split by the pipeline plugin: "
-                         "another plugin answered plait_split_pipeline; set pipeline=torch")
+        raise ValueError(
+            "parallel.pp>1 but the model was not split by the pipeline plugin: "
+            "another plugin answered plait_split_pipeline; set pipeline=torch"
+        )
     from plait.plugins.pipeline.engine import PipelineEngine
 
     inner_steps = SELF_STEPPING in provided(hook)
     strategies = [info for info in hook.plait_declare() if PIPELINE in info.provides]
     stepping = SELF_STEPPING if inner_steps else STEPPED_HERE
-    problems = engine_problems(engine, [(c, info) for info in strategies
-                                        for c in (PIPELINE, stepping)], INNER_SURFACES)
+    problems = engine_problems(
+        engine, [(c, info) for info in strategies for c in (PIPELINE, stepping)], INNER_SURFACES
+    )
     if problems:
         raise TypeError("; ".join(problems))
     return PipelineEngine(cfg, engine, loss_fn, grad_reducer, topology, hook, inner_steps)
+
+
+@hookimpl
+def plait_axis_cost(
+    cfg, axis, model, dims, seq_len, micro_batch_size, microbatches, bytes_per_value
+) -> AxisCost | None:
+    """What pipeline stages cost per step (``plait plan --search``): a stage sends its
+    activations forward and their gradients backward, ``2·s/cp·b·h·v`` bytes per micro-batch;
+    the first stage holds the activations of ``min(m, pp)`` micro-batches under 1F1B-like
+    schedules, all ``m`` under GPipe."""
+    if axis != "pp" or cfg.pipeline.name != "torch":
+        return None
+    activation_msg = (
+        seq_len // dims.cp * micro_batch_size * getattr(model, "n_embd", 0) * bytes_per_value
+    )
+    in_flight = microbatches if cfg.pipeline.schedule == "gpipe" else min(microbatches, dims.pp)
+    return AxisCost(2 * activation_msg * microbatches, in_flight=in_flight)

@@ -10,12 +10,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plait.plugins.comm.buckets import average_gradients
-from plait.plugins.expert_parallel.grads import average_expert_gradients, is_expert
-from plait.plugins.optim.clip_grads import clip_grad_norm_
-from plait.plugins.optim.mixed_precision import autocast
+from plait.engine.buckets import average_gradients
+from plait.engine.experts import average_expert_gradients, is_expert
+from plait.engine.hyperparameters import set_lr
+from plait.engine.norm import ShardGroups, clip_grad_norm_
+from plait.engine.precision import autocast
+from plait.engine.stages import PipelineStageModules
+from plait.engine.step import ask_guard
 from plait.plugins.pipeline.schedules import SCHEDULES, make_schedule, stage_to_rank
-from plait.plugins.pipeline.split import PipelineStageModules
 from plait.types import Batch, PipelineDrivenEngine, StepOutput, model_inputs
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
@@ -25,8 +27,10 @@ MAX_DIMS = 6
 def send_tensor(tensor: torch.Tensor, dst: int) -> None:
     """Send a tensor of any shape and dtype: a fixed-size header, then the data."""
     dtype_code = DTYPES.index(tensor.dtype)
-    header = torch.tensor([tensor.dim(), dtype_code, *tensor.shape]
-                          + [0] * (MAX_DIMS - tensor.dim()), dtype=torch.int64)
+    header = torch.tensor(
+        [tensor.dim(), dtype_code, *tensor.shape] + [0] * (MAX_DIMS - tensor.dim()),
+        dtype=torch.int64,
+    )
     dist.send(header.to(tensor.device), dst)
     dist.send(tensor.contiguous(), dst)
 
@@ -66,8 +70,16 @@ class PipelineEngine:
     # gradient by 1/m (scale_grads): what a mixture of experts' auxiliary losses must know
     scales_grads_after_backward = True
 
-    def __init__(self, cfg, inner: PipelineDrivenEngine, loss_fn, grad_reducer, topology, hook,
-                 inner_steps: bool):
+    def __init__(
+        self,
+        cfg,
+        inner: PipelineDrivenEngine,
+        loss_fn,
+        grad_reducer,
+        topology,
+        hook,
+        inner_steps: bool,
+    ):
         """``inner_steps``: the strategy declared ``engine:pipeline_step`` (its engine is a
         :class:`SelfSteppingEngine`); else ``inner`` is a :class:`LossScaledEngine`."""
         from torch.distributed import pipelining
@@ -79,17 +91,15 @@ class PipelineEngine:
         self.optimizer = inner.optimizer
         self.device = topology.device
         self.precision = cfg.precision
-        self.grad_clip = cfg.train.grad_clip
-        self.pp_group = topology.get_pipeline_model_parallel_group()
+        self.max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
+        self.pp_group = topology.group("pp")
         # gradients and the loss are averaged over the data- and context-parallel ranks
-        self.dp_group = topology.get_data_parallel_group(with_context_parallel=True)
+        self.dp_group = topology.group("dp_cp")
         self.dp_size = topology.dims.dp_cp
         self.grad_reducer = grad_reducer  # the comm plugin's: averages each bucket over dp x cp
-        self.tp_group = topology.get_tensor_model_parallel_group()
-        self.tp_size, self.tp_rank = topology.dims.tp, topology.tp_rank
+        self.shard_groups = ShardGroups.of(topology)  # tp, pp (this engine's), ep
         self.ep = topology.dims.ep
-        self.ep_group = topology.get_expert_parallel_group() if self.ep > 1 else None
-        self.edp_group = topology.get_expert_data_parallel_group()
+        self.edp_group = topology.group("edp")
         n_stages = self.model.n_stages
         self.stages = [
             pipelining.PipelineStage(chunk, index, n_stages, self.device, group=self.pp_group)
@@ -97,17 +107,21 @@ class PipelineEngine:
         ]
         self.chunks = dict(self.model.chunks)
         self.n_stages, self.loss_fn = n_stages, loss_fn
-        self.placement = stage_to_rank(topology.dims.pp, n_stages,
-                                       SCHEDULES[cfg.pipeline.schedule][2])
+        self.placement = stage_to_rank(
+            topology.dims.pp, n_stages, SCHEDULES[cfg.pipeline.schedule][2]
+        )
         self.pp_rank = topology.pp_rank
         self.has_first, self.has_last = 0 in self.chunks, n_stages - 1 in self.chunks
         scaler = None if inner_steps else inner.scaler
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         if self.scaler:  # a stage without the loss never scales one: make the scale exist
             self.scaler.scale(torch.ones((), device=self.device))
-        self.schedule = make_schedule(cfg.pipeline.schedule, self.stages,
-                                      cfg.pipeline.microbatches,
-                                      self._scaled(loss_fn) if self.scaler else loss_fn)
+        self.schedule = make_schedule(
+            cfg.pipeline.schedule,
+            self.stages,
+            cfg.pipeline.microbatches,
+            self._scaled(loss_fn) if self.scaler else loss_fn,
+        )
 
     def _scaled(self, loss_fn):
         def scaled_loss(output, target):
@@ -125,19 +139,24 @@ class PipelineEngine:
         return loss.item()
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         # each (pinned) micro-batch copied without blocking, joined on the device; packed
         # documents' position_ids go to every stage (each masks its attention by them)
-        x, y, *positions = (torch.cat([b[i].to(self.device, non_blocking=True)
-                                       for b in micro_batches])
-                            for i in range(len(micro_batches[0])))
+        x, y, *positions = (
+            torch.cat([b[i].to(self.device, non_blocking=True) for b in micro_batches])
+            for i in range(len(micro_batches[0]))
+        )
         kwargs = {"position_ids": positions[0]} if positions else {}
         losses: list[torch.Tensor] = []
         scale = self.scaler.get_scale() if self.scaler else 1.0
         with autocast(self.precision, self.device):
-            self.schedule.step(*((x,) if self.has_first else ()), target=y, losses=losses,
-                               return_outputs=False, **kwargs)
+            self.schedule.step(
+                *((x,) if self.has_first else ()),
+                target=y,
+                losses=losses,
+                return_outputs=False,
+                **kwargs,
+            )
         local_loss = torch.stack(losses).mean() / scale if self.has_last else torch.zeros(())
         loss = self._reduce_loss(local_loss.clone())  # reduced in place
         if self.inner_steps:  # the strategy reduces and steps (ZeRO)
@@ -149,20 +168,17 @@ class PipelineEngine:
                 average_expert_gradients(self.model.parameters(), self.edp_group, self.dp_size)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm,
-                                    self.tp_group if self.tp_size > 1 else None, self.tp_rank,
-                                    self.pp_group, self.ep_group)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, self.shard_groups)
         overflow = self.scaler is not None and not bool(torch.isfinite(grad_norm))
         # fp16: an overflow is the scaler's to skip (as under DDP); the guard judges the loss
-        guarded_norm = torch.zeros_like(grad_norm) if self.scaler else grad_norm
-        skipped = any(self.check_step(loss=local_loss.detach(), grad_norm=guarded_norm))
+        skipped = ask_guard(
+            self.check_step, local_loss.detach(), grad_norm, self.scaler is not None
+        )
         if not (skipped or overflow):
             self.optimizer.step()
         metrics = self._update_loss_scale(scale, overflow) if self.scaler else {}
         self.optimizer.zero_grad(set_to_none=True)
-        return StepOutput(loss=loss, grad_norm=grad_norm.item(), skipped=skipped,
-                          metrics=metrics)
+        return StepOutput(loss=loss, grad_norm=grad_norm.item(), skipped=skipped, metrics=metrics)
 
     def _update_loss_scale(self, scale: float, overflow: bool) -> dict[str, float]:
         """The same metrics as the DDP engine's; its ``skipped_steps`` is checkpointed."""
@@ -171,8 +187,10 @@ class PipelineEngine:
             self.inner.skipped_steps += 1
         else:
             self.scaler.update()
-        return {"loss_scale": self.scaler.get_scale(),
-                "skipped_steps": float(self.inner.skipped_steps)}
+        return {
+            "loss_scale": self.scaler.get_scale(),
+            "skipped_steps": float(self.inner.skipped_steps),
+        }
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> float:

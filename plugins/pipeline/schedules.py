@@ -31,22 +31,32 @@ def schedule_problems(par, pp: int) -> list[str]:
         return [f"pipeline.schedule={name}: choose one of {', '.join(SCHEDULES)}"]
     allowed = SCHEDULES[name][1]
     if allowed == "1" and v != 1:
-        return [f"pipeline.virtual_stages={v} needs an interleaved schedule: set "
-                "pipeline.schedule=interleaved_1f1b, zero_bubble or zbv, or virtual_stages=1"]
+        return [
+            f"pipeline.virtual_stages={v} needs an interleaved schedule: set "
+            "pipeline.schedule=interleaved_1f1b, zero_bubble or zbv, or virtual_stages=1"
+        ]
     if allowed == ">=2" and v < 2:
-        return [f"pipeline.schedule={name} needs pipeline.virtual_stages>=2 (stages per rank); "
-                "with one stage per rank use pipeline.schedule=1f1b"]
+        return [
+            f"pipeline.schedule={name} needs pipeline.virtual_stages>=2 (stages per rank); "
+            "with one stage per rank use pipeline.schedule=1f1b"
+        ]
     if allowed == "2" and v != 2:
-        return [f"pipeline.schedule=zbv places exactly 2 stages per rank in a V: set "
-                f"pipeline.virtual_stages=2 (got {v})"]
+        return [
+            f"pipeline.schedule=zbv places exactly 2 stages per rank in a V: set "
+            f"pipeline.virtual_stages=2 (got {v})"
+        ]
     if name == "1f1b" and m < pp:
-        return [f"pipeline.schedule=1f1b needs pipeline.microbatches >= pp ({m} < {pp}): raise "
-                "pipeline.microbatches or use pipeline.schedule=gpipe"]
+        return [
+            f"pipeline.schedule=1f1b needs pipeline.microbatches >= pp ({m} < {pp}): raise "
+            "pipeline.microbatches or use pipeline.schedule=gpipe"
+        ]
     rounds = max(1, m // pp)
     if allowed != "1" and m % rounds:
-        return [f"pipeline.schedule={name} runs micro-batches in rounds of pp: "
-                f"pipeline.microbatches={m} must be a multiple of {rounds} (e.g. a multiple of "
-                f"pp={pp})"]
+        return [
+            f"pipeline.schedule={name} runs micro-batches in rounds of pp: "
+            f"pipeline.microbatches={m} must be a multiple of {rounds} (e.g. a multiple of "
+            f"pp={pp})"
+        ]
     return []
 
 
@@ -55,6 +65,9 @@ def make_schedule(name: str, stages: list, n_microbatches: int, loss_fn):
     from torch.distributed import pipelining
 
     torch_class, per_rank, _ = SCHEDULES[name]
-    return getattr(pipelining, torch_class)(stages if per_rank != "1" else stages[0],
-                                            n_microbatches=n_microbatches, loss_fn=loss_fn,
-                                            scale_grads=True)
+    return getattr(pipelining, torch_class)(
+        stages if per_rank != "1" else stages[0],
+        n_microbatches=n_microbatches,
+        loss_fn=loss_fn,
+        scale_grads=True,
+    )

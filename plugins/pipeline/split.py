@@ -44,6 +44,8 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from plait.engine.stages import PipelineStageModules
+
 BALANCES = ("layers", "params", "time")
 
 
@@ -64,8 +66,12 @@ class PipelinePlan:
     @classmethod
     def of(cls, plan) -> PipelinePlan:
         """From a model's ``pipeline_plan`` dict (``first``, ``layers``, ``last``)."""
-        return cls(tuple(plan.get("first", ())), plan["layers"], tuple(plan.get("last", ())),
-                   plan.get("layers_run_alone", True))
+        return cls(
+            tuple(plan.get("first", ())),
+            plan["layers"],
+            tuple(plan.get("last", ())),
+            plan.get("layers_run_alone", True),
+        )
 
 
 def plan_from_layers(model: nn.Module, layers: str) -> PipelinePlan:
@@ -78,9 +84,11 @@ def plan_from_layers(model: nn.Module, layers: str) -> PipelinePlan:
     for part in layers.split("."):
         names = [name for name, _ in parent.named_children()]
         if part not in names:
-            raise ValueError(f"pipeline.layers={layers}: {type(parent).__name__} "
-                             f"{prefix.rstrip('.') or '(the model)'} has no child {part!r}; "
-                             f"it has {names}")
+            raise ValueError(
+                f"pipeline.layers={layers}: {type(parent).__name__} "
+                f"{prefix.rstrip('.') or '(the model)'} has no child {part!r}; "
+                f"it has {names}"
+            )
         before = True
         for name, child in parent.named_children():
             if name == part:
@@ -103,8 +111,10 @@ def model_plan(model: nn.Module, layers: str | None = None) -> PipelinePlan | No
 def required_plan(model: nn.Module) -> PipelinePlan:
     plan = model_plan(model)
     if plan is None:
-        raise ValueError(f"parallel.pp>1 needs a pipeline plan: {type(model).__name__} has no "
-                         "pipeline_plan; name its layer list with pipeline.layers=<module name>")
+        raise ValueError(
+            f"parallel.pp>1 needs a pipeline plan: {type(model).__name__} has no "
+            "pipeline_plan; name its layer list with pipeline.layers=<module name>"
+        )
     return plan
 
 
@@ -130,19 +140,25 @@ class StageSplit:
         lines = [f"plait: pipeline split over {len(self.counts)} stages (balance={self.balance})"]
         last = len(self.counts) - 1
         for s, blocks in enumerate(self.block_ranges()):
-            span = (f"layer {blocks.start}" if len(blocks) == 1
-                    else f"layers {blocks.start}-{blocks.stop - 1}")
+            span = (
+                f"layer {blocks.start}"
+                if len(blocks) == 1
+                else f"layers {blocks.start}-{blocks.stop - 1}"
+            )
             parts = ([first] if s == 0 else []) + [span]
             parts += [last_parts] if s == last else []
-            lines.append(f"  stage {s} (pp rank {stage_to_rank[s]}): {' + '.join(parts):28s} "
-                         f"{len(blocks)} layer(s), {100 * self.costs[s] / total:5.1f}% of "
-                         f"{self.unit}")
+            lines.append(
+                f"  stage {s} (pp rank {stage_to_rank[s]}): {' + '.join(parts):28s} "
+                f"{len(blocks)} layer(s), {100 * self.costs[s] / total:5.1f}% of "
+                f"{self.unit}"
+            )
         return "\n".join(lines)
 
     @property
     def unit(self) -> str:
         return {"layers": "layers", "params": "parameters", "time": "measured time"}.get(
-            self.balance, "layers")
+            self.balance, "layers"
+        )
 
 
 def layer_container(model: nn.Module, plan: PipelinePlan) -> nn.ModuleList | nn.ModuleDict:
@@ -151,33 +167,45 @@ def layer_container(model: nn.Module, plan: PipelinePlan) -> nn.ModuleList | nn.
     except AttributeError:
         container = None
     if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
-        raise ValueError(f"the pipeline plan's layers {plan.layers!r} is not a ModuleList or "
-                         f"ModuleDict of {type(model).__name__}: name the model's layer list "
-                         "with pipeline.layers=<module name>")
+        raise ValueError(
+            f"the pipeline plan's layers {plan.layers!r} is not a ModuleList or "
+            f"ModuleDict of {type(model).__name__}: name the model's layer list "
+            "with pipeline.layers=<module name>"
+        )
     return container
 
 
 def layer_keys(container: nn.ModuleList | nn.ModuleDict) -> list[str]:
-    return list(container.keys()) if isinstance(container, nn.ModuleDict) else \
-        [str(i) for i in range(len(container))]
+    return (
+        list(container.keys())
+        if isinstance(container, nn.ModuleDict)
+        else [str(i) for i in range(len(container))]
+    )
 
 
-def part_modules(model: nn.Module, plan: PipelinePlan
-                 ) -> tuple[list[nn.Module], list[nn.Module], list[nn.Module]]:
+def part_modules(
+    model: nn.Module, plan: PipelinePlan
+) -> tuple[list[nn.Module], list[nn.Module], list[nn.Module]]:
     """The model's first parts, its layers and its last parts."""
     container = layer_container(model, plan)
-    layers = [container[k] if isinstance(container, nn.ModuleDict) else container[int(k)]
-              for k in layer_keys(container)]
-    return ([model.get_submodule(n) for n in plan.first], layers,
-            [model.get_submodule(n) for n in plan.last])
+    layers = [
+        container[k] if isinstance(container, nn.ModuleDict) else container[int(k)]
+        for k in layer_keys(container)
+    ]
+    return (
+        [model.get_submodule(n) for n in plan.first],
+        layers,
+        [model.get_submodule(n) for n in plan.last],
+    )
 
 
 def n_params(modules: Sequence[nn.Module | None]) -> int:
     return sum(p.numel() for m in modules if m is not None for p in m.parameters())
 
 
-def min_max_partition(first: float, blocks: Sequence[float], last: float, n_stages: int
-                      ) -> tuple[int, ...]:
+def min_max_partition(
+    first: float, blocks: Sequence[float], last: float, n_stages: int
+) -> tuple[int, ...]:
     """Block counts minimising the most expensive stage (dynamic programming, O(S·L²)).
 
     ``best[s][i]``: the lowest possible maximum stage cost when stages ``0..s`` hold blocks
@@ -212,11 +240,12 @@ def min_max_partition(first: float, blocks: Sequence[float], last: float, n_stag
     return tuple(reversed(counts))
 
 
-def stage_costs(first: float, blocks: Sequence[float], last: float, counts: Sequence[int]
-                ) -> tuple[float, ...]:
+def stage_costs(
+    first: float, blocks: Sequence[float], last: float, counts: Sequence[int]
+) -> tuple[float, ...]:
     costs, start = [], 0
     for s, n in enumerate(counts):
-        c = sum(blocks[start:start + n]) + (first if s == 0 else 0)
+        c = sum(blocks[start : start + n]) + (first if s == 0 else 0)
         costs.append(c + (last if s == len(counts) - 1 else 0))
         start += n
     return tuple(costs)
@@ -226,11 +255,13 @@ def check_counts(counts: Sequence[int], n_layers: int, n_stages: int) -> None:
     if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 1:
         raise ValueError(
             f"pipeline.balance={list(counts)} must list {n_stages} layer counts (one per pipeline "
-            f"stage), each at least 1, adding up to the model's {n_layers} layers")
+            f"stage), each at least 1, adding up to the model's {n_layers} layers"
+        )
 
 
-def split_stages(model: nn.Module, n_stages: int, balance, part_times=None,
-                 plan: PipelinePlan | None = None) -> StageSplit:
+def split_stages(
+    model: nn.Module, n_stages: int, balance, part_times=None, plan: PipelinePlan | None = None
+) -> StageSplit:
     """Choose the layer counts of ``n_stages`` stages by ``balance`` (see the module docstring).
 
     :param part_times: for ``balance="time"``, the seconds of ``[first, *layers, last]``
@@ -240,8 +271,10 @@ def split_stages(model: nn.Module, n_stages: int, balance, part_times=None,
     first, blocks, last = part_modules(model, plan or required_plan(model))
     L = len(blocks)
     if n_stages > L:
-        raise ValueError(f"{n_stages} pipeline stages need at least {n_stages} layers, the model "
-                         f"has {L}: lower parallel.pp (x pipeline.virtual_stages)")
+        raise ValueError(
+            f"{n_stages} pipeline stages need at least {n_stages} layers, the model "
+            f"has {L}: lower parallel.pp (x pipeline.virtual_stages)"
+        )
     if not isinstance(balance, str):
         counts = tuple(int(n) for n in balance)
         check_counts(counts, L, n_stages)
@@ -252,22 +285,27 @@ def split_stages(model: nn.Module, n_stages: int, balance, part_times=None,
         counts = tuple(q + (s < r) for s in range(n_stages))
         return StageSplit("layers", counts, stage_costs(0, [1.0] * L, 0, counts))
     if balance == "params":
-        first_cost, costs, last_cost = (float(n_params(first)),
-                                        [float(n_params([b])) for b in blocks],
-                                        float(n_params(last)))
+        first_cost, costs, last_cost = (
+            float(n_params(first)),
+            [float(n_params([b])) for b in blocks],
+            float(n_params(last)),
+        )
     elif balance == "time":
         if part_times is None or len(part_times) != L + 2:
             raise ValueError("balance=time needs the measured time of every part")
         first_cost, *costs, last_cost = part_times
     else:
-        raise ValueError(f"pipeline.balance={balance!r}: choose one of {', '.join(BALANCES)} or a "
-                         "list of layer counts per stage")
+        raise ValueError(
+            f"pipeline.balance={balance!r}: choose one of {', '.join(BALANCES)} or a "
+            "list of layer counts per stage"
+        )
     counts = min_max_partition(first_cost, costs, last_cost, n_stages)
     return StageSplit(balance, counts, stage_costs(first_cost, costs, last_cost, counts))
 
 
-def measure_part_times(model: nn.Module, sample: torch.Tensor, repeats: int = 3,
-                       plan: PipelinePlan | None = None) -> list[float]:
+def measure_part_times(
+    model: nn.Module, sample: torch.Tensor, repeats: int = 3, plan: PipelinePlan | None = None
+) -> list[float]:
     """Forward + backward seconds of ``[first, *layers, last]`` on ``sample`` (token ids).
 
     Each part runs on a detached copy of its input so its backward is timed alone; the median of
@@ -331,30 +369,13 @@ class StageLayerList(nn.ModuleList):
         return self._modules[str(index % self.total)]
 
 
-def stage_layers(container: nn.ModuleList | nn.ModuleDict, layers: dict[str, nn.Module]
-                 ) -> nn.Module:
+def stage_layers(
+    container: nn.ModuleList | nn.ModuleDict, layers: dict[str, nn.Module]
+) -> nn.Module:
     """The container of one stage's layers, of the whole list's kind."""
     if isinstance(container, nn.ModuleDict):
         return nn.ModuleDict(layers)
     return StageLayerList(layers, len(container))
-
-
-class PipelineStageModules(nn.Module):
-    """This rank's pipeline chunks under the unsplit model's parameter names.
-
-    The model with every part this rank holds (and identities for the others) is registered
-    here child by child, so ``state_dict()`` keeps the original names (``plait export`` unites
-    the stages' disjoint names) and the optimizer sees every local parameter once. ``chunks``
-    lists ``(stage_index, module)`` for the pipeline schedule; each chunk is a copy of the
-    model's shell sharing these parts.
-    """
-
-    def __init__(self, union: nn.Module, chunks: list[tuple[int, nn.Module]], n_stages: int):
-        super().__init__()
-        self.n_stages = n_stages
-        for name, child in union.named_children():
-            self.add_module(name, child)
-        self.chunks = chunks  # a plain list: the parts are registered above, once
 
 
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -366,8 +387,12 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
         setattr(holder, child, module)
 
 
-def build_stage_modules(model: nn.Module, split: StageSplit, stage_indices: Sequence[int],
-                        plan: PipelinePlan | None = None) -> PipelineStageModules:
+def build_stage_modules(
+    model: nn.Module,
+    split: StageSplit,
+    stage_indices: Sequence[int],
+    plan: PipelinePlan | None = None,
+) -> PipelineStageModules:
     """Cut ``model`` in place into the chunks for ``stage_indices``; the parts of other stages
     are dropped (freed). ``plan``: the model's own when None."""
     plan = plan or required_plan(model)

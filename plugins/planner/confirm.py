@@ -25,10 +25,13 @@ CONFIRM_STEPS = 5
 
 
 def layout_yaml(index: int, layout: Layout, estimate: Cost) -> str:
-    lines = ["# @package _global_",
-             f"# layout {index} of plait plan --search: estimated {estimate.step_s * 1e3:.2f} ms "
-             f"per step, {estimate.memory_bytes / 2**30:.3f} GiB per rank",
-             "defaults:", f"  - override /strategy: {layout.strategy}"]
+    lines = [
+        "# @package _global_",
+        f"# layout {index} of plait plan --search: estimated {estimate.step_s * 1e3:.2f} ms "
+        f"per step, {estimate.memory_bytes / 2**30:.3f} GiB per rank",
+        "defaults:",
+        f"  - override /strategy: {layout.strategy}",
+    ]
     settings = OmegaConf.from_dotlist(layout.overrides()[1:])  # the strategy is a default above
     return "\n".join(lines) + "\n" + OmegaConf.to_yaml(settings)
 
@@ -39,22 +42,27 @@ def confirm(top: list[tuple[Layout, Cost]], overrides: list[str], cfg: DictConfi
     config_dir = Path(cfg.run.root) / name / "layouts"
     (config_dir / "layout").mkdir(parents=True, exist_ok=True)
     for i, (layout, estimate) in enumerate(top):
-        (config_dir / "layout" / f"top{i + 1}.yaml").write_text(layout_yaml(i + 1, layout,
-                                                                            estimate))
+        (config_dir / "layout" / f"top{i + 1}.yaml").write_text(
+            layout_yaml(i + 1, layout, estimate)
+        )
     sweep = [o for o in overrides if not o.startswith("run.name=")] + [f"run.name={name}"]
     if "train.steps" not in keys:
         sweep.append(f"train.steps={CONFIRM_STEPS}")
     sweep.append("+layout=" + ",".join(f"top{i + 1}" for i in range(len(top))))
     print(f"plait train -m --config-dir {config_dir} {' '.join(sweep)}", flush=True)
     jobs = api.job_returns(api.multirun(sweep, config_dir=str(config_dir)))
-    lines = [f"{'#':>3} {'layout':50} {'est. step ms':>12} {'measured':>9} "
-             f"{'est. mem GiB':>12} {'measured':>9}"]
+    lines = [
+        f"{'#':>3} {'layout':50} {'est. step ms':>12} {'measured':>9} "
+        f"{'est. mem GiB':>12} {'measured':>9}"
+    ]
     for job in jobs:
         index = int(next(o for o in job.overrides if o.startswith("+layout=top"))[11:]) - 1
         layout, estimate = top[index]
         metrics = job.return_value.metrics
-        lines.append(f"{index + 1:>3} {layout.describe():50} {estimate.step_s * 1e3:>12.2f} "
-                     f"{metrics['step_time_s/max'] * 1e3:>9.2f} "
-                     f"{estimate.memory_bytes / 2**30:>12.3f} "
-                     f"{metrics['peak_memory_bytes/max'] / 2**30:>9.3f}")
+        lines.append(
+            f"{index + 1:>3} {layout.describe():50} {estimate.step_s * 1e3:>12.2f} "
+            f"{metrics['step_time_s/max'] * 1e3:>9.2f} "
+            f"{estimate.memory_bytes / 2**30:>12.3f} "
+            f"{metrics['peak_memory_bytes/max'] / 2**30:>9.3f}"
+        )
     return "\n".join(lines)

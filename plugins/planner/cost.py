@@ -13,8 +13,9 @@ Memory per rank::
                    ZeRO paper's formula on Ψ = N / (tp·pp) parameters, ddp keeping fp32
                    parameters and gradients; sharded over dp·cp ranks)
     activations  = A(b, s, v, recompute) / tp / pp / cp · in_flight
-    in_flight    = 1 without pipeline, min(m, pp) under 1F1B (the first stage holds pp
-                   micro-batches), m under GPipe
+    in_flight    = 1 without pipeline; with it, what the pipeline plugin says
+                   (plait_axis_cost: min(m, pp) under 1F1B, the first stage holding pp
+                   micro-batches; m under GPipe)
 
 ``A`` is the model's own ``activation_bytes(b, s, v, recompute=mode)`` for the whole model (what
 ``plait estimate`` prints); ``/tp`` as ``plait estimate`` divides it, ``/pp`` for the stage's
@@ -35,7 +36,8 @@ attention core's forward, ``(f(s) − f(0))/3``, under ``selective``. Bytes each
 step, with ring collectives (an all-reduce of ``M`` bytes over ``n`` ranks sends ``2(n−1)/n·M``,
 a reduce-scatter or all-gather ``(n−1)/n·M``); the data-parallel term is the strategy plugin's
 (``StrategyCost.dp_bytes_per_step``), with ``g`` bytes per gradient element (4 under ddp, whose
-parameters stay fp32; ``v`` under ZeRO)::
+parameters stay fp32; ``v`` under ZeRO), and each other axis's term its own plugin's
+(``plait_axis_cost``, asked for each axis larger than 1; the built-in plugins' formulas)::
 
     dp, ddp / zero0-2:  2(dp−1)/dp · Ψ · g     (all-reduce; ZeRO-2: reduce-scatter + all-gather)
     dp, zero3:          3(dp−1)/dp · Ψ · g     (parameters gathered in forward and backward)
@@ -45,7 +47,7 @@ parameters stay fp32; ``v`` under ZeRO)::
     pp:  2 · s/cp·b·h·v · m                    (activations forward, gradients backward)
     cp:  X(s, b, h/tp, cp) · L/pp · m          (the attention exchange per layer, forward and
                                                backward: ``context_parallel.backend``'s formula,
-                                               plait.plugins.context_parallel.apply.exchange_bytes)
+                                               the context-parallel plugin's exchange_bytes)
     ep:  4 · (ep−1)/ep · k·s·b·h·v · L_moe/pp · m   (a mixture of experts' all-to-all: tokens
                                                out and back in forward, their gradients in
                                                backward; k = top_k choices per token)
@@ -62,10 +64,12 @@ from typing import Callable
 
 import torch
 
-from plait.metrics import flops_per_token
-from plait.plugins.context_parallel.apply import exchange_bytes
 from plait.config import BYTES_PER_VALUE
-from plait.types import StrategyCost
+from plait.metrics import flops_per_token
+from plait.topology import ParallelDims
+from plait.types import AxisCost, StrategyCost
+
+AXES = ("tp", "pp", "cp", "ep")  # the axes other than dp, each estimated by its own plugin
 
 
 @dataclass(frozen=True)
@@ -85,16 +89,23 @@ class Layout:
     def describe(self) -> str:
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         experts = f" ep{self.ep}" if self.ep > 1 else ""
-        return (f"{self.strategy} dp{self.dp}{cp} tp{self.tp} pp{self.pp}{experts} micro "
-                f"{self.micro_batch_size}x{self.microbatches} recompute "
-                f"{self.activation_checkpointing}")
+        return (
+            f"{self.strategy} dp{self.dp}{cp} tp{self.tp} pp{self.pp}{experts} micro "
+            f"{self.micro_batch_size}x{self.microbatches} recompute "
+            f"{self.activation_checkpointing}"
+        )
 
     def overrides(self) -> list[str]:
-        settings = [f"strategy={self.strategy}", f"parallel.dp={self.dp}",
-                    f"parallel.cp={self.cp}", f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
-                    f"parallel.ep={self.ep}",
-                    f"train.grad_accum_steps={self.microbatches}",
-                    f"train.activation_checkpointing={self.activation_checkpointing}"]
+        settings = [
+            f"strategy={self.strategy}",
+            f"parallel.dp={self.dp}",
+            f"parallel.cp={self.cp}",
+            f"parallel.tp={self.tp}",
+            f"parallel.pp={self.pp}",
+            f"parallel.ep={self.ep}",
+            f"train.grad_accum_steps={self.microbatches}",
+            f"train.activation_checkpointing={self.activation_checkpointing}",
+        ]
         if self.pp > 1:
             settings.append(f"pipeline.microbatches={self.microbatches}")
         return settings
@@ -123,9 +134,44 @@ class Workload:
     peak_flops: float
     bandwidth: float  # bytes/s per rank
     # (strategy, dp, tp, pp, cp, ep) -> what the strategy's plugin estimates for one rank
-    strategy_cost: Callable[[str, int, int, int, int], StrategyCost]
-    schedule: str = "1f1b"
-    context_parallel_backend: str = "ring"
+    strategy_cost: Callable[[str, int, int, int, int, int], StrategyCost]
+    # (axis, layout) -> what the axis's plugin estimates for one rank (plait_axis_cost)
+    axis_cost: Callable[[str, Layout], AxisCost]
+
+
+def plugin_axis_cost(
+    hook, cfg, model: torch.nn.Module, seq_len: int, precision: str, nodes=None
+) -> Callable[[str, Layout], AxisCost]:
+    """``(axis, layout) -> AxisCost``: what the active plugins answer to ``plait_axis_cost``
+    (the first answer; 0 where none answers, and the plan every candidate gets names the gap).
+    ``nodes``: ``launcher.nnodes`` parsed, carried by each layout's dims."""
+
+    def axis_cost(axis: str, layout: Layout) -> AxisCost:
+        world = layout.dp * layout.cp * layout.tp * layout.pp
+        dims = ParallelDims(
+            dp=layout.dp,
+            tp=layout.tp,
+            pp=layout.pp,
+            cp=layout.cp,
+            ep=layout.ep,
+            world_size=world,
+            nnodes=nodes.max if nodes else 1,
+            nodes=nodes,
+        )
+        found = hook.plait_axis_cost(
+            cfg=cfg,
+            axis=axis,
+            model=model,
+            dims=dims,
+            seq_len=seq_len,
+            micro_batch_size=layout.micro_batch_size,
+            microbatches=layout.microbatches,
+            bytes_per_value=BYTES_PER_VALUE[precision],
+            recompute=layout.activation_checkpointing,
+        )
+        return next((answer for answer in found if answer is not None), AxisCost(0.0))
+
+    return axis_cost
 
 
 def cost(layout: Layout, work: Workload) -> Cost:
@@ -133,11 +179,12 @@ def cost(layout: Layout, work: Workload) -> Cost:
     dp, tp, pp, b, m = layout.dp, layout.tp, layout.pp, layout.micro_batch_size, layout.microbatches
     cp = layout.cp
     states = work.strategy_cost(layout.strategy, dp, tp, pp, cp, layout.ep)
+    axes = {axis: work.axis_cost(axis, layout) for axis in AXES if getattr(layout, axis) > 1}
     recompute = layout.activation_checkpointing
     count = getattr(model, "activation_bytes", None)
     activations = 0
     if callable(count):
-        in_flight = 1 if pp == 1 else (m if work.schedule == "gpipe" else min(m, pp))
+        in_flight = axes["pp"].in_flight if "pp" in axes else 1
         kwargs = {} if recompute == "none" else {"recompute": recompute}
         activations = count(b, s, v, **kwargs) // tp // pp // cp * in_flight
 
@@ -148,15 +195,6 @@ def cost(layout: Layout, work: Workload) -> Cost:
     bubble = compute * (pp - 1) / m
 
     sent = states.dp_bytes_per_step
-    h, n_layer = getattr(model, "n_embd", 0), getattr(model, "n_layer", 0)
-    activation_msg = s // cp * b * h * v  # a rank's tokens
-    all_reduces = 6 if recompute == "full" else 4
-    sent += all_reduces * 2 * (tp - 1) / tp * activation_msg * n_layer / pp * m
-    if pp > 1:
-        sent += 2 * activation_msg * m
-    sent += exchange_bytes(work.context_parallel_backend, s, b, h // tp, cp, v) * n_layer / pp * m
-    moe = [layer for layer in model.modules() if getattr(layer, "is_moe_layer", False)]
-    if moe and layout.ep > 1:
-        ep = layout.ep
-        sent += 4 * (ep - 1) / ep * moe[0].top_k * activation_msg * len(moe) / pp * m
+    for axis_cost in axes.values():
+        sent += axis_cost.bytes_per_step
     return Cost(states.device_bytes + activations, compute, bubble, sent / work.bandwidth)

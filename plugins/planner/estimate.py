@@ -17,6 +17,7 @@ from plait.meta import meta_model, parameters_per_rank
 from plait.plan import make_plan
 from plait.types import StrategyCost
 
+
 def gib(n: float) -> str:
     value, unit = (n / 2**30, "GiB") if n >= 2**30 else (n / 2**20, "MiB")
     return f"{value:10.3f} {unit}  ({int(n):,} B)"
@@ -29,22 +30,28 @@ def estimated_strategies(pm, cfg, model: torch.nn.Module, dims) -> list[str]:
     for record in pm.records.values():
         selected = record.info.selected_by.get("strategy.name", ())
         for name in (selected,) if isinstance(selected, str) else selected:
-            if name not in names and pm.hook.plait_strategy_cost(
-                    cfg=cfg, strategy=name, model=model, dims=dims) is not None:
+            if (
+                name not in names
+                and pm.hook.plait_strategy_cost(cfg=cfg, strategy=name, model=model, dims=dims)
+                is not None
+            ):
                 names.append(name)
     return names
 
 
 def strategy_cost(plan, model: torch.nn.Module) -> StrategyCost:
     cfg = plan.cfg
-    found = plan.pm.hook.plait_strategy_cost(cfg=cfg, strategy=cfg.strategy.name, model=model,
-                                            dims=plan.dims)
+    found = plan.pm.hook.plait_strategy_cost(
+        cfg=cfg, strategy=cfg.strategy.name, model=model, dims=plan.dims
+    )
     if found is None:
         from plait.plugin_manager import make_plugin_manager
 
         known = estimated_strategies(make_plugin_manager(), cfg, model, plan.dims)
-        raise ValueError(f"strategy={cfg.strategy.name}: its plugin gives no estimate "
-                         f"(plait_strategy_cost); plait estimate knows {', '.join(known)}")
+        raise ValueError(
+            f"strategy={cfg.strategy.name}: its plugin gives no estimate "
+            f"(plait_strategy_cost); plait estimate knows {', '.join(known)}"
+        )
     return found
 
 
@@ -59,8 +66,11 @@ def activation_bytes(plan, model: torch.nn.Module, micro_batch_size: int) -> int
     cfg = plan.cfg
     mode = cfg.train.activation_checkpointing
     recompute = {} if mode == "none" else {"recompute": mode}
-    return count(micro_batch_size, cfg.train.seq_len, BYTES_PER_VALUE[cfg.precision],
-                 **recompute) // plan.dims.tp // plan.dims.cp
+    return (
+        count(micro_batch_size, cfg.train.seq_len, BYTES_PER_VALUE[cfg.precision], **recompute)
+        // plan.dims.tp
+        // plan.dims.cp
+    )
 
 
 def estimate_lines(plan) -> list[str]:
@@ -77,9 +87,11 @@ def estimate_lines(plan) -> list[str]:
 
     lines = [
         f"model: {n_params:,} parameters ({per_rank_params:,} per rank after "
-        f"tp={dims.tp} x pp={dims.pp}" + (f" x ep={dims.ep}" if dims.ep > 1 else "")
+        f"tp={dims.tp} x pp={dims.pp}"
+        + (f" x ep={dims.ep}" if dims.ep > 1 else "")
         + f"); strategy={cfg.strategy.name} dp={dims.dp} "
-        + (f"cp={dims.cp} " if dims.cp > 1 else "") + f"precision={cfg.precision}",
+        + (f"cp={dims.cp} " if dims.cp > 1 else "")
+        + f"precision={cfg.precision}",
         "model states per rank (the strategy's estimate; DDP and ZeRO: the ZeRO paper's formula):",
         f"  parameters      {gib(est.params)}{host('params')}",
         f"  gradients       {gib(est.grads)}",
@@ -90,12 +102,16 @@ def estimate_lines(plan) -> list[str]:
     for name, value in est.references.items():
         lines.append(f"  {name}: {gib(value)}")
     if activations is not None:
-        lines.append(f"activations per micro-batch of {micro} (estimate, activation "
-                     f"checkpointing {cfg.train.activation_checkpointing}): {gib(activations)}")
+        lines.append(
+            f"activations per micro-batch of {micro} (estimate, activation "
+            f"checkpointing {cfg.train.activation_checkpointing}): {gib(activations)}"
+        )
         lines.append(f"total per rank on the device   {gib(est.device_bytes + activations)}")
     else:
-        lines.append("activations: unknown (the model has no activation_bytes(batch_size, "
-                     "seq_len, bytes_per_value) method)")
+        lines.append(
+            "activations: unknown (the model has no activation_bytes(batch_size, "
+            "seq_len, bytes_per_value) method)"
+        )
     return lines
 
 

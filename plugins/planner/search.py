@@ -35,13 +35,25 @@ from plait.plugins.planner.cost import Cost, Layout, Workload, cost
 
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 # settings a layout sets; given on the command line, they are fixed instead of searched
-SEARCHED = ("strategy", "parallel.dp", "parallel.cp", "parallel.tp", "parallel.pp", "parallel.ep",
-            "train.grad_accum_steps",
-            "pipeline.microbatches", "train.activation_checkpointing")
+SEARCHED = (
+    "strategy",
+    "parallel.dp",
+    "parallel.cp",
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.ep",
+    "train.grad_accum_steps",
+    "pipeline.microbatches",
+    "train.activation_checkpointing",
+)
 # A refusal naming none of these holds for every micro-batch and recompute of its mesh: the
 # mesh's other variants are not checked.
-VARIANT_SETTINGS = ("train.batch_size", "train.grad_accum_steps", "pipeline.microbatches",
-                    "train.activation_checkpointing")
+VARIANT_SETTINGS = (
+    "train.batch_size",
+    "train.grad_accum_steps",
+    "pipeline.microbatches",
+    "train.activation_checkpointing",
+)
 
 
 def divisors(n: int) -> list[int]:
@@ -60,30 +72,54 @@ def split_overrides(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
     return fixed, rest
 
 
-def enumerate_layouts(world_size: int, batch_size: int, fixed: dict[str, str],
-                      strategies: list[str], n_experts: int = 0) -> list[Layout]:
+def enumerate_layouts(
+    world_size: int,
+    batch_size: int,
+    fixed: dict[str, str],
+    strategies: list[str],
+    n_experts: int = 0,
+) -> list[Layout]:
     def choices(key: str, default):
         return [type(default[0])(fixed[key])] if key in fixed else list(default)
 
     layouts = []
     for tp in choices("parallel.tp", divisors(world_size)):
-        for pp in choices("parallel.pp", divisors(world_size // tp) if world_size % tp == 0
-                          else [1]):
+        for pp in choices(
+            "parallel.pp", divisors(world_size // tp) if world_size % tp == 0 else [1]
+        ):
             rest = world_size // (tp * pp) if world_size % (tp * pp) == 0 else 1
             for cp in choices("parallel.cp", divisors(rest)):
                 dp = max(1, rest // cp)
                 per_dp = batch_size // dp
                 # a dp that does not divide the batch stays in: the core's check refuses it
                 accums = divisors(per_dp) if per_dp and batch_size % dp == 0 else [1]
-                eps = ([e for e in divisors(dp) if n_experts % e == 0]
-                       if n_experts and cp == 1 else [1])
-                for accum, ep in ((a, e) for a in choices("train.grad_accum_steps", accums)
-                                  for e in choices("parallel.ep", eps)):
+                eps = (
+                    [e for e in divisors(dp) if n_experts % e == 0]
+                    if n_experts and cp == 1
+                    else [1]
+                )
+                for accum, ep in (
+                    (a, e)
+                    for a in choices("train.grad_accum_steps", accums)
+                    for e in choices("parallel.ep", eps)
+                ):
                     for strategy in choices("strategy", strategies):
-                        for mode in choices("train.activation_checkpointing",
-                                            ACTIVATION_CHECKPOINTING):
-                            layouts.append(Layout(strategy, dp, tp, pp, max(1, per_dp // accum),
-                                                  accum, mode, cp=cp, ep=ep))
+                        for mode in choices(
+                            "train.activation_checkpointing", ACTIVATION_CHECKPOINTING
+                        ):
+                            layouts.append(
+                                Layout(
+                                    strategy,
+                                    dp,
+                                    tp,
+                                    pp,
+                                    max(1, per_dp // accum),
+                                    accum,
+                                    mode,
+                                    cp=cp,
+                                    ep=ep,
+                                )
+                            )
     return layouts
 
 
@@ -116,13 +152,21 @@ def layout_config(base: DictConfig, layout: Layout) -> DictConfig:
     return cfg
 
 
-def search(pm: PlaitPluginManager, overrides: list[str], world_size: int, memory_bytes: float,
-           work: Workload, fixed: dict[str, str], top: int,
-           strategies: list[str]) -> SearchResult:
+def search(
+    pm: PlaitPluginManager,
+    overrides: list[str],
+    world_size: int,
+    memory_bytes: float,
+    work: Workload,
+    fixed: dict[str, str],
+    top: int,
+    strategies: list[str],
+) -> SearchResult:
     """The ``top`` fastest layouts that pass the checks (all with ``top=0``), one per strategy
     and mesh: its fastest micro-batch and recompute within the budget."""
-    layouts = enumerate_layouts(world_size, work.batch_size, fixed, strategies,
-                                getattr(work.model, "n_experts", 0))
+    layouts = enumerate_layouts(
+        world_size, work.batch_size, fixed, strategies, getattr(work.model, "n_experts", 0)
+    )
     costs = [(layout, cost(layout, work)) for layout in layouts]
     fitting = sorted((lc for lc in costs if lc[1].memory_bytes <= memory_bytes), key=rank_key)
     result = SearchResult(len(layouts), len(layouts) - len(fitting), 0, estimates=costs)
@@ -135,8 +179,7 @@ def search(pm: PlaitPluginManager, overrides: list[str], world_size: int, memory
         if mesh in settled:
             continue
         if layout.strategy not in bases:
-            bases[layout.strategy] = compose_config(overrides + [f"strategy={layout.strategy}"],
-                                                    pm)
+            bases[layout.strategy] = compose_config(overrides + [f"strategy={layout.strategy}"], pm)
         problems = plan_config(layout_config(bases[layout.strategy], layout), (), pm).problems
         result.checked += 1
         if not problems:
@@ -156,6 +199,9 @@ def rank_key(layout_cost: tuple[Layout, Cost]) -> tuple:
     under pp=1 the micro-batch does not change it) the larger micro-batch, less recompute, then
     less memory."""
     layout, estimate = layout_cost
-    return (round(estimate.step_s, 12), layout.microbatches,
-            ACTIVATION_CHECKPOINTING.index(layout.activation_checkpointing),
-            estimate.memory_bytes)
+    return (
+        round(estimate.step_s, 12),
+        layout.microbatches,
+        ACTIVATION_CHECKPOINTING.index(layout.activation_checkpointing),
+        estimate.memory_bytes,
+    )

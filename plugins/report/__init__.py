@@ -51,8 +51,11 @@ def cmd_report(args: list[str]) -> int:
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="report", description="plait report (HTML with figures) and plait "
-                                                 "compare (are two runs the same math?)")
+    return PluginInfo(
+        name="report",
+        description="plait report (HTML with figures) and plait "
+        "compare (are two runs the same math?)",
+    )
 
 
 @hookimpl

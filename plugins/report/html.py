@@ -22,11 +22,16 @@ figcaption, .note { color: #555; font-size: 0.9em; }
 
 
 def page(runs: list[Run], figures: list[Figure]) -> str:
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             "<title>plait report</title>", f"<style>{STYLE}</style></head><body>",
-             f"<h1>plait report</h1><p class=note>{len(runs)} run(s), written "
-             f"{datetime.now().isoformat(timespec='seconds')}</p>", runs_table(runs),
-             markers_table(runs)]
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        "<title>plait report</title>",
+        f"<style>{STYLE}</style></head><body>",
+        f"<h1>plait report</h1><p class=note>{len(runs)} run(s), written "
+        f"{datetime.now().isoformat(timespec='seconds')}</p>",
+        runs_table(runs),
+        markers_table(runs),
+    ]
     for figure in figures:
         picture = base64.b64encode(figure.png).decode()
         notes = "".join(f"<br>{html.escape(n)}" for n in figure.notes)
@@ -35,7 +40,8 @@ def page(runs: list[Run], figures: list[Figure]) -> str:
             f'src="data:image/png;base64,{picture}"><figcaption>{html.escape(figure.title)}'
             f"{notes}</figcaption></figure>"
             f'<script type="application/json" id="data-{figure.id}">'
-            f"{embedded_json(figure.data)}</script>")
+            f"{embedded_json(figure.data)}</script>"
+        )
     parts.append("</body></html>")
     return "\n".join(parts)
 
@@ -48,8 +54,9 @@ def embedded_json(data) -> str:
 def runs_table(runs: list[Run]) -> str:
     rows = [(run, layout(run)) for run in runs]
     columns = list(dict.fromkeys(key for _, row in rows for key in row))
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in ["run", "directory", "logged steps",
-                                                           *columns])
+    head = "".join(
+        f"<th>{html.escape(c)}</th>" for c in ["run", "directory", "logged steps", *columns]
+    )
     body = []
     for run, row in rows:
         last = run.steps[-1]["step"] if run.steps else 0
@@ -64,8 +71,12 @@ def markers_table(runs: list[Run]) -> str:
     rows = [(run.label, m) for run in runs for m in markers(run)]
     if not rows:
         return "<p class=note>No restarts, skipped steps, membership changes or stragglers.</p>"
-    body = "".join(f"<tr><td>{html.escape(label)}</td><td>{m['step']}</td>"
-                   f"<td>{html.escape(m['kind'])}</td><td>{html.escape(m['label'])}</td></tr>"
-                   for label, m in rows)
-    return (f'<h2>Events</h2><table id="events"><tr><th>run</th><th>step</th><th>event</th>'
-            f"<th>what</th></tr>{body}</table>")
+    body = "".join(
+        f"<tr><td>{html.escape(label)}</td><td>{m['step']}</td>"
+        f"<td>{html.escape(m['kind'])}</td><td>{html.escape(m['label'])}</td></tr>"
+        for label, m in rows
+    )
+    return (
+        f'<h2>Events</h2><table id="events"><tr><th>run</th><th>step</th><th>event</th>'
+        f"<th>what</th></tr>{body}</table>"
+    )

@@ -35,8 +35,12 @@ class Run:
 
     def ranks(self, figure: str) -> list[int]:
         """The ranks that logged ``<figure>/rank<r>``, in order."""
-        found = {int(m.group("rank")) for step in self.steps for key in step
-                 if (m := PER_RANK.match(key)) and m.group("figure") == figure}
+        found = {
+            int(m.group("rank"))
+            for step in self.steps
+            for key in step
+            if (m := PER_RANK.match(key)) and m.group("figure") == figure
+        }
         return sorted(found)
 
     @property
@@ -99,11 +103,15 @@ def find_runs(paths: list[str]) -> list[Run]:
         if (directory / "metrics.jsonl").exists():
             runs.append(read_run(directory, directory.name))
             continue
-        jobs = sorted((m.parent for m in directory.glob("**/metrics.jsonl")),
-                      key=lambda p: [int(t) if t.isdigit() else t for t in p.parts])
+        jobs = sorted(
+            (m.parent for m in directory.glob("**/metrics.jsonl")),
+            key=lambda p: [int(t) if t.isdigit() else t for t in p.parts],
+        )
         if not jobs:
-            raise ValueError(f"{given}: no metrics.jsonl in it or in its sub-directories; give a "
-                             "plait run directory (runs/<run.name>) or a sweep's directory")
+            raise ValueError(
+                f"{given}: no metrics.jsonl in it or in its sub-directories; give a "
+                "plait run directory (runs/<run.name>) or a sweep's directory"
+            )
         for job, swept in zip(jobs, swept_overrides(jobs)):
             label = " ".join([f"{directory.name}/{job.relative_to(directory)}", *swept])
             runs.append(read_run(job, label))
@@ -134,7 +142,7 @@ def layout(run: Run) -> dict[str, str]:
         "precision": cfg.get("precision", "?"),
         "model": str(cfg.get("model", {}).get("_target_", "?")).rsplit(".", 1)[-1],
         "batch x seq": f"{cfg.get('train', {}).get('batch_size')} x "
-                       f"{cfg.get('train', {}).get('seq_len')}",
+        f"{cfg.get('train', {}).get('seq_len')}",
     }
     sizes = sorted({int(m["world_size"]) for m in run.steps if "world_size" in m})
     if len(sizes) > 1:

@@ -21,13 +21,18 @@ from plait.types import PluginInfo
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="scaffold", description="plait new-plugin: a plugin package to start from")
+    return PluginInfo(
+        name="scaffold", description="plait new-plugin: a plugin package to start from"
+    )
 
 
 @hookimpl
 def plait_register_commands(register) -> None:
-    register("new-plugin", cmd_new_plugin,
-             "write a pip-installable plugin package (<name> --kind observer|comm|model|data|strategy [--dir D])")
+    register(
+        "new-plugin",
+        cmd_new_plugin,
+        "write a pip-installable plugin package (<name> --kind observer|comm|model|data|strategy [--dir D])",
+    )
 
 
 def cmd_new_plugin(argv: list[str]) -> int:
@@ -39,16 +44,20 @@ def cmd_new_plugin(argv: list[str]) -> int:
     parser.add_argument("--dir", default=".", help="where to write plait-<name>/ (default: here)")
     args = parser.parse_args(argv)
     if not re.fullmatch(r"[a-z][a-z0-9_]*", args.name):
-        raise ValueError(f"new-plugin: name {args.name!r} must be a Python identifier in lower "
-                         "case (letters, digits, _), e.g. demo or team_sync")
+        raise ValueError(
+            f"new-plugin: name {args.name!r} must be a Python identifier in lower "
+            "case (letters, digits, _), e.g. demo or team_sync"
+        )
     root = Path(args.dir) / f"plait-{args.name.replace('_', '-')}"
     if root.exists():
         raise ValueError(f"new-plugin: {root} exists; choose another name or --dir")
     for path, text in files(args.name, args.kind).items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(text)
-    print(f"plait: wrote {root} ({args.kind} plugin {args.name!r}); next: pip install -e {root} "
-          f"&& plait plugins && python -m pytest {root / 'tests'}")
+    print(
+        f"plait: wrote {root} ({args.kind} plugin {args.name!r}); next: pip install -e {root} "
+        f"&& plait plugins && python -m pytest {root / 'tests'}"
+    )
     return 0
 
 
@@ -56,9 +65,17 @@ def files(name: str, kind: str) -> dict[str, str]:
     """The package's files, by path relative to its root."""
     from plait.plugins.scaffold.templates import COMMON, KINDS
 
-    values = {"name": name, "package": f"plait_{name}", "dist": f"plait-{name.replace('_', '-')}",
-              "kind": kind, "upper": name.upper(), "plait_version": __version__, "hookspec": HOOKSPEC_VERSION,
-              }
+    values = {
+        "name": name,
+        "package": f"plait_{name}",
+        "dist": f"plait-{name.replace('_', '-')}",
+        "kind": kind,
+        "upper": name.upper(),
+        "plait_version": __version__,
+        "hookspec": HOOKSPEC_VERSION,
+    }
     templates = {**COMMON, **KINDS[kind]}
-    return {path.format(**values): text.format(**values).lstrip("\n")
-            for path, text in templates.items()}
+    return {
+        path.format(**values): text.format(**values).lstrip("\n")
+        for path, text in templates.items()
+    }

@@ -4,7 +4,7 @@ Fields: name, package, dist, kind, plait_version, hookspec.
 """
 
 COMMON = {
-    "pyproject.toml": '''
+    "pyproject.toml": """
 [build-system]
 requires = ["setuptools>=61"]
 build-backend = "setuptools.build_meta"
@@ -21,8 +21,8 @@ dependencies = ["plait>={plait_version}"]
 
 [tool.setuptools]
 packages = ["{package}"]
-''',
-    "README.md": '''
+""",
+    "README.md": """
 # {dist}
 
 A plait {kind} plugin, registered through the `plait` entry-point group as `{name}`.
@@ -30,7 +30,7 @@ A plait {kind} plugin, registered through the `plait` entry-point group as `{nam
     pip install -e .
     plait plugins --check          # loads every installed plugin; exit 2 if one is broken
     python -m pytest tests         # trains the tiny GPT on 2 processes with this plugin
-''',
+""",
 }
 
 OBSERVER = {
@@ -334,7 +334,7 @@ class AllReduceEngine:
         self.max_norm = grad_clip if grad_clip > 0 else math.inf  # train.grad_clip, 0: off
         self.model = model.to(self.device)
         self.optimizer, self.loss_fn = optimizer, loss_fn
-        self.group, self.dp = topology.get_data_parallel_group(), topology.dims.dp
+        self.group, self.dp = topology.group("dp"), topology.dims.dp
         self.saves = topology.rank == 0
 
     def _mean(self, value: float) -> float:
@@ -404,7 +404,7 @@ from plait.testing import run_losses
 
 
 def test_trains_like_one_process(tmp_path):
-    steps = ["train.steps=3", "fault.save_final=false"]
+    steps = ["train.steps=3", "checkpoint.save_final=false"]
     one = run_losses(tmp_path / "one", [*steps, "launcher.nproc_per_node=1"])
     mine = run_losses(tmp_path / "mine", [*steps, "strategy={name}",
                                           "launcher.nproc_per_node=2"])

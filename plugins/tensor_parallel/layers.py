@@ -7,7 +7,7 @@ that initialises by name, :mod:`plait.meta`) the slice is only a shape, and the 
 ``slice_of_full``: how to cut its value from the full initial value when it is materialized. Parameters stay ordinary
 ``torch.nn.Parameter`` (DeepSpeed ZeRO and DDP need plain tensors) and carry Megatron's attributes
 ``tensor_model_parallel``, ``partition_dim`` and ``partition_stride``, which DeepSpeed and
-:func:`plait.plugins.optim.clip_grads.clip_grad_norm_` read to count each shard once in the global
+:func:`plait.engine.norm.grad_norm` read to count each shard once in the global
 gradient norm.
 
 A weight with ``parts`` fused blocks along ``dim`` (the GPT's ``[3E, E]`` QKV weight) is split
@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from plait.engine.tensor_shards import split_tensor
 from plait.meta import FullSlice
 from plait.plugins.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -35,38 +36,32 @@ from plait.plugins.tensor_parallel.mappings import (
 )
 
 
-def split_tensor(full: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> torch.Tensor:
-    """Rank ``rank``'s shard: each of the ``parts`` blocks along ``dim`` cut into ``size``."""
-    blocks = full.unflatten(dim, (parts, -1))
-    return blocks.chunk(size, dim=dim + 1)[rank].flatten(dim, dim + 1).clone()
-
-
 def shard_box(shape: torch.Size, dim: int, rank: int, size: int) -> tuple[slice, ...]:
     """Where a plain split's shard (``parts=1``) sits in the full tensor: rows (or columns)
     ``[rank·n/size, (rank+1)·n/size)`` of ``dim``, all of every other dimension."""
     n = shape[dim] // size
-    return tuple(slice(rank * n, (rank + 1) * n) if d == dim else slice(0, length)
-                 for d, length in enumerate(shape))
+    return tuple(
+        slice(rank * n, (rank + 1) * n) if d == dim else slice(0, length)
+        for d, length in enumerate(shape)
+    )
 
 
-def merge_tensors(shards: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
-    """The inverse of :func:`split_tensor` over all ranks' shards."""
-    blocks = [s.unflatten(dim, (parts, -1)) for s in shards]
-    return torch.cat(blocks, dim=dim + 1).flatten(dim, dim + 1)
-
-
-def shard_parameter(full: nn.Parameter, dim: int, parts: int, rank: int, size: int,
-                    memo: dict[int, nn.Parameter]) -> nn.Parameter:
+def shard_parameter(
+    full: nn.Parameter, dim: int, parts: int, rank: int, size: int, memo: dict[int, nn.Parameter]
+) -> nn.Parameter:
     """A new Parameter holding this rank's shard, tagged the Megatron way; a parameter shared
     by two modules (tied embeddings) is split once and stays shared."""
     if id(full) in memo:
         return memo[id(full)]
-    p = nn.Parameter(split_tensor(full.detach(), dim, parts, rank, size),
-                     requires_grad=full.requires_grad)
+    p = nn.Parameter(
+        split_tensor(full.detach(), dim, parts, rank, size), requires_grad=full.requires_grad
+    )
     if full.is_meta:  # the values come later, cut the same way from the full initial value
-        p.slice_of_full = FullSlice(full.shape, functools.partial(
-            split_tensor, dim=dim, parts=parts, rank=rank, size=size),
-            box=shard_box(full.shape, dim, rank, size) if parts == 1 else None)
+        p.slice_of_full = FullSlice(
+            full.shape,
+            functools.partial(split_tensor, dim=dim, parts=parts, rank=rank, size=size),
+            box=shard_box(full.shape, dim, rank, size) if parts == 1 else None,
+        )
     p.tensor_model_parallel = True
     p.partition_dim = dim
     p.partition_stride = parts
@@ -76,8 +71,10 @@ def shard_parameter(full: nn.Parameter, dim: int, parts: int, rank: int, size: i
 
 def _check_divisible(what: str, size: int, tp: int) -> None:
     if size % tp:
-        raise ValueError(f"{what}={size} is not divisible by parallel.tp={tp}: choose a tp "
-                         "that divides it or change the model")
+        raise ValueError(
+            f"{what}={size} is not divisible by parallel.tp={tp}: choose a tp "
+            "that divides it or change the model"
+        )
 
 
 class RegionEntry:
@@ -124,9 +121,18 @@ class ColumnParallelLinear(nn.Module):
     backward, or under sequence parallelism all-gather / reduce-scatter).
     """
 
-    def __init__(self, linear: nn.Linear, group, rank: int, size: int, parts: int = 1,
-                 sequence_parallel: bool = False, memo: dict | None = None,
-                 region: RegionEntry | None = None, gather_output: bool = False):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group,
+        rank: int,
+        size: int,
+        parts: int = 1,
+        sequence_parallel: bool = False,
+        memo: dict | None = None,
+        region: RegionEntry | None = None,
+        gather_output: bool = False,
+    ):
         super().__init__()
         self.group = group
         self.gather_output = gather_output
@@ -135,8 +141,11 @@ class ColumnParallelLinear(nn.Module):
         self.region = region if region is not None else RegionEntry(group, sequence_parallel)
         self.region.members += 1
         self.weight = shard_parameter(linear.weight, 0, parts, rank, size, memo)
-        self.bias = (shard_parameter(linear.bias, 0, parts, rank, size, memo)
-                     if linear.bias is not None else None)
+        self.bias = (
+            shard_parameter(linear.bias, 0, parts, rank, size, memo)
+            if linear.bias is not None
+            else None
+        )
         self.is_vocab_parallel_output = False  # True for the output layer: logits stay split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,9 +162,16 @@ class RowParallelLinear(nn.Module):
     ``X`` arrives whole and each rank first keeps its slice ``X_i`` (backward: all-gather).
     """
 
-    def __init__(self, linear: nn.Linear, group, rank: int, size: int,
-                 sequence_parallel: bool = False, memo: dict | None = None,
-                 input_is_parallel: bool = True):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group,
+        rank: int,
+        size: int,
+        sequence_parallel: bool = False,
+        memo: dict | None = None,
+        input_is_parallel: bool = True,
+    ):
         super().__init__()
         memo = {} if memo is None else memo
         _check_divisible("input features", linear.in_features, size)
@@ -184,8 +200,9 @@ class VocabParallelEmbedding(nn.Module):
     all-reduce sums the partial results into the full embedding. A ``padding_idx`` row (whose
     gradient stays zero) is the owning rank's local row; the others have none."""
 
-    def __init__(self, embedding: nn.Embedding, group, rank: int, size: int,
-                 memo: dict | None = None):
+    def __init__(
+        self, embedding: nn.Embedding, group, rank: int, size: int, memo: dict | None = None
+    ):
         super().__init__()
         memo = {} if memo is None else memo
         _check_divisible("vocab size", embedding.num_embeddings, size)
@@ -193,9 +210,11 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = rank * embedding.num_embeddings // size
         self.vocab_end = (rank + 1) * embedding.num_embeddings // size
         pad = embedding.padding_idx
-        self.padding_idx = (pad - self.vocab_start
-                            if pad is not None and self.vocab_start <= pad < self.vocab_end
-                            else None)
+        self.padding_idx = (
+            pad - self.vocab_start
+            if pad is not None and self.vocab_start <= pad < self.vocab_end
+            else None
+        )
         self.weight = shard_parameter(embedding.weight, 0, 1, rank, size, memo)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -38,8 +38,17 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-STYLES = ("colwise", "colwise_qkv", "colwise_gather_output", "rowwise", "rowwise_split_input",
-          "vocab", "norm", "sequence_scatter", "replicate")
+STYLES = (
+    "colwise",
+    "colwise_qkv",
+    "colwise_gather_output",
+    "rowwise",
+    "rowwise_split_input",
+    "vocab",
+    "norm",
+    "sequence_scatter",
+    "replicate",
+)
 COLUMN_STYLES = ("colwise", "colwise_qkv", "colwise_gather_output", "vocab")
 ROW_STYLES = ("rowwise", "rowwise_split_input")
 
@@ -77,19 +86,24 @@ def plan_problems(cfg, model: nn.Module) -> list[str]:
     plan = plan_for(cfg, model)
     if plan is None:
         return []  # the capability check names the missing model:tensor_parallel_plan
-    problems = [f"tensor_parallel.plan: {pattern!r} has style {style!r}; choose one of "
-                f"{', '.join(STYLES)}" for pattern, style in plan.styles.items()
-                if style not in STYLES]
+    problems = [
+        f"tensor_parallel.plan: {pattern!r} has style {style!r}; choose one of {', '.join(STYLES)}"
+        for pattern, style in plan.styles.items()
+        if style not in STYLES
+    ]
     unmatched = plan.unmatched_patterns(model)
     if unmatched:
-        problems.append(f"tensor_parallel.plan patterns match no module of the model: "
-                        f"{unmatched}; module names look like "
-                        f"{[n for n, _ in model.named_modules() if n][:6]}")
+        problems.append(
+            f"tensor_parallel.plan patterns match no module of the model: "
+            f"{unmatched}; module names look like "
+            f"{[n for n, _ in model.named_modules() if n][:6]}"
+        )
     return problems
 
 
-def apply_plan(model: nn.Module, plan: TensorParallelPlan, group, rank: int, size: int,
-               sequence_parallel: bool) -> None:
+def apply_plan(
+    model: nn.Module, plan: TensorParallelPlan, group, rank: int, size: int, sequence_parallel: bool
+) -> None:
     """Replace the planned modules of ``model`` by their tensor-parallel forms, in place."""
     from plait.plugins.tensor_parallel import layers as L
     from plait.plugins.tensor_parallel.mappings import scatter_to_sequence_parallel_region
@@ -103,7 +117,8 @@ def apply_plan(model: nn.Module, plan: TensorParallelPlan, group, rank: int, siz
         if style == "sequence_scatter":
             if sequence_parallel:
                 module.register_forward_hook(
-                    lambda _m, _i, out: scatter_to_sequence_parallel_region(out, group))
+                    lambda _m, _i, out: scatter_to_sequence_parallel_region(out, group)
+                )
             continue
         if style == "norm":
             if sequence_parallel:
@@ -116,23 +131,38 @@ def apply_plan(model: nn.Module, plan: TensorParallelPlan, group, rank: int, siz
             _expect(name, style, module, nn.Linear)
             parent = name.rpartition(".")[0]
             region = regions.setdefault(parent, L.RegionEntry(group, sequence_parallel))
-            new = L.ColumnParallelLinear(module, group, rank, size,
-                                         parts=3 if style == "colwise_qkv" else 1,
-                                         sequence_parallel=sequence_parallel, memo=memo,
-                                         region=region,
-                                         gather_output=style == "colwise_gather_output")
+            new = L.ColumnParallelLinear(
+                module,
+                group,
+                rank,
+                size,
+                parts=3 if style == "colwise_qkv" else 1,
+                sequence_parallel=sequence_parallel,
+                memo=memo,
+                region=region,
+                gather_output=style == "colwise_gather_output",
+            )
             new.is_vocab_parallel_output = style == "vocab"
         else:
             _expect(name, style, module, nn.Linear)
-            new = L.RowParallelLinear(module, group, rank, size, sequence_parallel, memo,
-                                      input_is_parallel=style == "rowwise")
+            new = L.RowParallelLinear(
+                module,
+                group,
+                rank,
+                size,
+                sequence_parallel,
+                memo,
+                input_is_parallel=style == "rowwise",
+            )
         _replace(model, name, new)
 
 
 def _expect(name: str, style: str, module: nn.Module, kind: type) -> None:
     if not isinstance(module, kind):
-        raise ValueError(f"tensor_parallel.plan: {name} is a {type(module).__name__}, but style "
-                         f"{style!r} needs an nn.{kind.__name__}")
+        raise ValueError(
+            f"tensor_parallel.plan: {name} is a {type(module).__name__}, but style "
+            f"{style!r} needs an nn.{kind.__name__}"
+        )
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -155,7 +185,7 @@ def shard_spec(plan: TensorParallelPlan, key: str) -> tuple[int, int] | None:
 
 def merge_shards(plan: TensorParallelPlan, shards: list[dict]) -> dict[str, torch.Tensor]:
     """Join ``shards[tp_rank]`` (state dicts of one pipeline stage) into the unsplit state dict."""
-    from plait.plugins.tensor_parallel.layers import merge_tensors
+    from plait.engine.tensor_shards import merge_tensors
 
     merged = {}
     for key, first in shards[0].items():

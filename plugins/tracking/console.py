@@ -11,8 +11,10 @@ from plait.types import PluginInfo
 
 
 def format_metrics(step: int, total: int, metrics: dict[str, float]) -> str:
-    line = (f"step {step}/{total} loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} "
-            f"grad_norm {metrics['grad_norm']:.3f} tok/s {metrics['tokens_per_s']:,.0f}")
+    line = (
+        f"step {step}/{total} loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} "
+        f"grad_norm {metrics['grad_norm']:.3f} tok/s {metrics['tokens_per_s']:,.0f}"
+    )
     if "mfu" in metrics:
         line += f" mfu {100 * metrics['mfu']:.2f}%"
     if "eval/loss" in metrics:
@@ -33,9 +35,12 @@ class Console:
     def plait_on_run_start(self, cfg, state, topology) -> None:
         self.total = cfg.train.steps
         d = topology.dims
-        print(f"plait: training {cfg.run.dir} from step {state.step} on {d.world_size} "
-              f"process(es) (dp {d.dp} x tp {d.tp} x pp {d.pp}, {topology.device}, "
-              f"{cfg.precision})", flush=True)
+        print(
+            f"plait: training {cfg.run.dir} from step {state.step} on {d.world_size} "
+            f"process(es) (dp {d.dp} x tp {d.tp} x pp {d.pp}, {topology.device}, "
+            f"{cfg.precision})",
+            flush=True,
+        )
         if d.nnodes > 1:  # the node layout the launcher gave, as `plait plan` forecast it
             print("\n".join(describe_nodes(d, topology.node_of, topology.roles)), flush=True)
         if sys.stderr.isatty():

@@ -28,8 +28,11 @@ class MetricsFile:
         self.path = Path(cfg.run.dir) / "metrics.jsonl"
         if state.step and self.path.exists():
             lines = self.path.read_text().splitlines(keepends=True)
-            kept = [line for line in lines  # a line cut short by the crash is dropped too
-                    if line.endswith("\n") and json.loads(line)["step"] <= state.step]
+            kept = [
+                line
+                for line in lines  # a line cut short by the crash is dropped too
+                if line.endswith("\n") and json.loads(line)["step"] <= state.step
+            ]
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(kept))
             os.replace(tmp, self.path)

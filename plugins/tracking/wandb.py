@@ -36,8 +36,11 @@ class WandbTracker:
 
     @hookimpl
     def plait_declare(self) -> PluginInfo:
-        return PluginInfo(name="wandb", selected_by={"tracker.name": "wandb"},
-                          description="Weights & Biases tracking (offline by default)")
+        return PluginInfo(
+            name="wandb",
+            selected_by={"tracker.name": "wandb"},
+            description="Weights & Biases tracking (offline by default)",
+        )
 
     @hookimpl
     def plait_register_configs(self, config_store) -> None:
@@ -58,14 +61,24 @@ class WandbTracker:
         notes = None
         if state.parent:  # started from another run's checkpoint: a new run naming its parent
             config["parent"] = state.parent
-            notes = (f"continues {state.parent['run_name']} (W&B run "
-                     f"{state.parent['tracker_run_id']}) from its step {state.parent['step']}")
+            notes = (
+                f"continues {state.parent['run_name']} (W&B run "
+                f"{state.parent['tracker_run_id']}) from its step {state.parent['step']}"
+            )
         in_sweep = cfg.run.sweep is not None
         self.run = wandb.init(
-            project=t.project, entity=t.entity, group=t.group or cfg.run.sweep,
-            job_type=t.job_type or ("trial" if in_sweep else None), tags=list(t.tags),
-            mode=t.mode, dir=cfg.run.dir, name=cfg.run.name, notes=notes,
-            id=state.tracker_run_id, resume="allow", config=config,
+            project=t.project,
+            entity=t.entity,
+            group=t.group or cfg.run.sweep,
+            job_type=t.job_type or ("trial" if in_sweep else None),
+            tags=list(t.tags),
+            mode=t.mode,
+            dir=cfg.run.dir,
+            name=cfg.run.name,
+            notes=notes,
+            id=state.tracker_run_id,
+            resume="allow",
+            config=config,
         )
         state.tracker_run_id = self.run.id
 

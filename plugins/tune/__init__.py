@@ -30,8 +30,11 @@ class ObjectiveConfig(TuneConfig):
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="tune", selected_by={"tune.name": "default"},
-                      description="the objective a run reports; Optuna and PBT sweepers")
+    return PluginInfo(
+        name="tune",
+        selected_by={"tune.name": "default"},
+        description="the objective a run reports; Optuna and PBT sweepers",
+    )
 
 
 @hookimpl

@@ -123,9 +123,15 @@ class GridSamplerConfig:
     seed: Optional[int] = None
 
 
-SAMPLERS = {"tpe": TPESamplerConfig, "random": RandomSamplerConfig, "cmaes": CmaEsSamplerConfig,
-            "nsgaii": NSGAIISamplerConfig, "qmc": QMCSamplerConfig, "gp": GPSamplerConfig,
-            "grid": GridSamplerConfig}
+SAMPLERS = {
+    "tpe": TPESamplerConfig,
+    "random": RandomSamplerConfig,
+    "cmaes": CmaEsSamplerConfig,
+    "nsgaii": NSGAIISamplerConfig,
+    "qmc": QMCSamplerConfig,
+    "gp": GPSamplerConfig,
+    "grid": GridSamplerConfig,
+}
 
 
 @dataclass
@@ -160,23 +166,34 @@ def open_storage(storage: str | None):
 
 
 class OptunaSweeper(Sweeper):
-    def __init__(self, sampler: Any, direction: str, storage: Optional[str],
-                 study_name: Optional[str], n_trials: int, n_jobs: int,
-                 params: Optional[DictConfig], custom_search_space: Optional[str]) -> None:
+    def __init__(
+        self,
+        sampler: Any,
+        direction: str,
+        storage: Optional[str],
+        study_name: Optional[str],
+        n_trials: int,
+        n_jobs: int,
+        params: Optional[DictConfig],
+        custom_search_space: Optional[str],
+    ) -> None:
         if direction not in ("minimize", "maximize"):
             raise ValueError(f"hydra.sweeper.direction={direction}: minimize or maximize")
         self.sampler, self.direction = sampler, direction
         self.storage, self.study_name = storage, study_name
         self.n_trials, self.n_jobs = n_trials, max(1, n_jobs)
         self.params = dict(params or {})
-        self.extend_space: Callable | None = (get_method(custom_search_space)
-                                              if custom_search_space else None)
+        self.extend_space: Callable | None = (
+            get_method(custom_search_space) if custom_search_space else None
+        )
 
-    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
-              config: DictConfig) -> None:
+    def setup(
+        self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
+    ) -> None:
         self.config = config
         self.launcher = Plugins.instance().instantiate_launcher(
-            hydra_context=hydra_context, task_function=task_function, config=config)
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
 
     def sweep(self, arguments: list[str]) -> None:
         import optuna
@@ -185,11 +202,17 @@ class OptunaSweeper(Sweeper):
         sampler = self.sampler
         if callable(sampler) and not isinstance(sampler, optuna.samplers.BaseSampler):
             sampler = sampler(search_space=listed)  # the grid sampler takes the choices
-        study = optuna.create_study(study_name=self.study_name, sampler=sampler,
-                                    storage=open_storage(self.storage),
-                                    direction=self.direction, load_if_exists=True)
-        log.info(f"Optuna study {study.study_name!r} ({self.storage or 'in memory'}), "
-                 f"{type(sampler).__name__}, {self.direction}")
+        study = optuna.create_study(
+            study_name=self.study_name,
+            sampler=sampler,
+            storage=open_storage(self.storage),
+            direction=self.direction,
+            load_if_exists=True,
+        )
+        log.info(
+            f"Optuna study {study.study_name!r} ({self.storage or 'in memory'}), "
+            f"{type(sampler).__name__}, {self.direction}"
+        )
         failures = 0
         while (todo := self.n_trials - counted(study)) > 0 and failures < self.n_trials:
             trials = [study.ask(fixed_distributions=space) for _ in range(min(todo, self.n_jobs))]
@@ -197,18 +220,28 @@ class OptunaSweeper(Sweeper):
                 trial.set_user_attr(WORKER, worker_id())
                 if self.extend_space is not None:
                     self.extend_space(self.config, trial)
-            batch = [[*as_overrides(trial.params, fixed), f"hydra.sweep.subdir={trial.number}"]
-                     for trial in trials]
+            batch = [
+                [*as_overrides(trial.params, fixed), f"hydra.sweep.subdir={trial.number}"]
+                for trial in trials
+            ]
             for trial, job in zip(trials, self.launcher.launch(batch, trials[0].number)):
                 failures += not tell(study, trial, job)
         if failures >= self.n_trials:
             raise RuntimeError(f"Optuna sweep stopped: {failures} trials failed")
         best = study.best_trial
         log.info(f"Best trial {best.number}: value {best.value}, params {best.params}")
-        OmegaConf.save(OmegaConf.create({"name": "optuna", "study_name": study.study_name,
-                                         "best_params": best.params, "best_value": best.value,
-                                         "best_trial": best.number}),
-                       Path(str(self.config.hydra.sweep.dir)) / "optimization_results.yaml")
+        OmegaConf.save(
+            OmegaConf.create(
+                {
+                    "name": "optuna",
+                    "study_name": study.study_name,
+                    "best_params": best.params,
+                    "best_value": best.value,
+                    "best_trial": best.number,
+                }
+            ),
+            Path(str(self.config.hydra.sweep.dir)) / "optimization_results.yaml",
+        )
 
 
 def worker_id() -> str:

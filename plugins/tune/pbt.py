@@ -19,7 +19,7 @@ Everyone else continues its own run (``resume=latest``). The initial population 
 search space; a plain list with one value per member (``optimizer.lr=1e-4,1e-3,3e-3,1e-2``) gives
 member ``i`` value ``i``; explore multiplies such values without bounds and resamples them
 between the list's extremes. The hyperparameters take effect on resume: the optimizer keeps the
-configured ones, not the checkpoint's (``plait.plugins.optim.hyperparameters``).
+configured ones, not the checkpoint's (``plait.engine.hyperparameters``).
 
 Lineage (round, member, parent, hyperparameters, objective, run directory) is appended to
 ``<sweep dir>/pbt_lineage.jsonl``; each child's W&B run carries its parent in config and notes.
@@ -85,14 +85,25 @@ class Member:
 
 
 class PBTSweeper(Sweeper):
-    def __init__(self, population: int, rounds: int, steps_per_round: int, quantile: float,
-                 perturb_factors: list[float], resample_probability: float, direction: str,
-                 seed: Optional[int], params: Optional[DictConfig]) -> None:
+    def __init__(
+        self,
+        population: int,
+        rounds: int,
+        steps_per_round: int,
+        quantile: float,
+        perturb_factors: list[float],
+        resample_probability: float,
+        direction: str,
+        seed: Optional[int],
+        params: Optional[DictConfig],
+    ) -> None:
         if direction not in ("minimize", "maximize"):
             raise ValueError(f"hydra.sweeper.direction={direction}: minimize or maximize")
         if population < 2 or rounds < 1 or steps_per_round < 1 or not 0 < quantile <= 0.5:
-            raise ValueError("hydra.sweeper: population >= 2, rounds >= 1, steps_per_round >= 1 "
-                             "and 0 < quantile <= 0.5")
+            raise ValueError(
+                "hydra.sweeper: population >= 2, rounds >= 1, steps_per_round >= 1 "
+                "and 0 < quantile <= 0.5"
+            )
         self.population, self.rounds, self.steps_per_round = population, rounds, steps_per_round
         self.replaced = max(1, round(quantile * population))
         self.perturb_factors = list(perturb_factors)
@@ -101,40 +112,61 @@ class PBTSweeper(Sweeper):
         self.rng = random.Random(seed)
         self.params = dict(params or {})
 
-    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
-              config: DictConfig) -> None:
+    def setup(
+        self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
+    ) -> None:
         self.sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
         self.launcher = Plugins.instance().instantiate_launcher(
-            hydra_context=hydra_context, task_function=task_function, config=config)
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
 
     def sweep(self, arguments: list[str]) -> list[Member]:
         from optuna.distributions import FloatDistribution
 
         space, fixed, listed = parse([f"{k}={v}" for k, v in self.params.items()] + arguments)
         if not space:
-            raise ValueError("hydra/sweeper=pbt needs hyperparameters to search, e.g. "
-                             "'optimizer.lr=tag(log,interval(1e-4,1e-2))'")
+            raise ValueError(
+                "hydra/sweeper=pbt needs hyperparameters to search, e.g. "
+                "'optimizer.lr=tag(log,interval(1e-4,1e-2))'"
+            )
         for key in ("train.steps", "train.stop_at", "resume"):
             if key in fixed:
-                raise ValueError(f"{key} is set by hydra/sweeper=pbt (rounds * steps_per_round "
-                                 "steps, a checkpoint per round); leave it out")
+                raise ValueError(
+                    f"{key} is set by hydra/sweeper=pbt (rounds * steps_per_round "
+                    "steps, a checkpoint per round); leave it out"
+                )
         self.space, self.unbounded = space, set()
         for key, values in listed.items():  # a list of floats: starting values, not choices
             if values and all(isinstance(v, float) for v in values):
                 low, high = min(values), max(values)
                 space[key] = FloatDistribution(low, high, log=low > 0)
                 self.unbounded.add(key)
-        members = [Member(f"m{i}", {key: (listed[key][i] if len(listed.get(key, ())) ==
-                                          self.population else sample(dist, self.rng))
-                                    for key, dist in space.items()})
-                   for i in range(self.population)]
+        members = [
+            Member(
+                f"m{i}",
+                {
+                    key: (
+                        listed[key][i]
+                        if len(listed.get(key, ())) == self.population
+                        else sample(dist, self.rng)
+                    )
+                    for key, dist in space.items()
+                },
+            )
+            for i in range(self.population)
+        ]
         job_idx, born = 0, self.population
         for round_ in range(self.rounds):
-            batch = [[*as_overrides(m.params, fixed),
-                      f"train.steps={self.rounds * self.steps_per_round}",
-                      f"train.stop_at={(round_ + 1) * self.steps_per_round}",
-                      f"hydra.sweep.subdir={m.name}",
-                      *([f"resume={m.resume}"] if m.resume else [])] for m in members]
+            batch = [
+                [
+                    *as_overrides(m.params, fixed),
+                    f"train.steps={self.rounds * self.steps_per_round}",
+                    f"train.stop_at={(round_ + 1) * self.steps_per_round}",
+                    f"hydra.sweep.subdir={m.name}",
+                    *([f"resume={m.resume}"] if m.resume else []),
+                ]
+                for m in members
+            ]
             for member, job in zip(members, self.launcher.launch(batch, job_idx)):
                 record(member, job, self.direction)
             job_idx += len(batch)
@@ -146,10 +178,12 @@ class PBTSweeper(Sweeper):
     def exploit_and_explore(self, members: list[Member], born: int) -> tuple[list[Member], int]:
         sign = 1 if self.direction == "minimize" else -1
         ranked = sorted(members, key=lambda m: sign * m.score)
-        best, worst = ranked[:self.replaced], ranked[-self.replaced:]
+        best, worst = ranked[: self.replaced], ranked[-self.replaced :]
         if any(m.checkpoint is None for m in best):
-            raise RuntimeError("PBT: a member of the best quantile failed, so there is nothing "
-                               "to copy (see the errors above)")
+            raise RuntimeError(
+                "PBT: a member of the best quantile failed, so there is nothing "
+                "to copy (see the errors above)"
+            )
         following = []
         for member in members:
             if member not in worst:
@@ -157,22 +191,37 @@ class PBTSweeper(Sweeper):
                 continue
             parent = self.rng.choice(best)
             child = Member(f"m{born}", self.explore(parent.params), parent=parent.name)
-            child.resume = str(copy_checkpoint(Path(parent.checkpoint),
-                                               self.sweep_dir / "pbt" / f"{child.name}-from-"
-                                               f"{parent.name}-{Path(parent.checkpoint).name}"))
-            log.info(f"PBT: {member.name} (objective {member.score:.6g}) is replaced by "
-                     f"{child.name}, a copy of {parent.name} ({parent.score:.6g}) with "
-                     f"{child.params}")
+            child.resume = str(
+                copy_checkpoint(
+                    Path(parent.checkpoint),
+                    self.sweep_dir / "pbt" / f"{child.name}-from-"
+                    f"{parent.name}-{Path(parent.checkpoint).name}",
+                )
+            )
+            log.info(
+                f"PBT: {member.name} (objective {member.score:.6g}) is replaced by "
+                f"{child.name}, a copy of {parent.name} ({parent.score:.6g}) with "
+                f"{child.params}"
+            )
             following.append(child)
             born += 1
         return following, born
 
     def explore(self, params: dict[str, Any]) -> dict[str, Any]:
-        return {key: (sample(self.space[key], self.rng)
-                      if self.rng.random() < self.resample_probability
-                      else perturb(value, self.space[key], self.perturb_factors, self.rng,
-                                   bounded=key not in self.unbounded))
-                for key, value in params.items()}
+        return {
+            key: (
+                sample(self.space[key], self.rng)
+                if self.rng.random() < self.resample_probability
+                else perturb(
+                    value,
+                    self.space[key],
+                    self.perturb_factors,
+                    self.rng,
+                    bounded=key not in self.unbounded,
+                )
+            )
+            for key, value in params.items()
+        }
 
     def write_lineage(self, round_: int, members: list[Member]) -> None:
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -225,6 +274,7 @@ def perturb(value: Any, dist, factors: list[float], rng: random.Random, bounded:
 def copy_checkpoint(source: Path, target: Path) -> Path:
     """Copy a complete checkpoint directory (hard links where the file system allows: a
     checkpoint is never modified once complete, and the copy survives its pruning)."""
+
     def link(src: str, dst: str) -> None:
         try:
             os.link(src, dst)

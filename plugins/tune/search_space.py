@@ -28,23 +28,28 @@ def distribution(override: Override):
         choices = list(override.sweep_iterator(transformer=Transformer.encode))
         for choice in choices:
             if not isinstance(choice, (str, int, float, bool, type(None))):
-                raise ValueError(f"{override.input_line}: a choice takes str, int, float, bool "
-                                 f"or null values, not {type(choice).__name__}")
+                raise ValueError(
+                    f"{override.input_line}: a choice takes str, int, float, bool "
+                    f"or null values, not {type(choice).__name__}"
+                )
         return CategoricalDistribution(choices)
     if isinstance(value, RangeSweep):
         numbers = (value.start, value.stop, value.step)
         if any(isinstance(x, float) for x in numbers):
             last = value.start + value.step * ((value.stop - value.start) // value.step - 1)
             return FloatDistribution(value.start, last, step=value.step)
-        return IntDistribution(int(value.start), int(value.stop) - int(value.step),
-                               step=int(value.step))
+        return IntDistribution(
+            int(value.start), int(value.stop) - int(value.step), step=int(value.step)
+        )
     if isinstance(value, IntervalSweep):
         log = "log" in value.tags
         if isinstance(value.start, int) and isinstance(value.end, int):
             return IntDistribution(value.start, value.end, log=log)
         return FloatDistribution(float(value.start), float(value.end), log=log)
-    raise ValueError(f"{override.input_line}: not a sweep this sweeper understands (use "
-                     "interval(...), tag(log, interval(...)), choice(...), range(...) or a,b,c)")
+    raise ValueError(
+        f"{override.input_line}: not a sweep this sweeper understands (use "
+        "interval(...), tag(log, interval(...)), choice(...), range(...) or a,b,c)"
+    )
 
 
 def parse(arguments: list[str]) -> tuple[dict[str, Any], dict[str, str], dict[str, list[Any]]]:

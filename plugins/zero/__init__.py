@@ -26,12 +26,23 @@ from plait.types import PluginInfo
 
 @hookimpl
 def plait_declare() -> PluginInfo:
-    return PluginInfo(name="zero", selected_by={"strategy.name": tuple(zero_config.STAGES)},
-                      provides=frozenset({"engine:tensor_parallel", "engine:grad_comm",
-                                          "engine:pipeline", "engine:pipeline_step",
-                                          "engine:layout_free_state", "engine:expert_parallel",
-                                          "engine:context_parallel"}),
-                      description="DeepSpeed ZeRO stages 0-3, offload, bf16/fp16")
+    return PluginInfo(
+        name="zero",
+        selected_by={"strategy.name": tuple(zero_config.STAGES)},
+        provides=frozenset(
+            {
+                "engine:tensor_parallel",
+                "engine:grad_comm",
+                "engine:pipeline",
+                "engine:pipeline_step",
+                "engine:split_backward",
+                "engine:layout_free_state",
+                "engine:expert_parallel",
+                "engine:context_parallel",
+            }
+        ),
+        description="DeepSpeed ZeRO stages 0-3, offload, bf16/fp16",
+    )
 
 
 @hookimpl
@@ -43,8 +54,11 @@ def plait_register_configs(config_store) -> None:
 def plait_register_commands(register) -> None:
     from plait.plugins.zero.import_deepspeed import cmd_import_deepspeed
 
-    register("import-deepspeed", cmd_import_deepspeed,
-             "print the plait overrides equivalent to a DeepSpeed JSON config")
+    register(
+        "import-deepspeed",
+        cmd_import_deepspeed,
+        "print the plait overrides equivalent to a DeepSpeed JSON config",
+    )
 
 
 @hookimpl
@@ -65,8 +79,10 @@ def plait_backend_config(cfg, dims, hook) -> dict:
     if zero_config.validate(cfg, dims, comm):
         return {}
     ds = zero_config.deepspeed_config(cfg, dims, comm, meta_model(hook, cfg))
-    mapped = {owner: {key: zero_config.flatten(ds)[key]}
-              for key, owner in zero_config.comm_config(cfg, dims, comm)[1].items()}
+    mapped = {
+        owner: {key: zero_config.flatten(ds)[key]}
+        for key, owner in zero_config.comm_config(cfg, dims, comm)[1].items()
+    }
     return {"deepspeed": ds, **({"deepspeed (from comm)": mapped} if mapped else {})}
 
 
@@ -98,8 +114,9 @@ def plait_build_engine(cfg, model, optimizer, loss_fn, grad_reducer, topology, h
     from plait.plugins.zero.engine import ZeroEngine
 
     comm = grad_reducer.spec if grad_reducer is not None else None
-    ds_config = zero_config.engine_config(cfg, topology.dims, optimizer, comm,
-                                          meta_model(hook, cfg))
+    ds_config = zero_config.engine_config(
+        cfg, topology.dims, optimizer, comm, meta_model(hook, cfg)
+    )
     check_step = functools.partial(hook.plait_check_step, cfg=cfg, topology=topology)
     return ZeroEngine(model, optimizer, loss_fn, topology, ds_config, check_step)
 

@@ -28,8 +28,9 @@ CAST = ("fp16", "bf16")
 REDUCER_TAKERS = "engine:grad_reducer"  # strategies whose engine calls plait's reducers
 
 
-def comm_settings(spec: CommSpec | None, cfg, stage: int, nnodes: int,
-                  tp: int) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+def comm_settings(
+    spec: CommSpec | None, cfg, stage: int, nnodes: int, tp: int
+) -> tuple[dict[str, Any], dict[str, str], list[str]]:
     """``(DeepSpeed settings, the comm choice behind each DeepSpeed key, problems)``."""
     settings: dict[str, Any] = {}
     zero: dict[str, Any] = {}
@@ -42,32 +43,42 @@ def comm_settings(spec: CommSpec | None, cfg, stage: int, nnodes: int,
         settings["communication_data_type"] = spec.compression
         owners["communication_data_type"] = f"comm.compression={spec.compression}"
     elif spec.compression != "none":
-        problems.append(f"comm.compression={spec.compression} under {strategy}: DeepSpeed has no "
-                        f"such gradient compression (its own is communication_data_type); use "
-                        f"comm.compression=fp16|bf16|none, or {offered_by(REDUCER_TAKERS)}")
+        problems.append(
+            f"comm.compression={spec.compression} under {strategy}: DeepSpeed has no "
+            f"such gradient compression (its own is communication_data_type); use "
+            f"comm.compression=fp16|bf16|none, or {offered_by(REDUCER_TAKERS)}"
+        )
     if spec.bucket_bytes is not None:
         itemsize = 2 if spec.compression in CAST or cfg.precision != "fp32" else 4
         zero["reduce_bucket_size"] = spec.bucket_bytes // itemsize
         owners["zero_optimization.reduce_bucket_size"] = (
-            f"comm.bucket_mb={spec.bucket_bytes / 2**20:g} ({itemsize}-byte elements)")
+            f"comm.bucket_mb={spec.bucket_bytes / 2**20:g} ({itemsize}-byte elements)"
+        )
     if spec.algorithm == "hierarchical":
         if stage != 3:
-            problems.append(f"comm=hierarchical under {strategy}: DeepSpeed's hierarchical scheme "
-                            "is ZeRO++'s hpZ (zero_hpz_partition_size), for ZeRO-3 only; use "
-                            "strategy=zero3, or comm=allreduce")
+            problems.append(
+                f"comm=hierarchical under {strategy}: DeepSpeed's hierarchical scheme "
+                "is ZeRO++'s hpZ (zero_hpz_partition_size), for ZeRO-3 only; use "
+                "strategy=zero3, or comm=allreduce"
+            )
         elif tp > 1:
-            problems.append(f"comm=hierarchical under {strategy} with parallel.tp={tp}: "
-                            "DeepSpeed's hpZ groups consecutive global ranks, which would mix "
-                            "tensor-parallel shards; use parallel.tp=1 or comm=allreduce")
+            problems.append(
+                f"comm=hierarchical under {strategy} with parallel.tp={tp}: "
+                "DeepSpeed's hpZ groups consecutive global ranks, which would mix "
+                "tensor-parallel shards; use parallel.tp=1 or comm=allreduce"
+            )
         elif nnodes > 1:
             zero["zero_hpz_partition_size"] = cfg.launcher.nproc_per_node
             owners["zero_optimization.zero_hpz_partition_size"] = (
-                "comm=hierarchical (processes per node)")
+                "comm=hierarchical (processes per node)"
+            )
     elif not spec.native:
-        problems.append(f"comm={spec.algorithm} under {strategy}: DeepSpeed reduces gradients "
-                        "with its own collectives and cannot call a plait reducer; use "
-                        "comm=allreduce (with comm.compression / comm.bucket_mb), or "
-                        f"{offered_by(REDUCER_TAKERS)}")
+        problems.append(
+            f"comm={spec.algorithm} under {strategy}: DeepSpeed reduces gradients "
+            "with its own collectives and cannot call a plait reducer; use "
+            "comm=allreduce (with comm.compression / comm.bucket_mb), or "
+            f"{offered_by(REDUCER_TAKERS)}"
+        )
     if zero:
         settings["zero_optimization"] = zero
     return settings, owners, problems

@@ -52,8 +52,12 @@ def micro_batch_size(cfg: DictConfig, dims: ParallelDims) -> int:
     return cfg.train.batch_size // (dims.grad_accum_steps * dims.dp)
 
 
-def generated_config(cfg: DictConfig, dims: ParallelDims, comm: CommSpec | None = None,
-                     model: torch.nn.Module | None = None) -> dict[str, Any]:
+def generated_config(
+    cfg: DictConfig,
+    dims: ParallelDims,
+    comm: CommSpec | None = None,
+    model: torch.nn.Module | None = None,
+) -> dict[str, Any]:
     """The DeepSpeed config that follows from plait's settings and the layout ``dims`` (its
     accumulation is an elastic job's at its present size), the comm plugin's
     :class:`~plait.types.CommSpec` (``comm.py``) and, given the unsplit ``model`` (meta device),
@@ -62,8 +66,9 @@ def generated_config(cfg: DictConfig, dims: ParallelDims, comm: CommSpec | None 
     strategy, train = cfg.strategy, cfg.train
     zero: dict[str, Any] = {"stage": stage_of(cfg)}
     if model is not None:
-        zero.update(working_memory_settings(model, stage_of(cfg),
-                                            cfg.parallel.tp * cfg.parallel.pp))
+        zero.update(
+            working_memory_settings(model, stage_of(cfg), cfg.parallel.tp * cfg.parallel.pp)
+        )
     if strategy.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": strategy.offload_optimizer}
     if strategy.offload_params != "none":
@@ -98,8 +103,12 @@ def optimizer_section(optimizer: torch.optim.Optimizer, offload: bool) -> dict[s
     if type(optimizer) is not torch.optim.AdamW:
         return None
     d = optimizer.defaults
-    params = {"lr": d["lr"], "betas": list(d["betas"]), "eps": d["eps"],
-              "weight_decay": d["weight_decay"]}
+    params = {
+        "lr": d["lr"],
+        "betas": list(d["betas"]),
+        "eps": d["eps"],
+        "weight_decay": d["weight_decay"],
+    }
     if not offload:
         params["torch_adam"] = True
         if d.get("fused"):
@@ -107,9 +116,13 @@ def optimizer_section(optimizer: torch.optim.Optimizer, offload: bool) -> dict[s
     return {"type": "AdamW", "params": params}
 
 
-def engine_config(cfg: DictConfig, dims: ParallelDims, optimizer: torch.optim.Optimizer,
-                  comm: CommSpec | None = None, model: torch.nn.Module | None = None
-                  ) -> dict[str, Any]:
+def engine_config(
+    cfg: DictConfig,
+    dims: ParallelDims,
+    optimizer: torch.optim.Optimizer,
+    comm: CommSpec | None = None,
+    model: torch.nn.Module | None = None,
+) -> dict[str, Any]:
     """What ``deepspeed.initialize`` gets: :func:`deepspeed_config` plus the optimizer section."""
     ds = deepspeed_config(cfg, dims, comm, model)
     section = optimizer_section(optimizer, cfg.strategy.offload_optimizer != "none")
@@ -134,9 +147,8 @@ OWNED = {
 # Whole sections plait decides itself, refused from the user whatever their content.
 OWNED_SECTIONS = {
     "optimizer": "optimizer=... (plait's optimizer plugin builds it; `plait import-deepspeed` "
-                 "prints the overrides for a DeepSpeed JSON's optimizer)",
-    "scheduler": "optimizer.* (plait's LR schedule, e.g. optimizer.warmup_steps, "
-                 "optimizer.min_lr)",
+    "prints the overrides for a DeepSpeed JSON's optimizer)",
+    "scheduler": "optimizer.* (plait's LR schedule, e.g. optimizer.warmup_steps, optimizer.min_lr)",
 }
 
 
@@ -171,8 +183,7 @@ def same(a: Any, b: Any) -> bool:
 
 def without_auto(d: dict[str, Any]) -> dict[str, Any]:
     """Drop ``"auto"`` values (HF Trainer's convention in DeepSpeed JSONs): plait fills them."""
-    return {k: without_auto(v) if isinstance(v, dict) else v
-            for k, v in d.items() if v != "auto"}
+    return {k: without_auto(v) if isinstance(v, dict) else v for k, v in d.items() if v != "auto"}
 
 
 def read_config_file(path: str) -> dict[str, Any]:
@@ -184,8 +195,12 @@ def user_sources(cfg: DictConfig) -> list[tuple[str, dict[str, Any]]]:
     """The user's DeepSpeed settings, each with the name of where it came from."""
     sources = []
     if cfg.strategy.config_file:
-        sources.append((f"strategy.config_file={cfg.strategy.config_file}",
-                        without_auto(read_config_file(cfg.strategy.config_file))))
+        sources.append(
+            (
+                f"strategy.config_file={cfg.strategy.config_file}",
+                without_auto(read_config_file(cfg.strategy.config_file)),
+            )
+        )
     passthrough = OmegaConf.to_container(cfg.strategy.deepspeed, resolve=True) or {}
     if passthrough:
         sources.append(("strategy.deepspeed", without_auto(passthrough)))
@@ -201,8 +216,10 @@ def conflicts(cfg: DictConfig, dims: ParallelDims, comm: CommSpec | None = None)
     for source, settings in user_sources(cfg):
         for section, owner in OWNED_SECTIONS.items():
             if section in settings:
-                problems.append(f"{source} sets DeepSpeed's {section!r}, which plait decides from "
-                                f"{owner}: remove it there and set {owner.split(' ')[0]} instead")
+                problems.append(
+                    f"{source} sets DeepSpeed's {section!r}, which plait decides from "
+                    f"{owner}: remove it there and set {owner.split(' ')[0]} instead"
+                )
         for key, value in flatten(settings).items():
             if key not in owned:
                 continue
@@ -212,13 +229,19 @@ def conflicts(cfg: DictConfig, dims: ParallelDims, comm: CommSpec | None = None)
                 owner = owned[key]
                 plait_value = OmegaConf.select(cfg, owner, default=None)
                 named = f"{owner}={plait_value}" if plait_value is not None else owner
-                problems.append(f"{where}={json.dumps(value)} conflicts with {named} (DeepSpeed's "
-                                f"{key}={json.dumps(ours)}): set {owner} instead, or drop the key")
+                problems.append(
+                    f"{where}={json.dumps(value)} conflicts with {named} (DeepSpeed's "
+                    f"{key}={json.dumps(ours)}): set {owner} instead, or drop the key"
+                )
     return problems
 
 
-def deepspeed_config(cfg: DictConfig, dims: ParallelDims, comm: CommSpec | None = None,
-                     model: torch.nn.Module | None = None) -> dict[str, Any]:
+def deepspeed_config(
+    cfg: DictConfig,
+    dims: ParallelDims,
+    comm: CommSpec | None = None,
+    model: torch.nn.Module | None = None,
+) -> dict[str, Any]:
     """The DeepSpeed config a run uses: generated, then the file, then the passthrough."""
     ds = generated_config(cfg, dims, comm, model)
     for _, settings in user_sources(cfg):
@@ -229,33 +252,47 @@ def deepspeed_config(cfg: DictConfig, dims: ParallelDims, comm: CommSpec | None 
 def validate(cfg: DictConfig, dims, comm: CommSpec | None = None) -> list[str]:
     """Refusals before launch (the capability checks of ``PluginInfo`` cover devices/axes)."""
     strategy, stage = cfg.strategy, stage_of(cfg)
-    problems = (list(comm_config(cfg, dims, comm)[2]) + pipeline_problems(cfg, dims)
-                + expert_parallel_problems(cfg, dims))
+    problems = (
+        list(comm_config(cfg, dims, comm)[2])
+        + pipeline_problems(cfg, dims)
+        + expert_parallel_problems(cfg, dims)
+    )
     for setting in ("offload_optimizer", "offload_params"):
         value = strategy[setting]
         if value not in OFFLOAD_DEVICES:
-            problems.append(f"strategy.{setting}={value}: choose one of "
-                            f"{', '.join(OFFLOAD_DEVICES)}")
+            problems.append(
+                f"strategy.{setting}={value}: choose one of {', '.join(OFFLOAD_DEVICES)}"
+            )
     if strategy.offload_params != "none" and stage != 3:
-        problems.append(f"strategy.offload_params={strategy.offload_params} needs ZeRO-3 (only "
-                        f"stage 3 partitions parameters), but strategy={strategy.name}: use "
-                        "strategy=zero3 or set strategy.offload_params=none")
+        problems.append(
+            f"strategy.offload_params={strategy.offload_params} needs ZeRO-3 (only "
+            f"stage 3 partitions parameters), but strategy={strategy.name}: use "
+            "strategy=zero3 or set strategy.offload_params=none"
+        )
     if strategy.offload_optimizer != "none" and stage == 0:
-        problems.append(f"strategy.offload_optimizer={strategy.offload_optimizer} needs ZeRO-1 or "
-                        "higher (stage 0 keeps the torch optimizer): use strategy=zero1..zero3")
+        problems.append(
+            f"strategy.offload_optimizer={strategy.offload_optimizer} needs ZeRO-1 or "
+            "higher (stage 0 keeps the torch optimizer): use strategy=zero1..zero3"
+        )
     on_cpu = runs_on_cpu(cfg)
     for setting in ("offload_optimizer", "offload_params"):
         if strategy[setting] == "nvme" and on_cpu:
-            problems.append(f"strategy.{setting}=nvme needs a CUDA device (DeepSpeed's async_io "
-                            f"swaps to NVMe from GPU memory), but device={cfg.device} runs on the "
-                            "CPU: use cpu or none")
+            problems.append(
+                f"strategy.{setting}=nvme needs a CUDA device (DeepSpeed's async_io "
+                f"swaps to NVMe from GPU memory), but device={cfg.device} runs on the "
+                "CPU: use cpu or none"
+            )
     if cfg.precision == "fp16" and on_cpu and not _cpu_supports_fp16():
-        problems.append("precision=fp16 with DeepSpeed on the CPU: this CPU has no fp16 kernels "
-                        "(DeepSpeed's CPU accelerator reports no fp16 support); use precision=bf16 "
-                        "or fp32, or a CUDA device")
+        problems.append(
+            "precision=fp16 with DeepSpeed on the CPU: this CPU has no fp16 kernels "
+            "(DeepSpeed's CPU accelerator reports no fp16 support); use precision=bf16 "
+            "or fp32, or a CUDA device"
+        )
     if strategy.config_file and not Path(strategy.config_file).is_file():
-        problems.append(f"strategy.config_file={strategy.config_file}: no such file; give the path "
-                        "of an existing DeepSpeed JSON config")
+        problems.append(
+            f"strategy.config_file={strategy.config_file}: no such file; give the path "
+            "of an existing DeepSpeed JSON config"
+        )
         return problems
     if strategy.config_file:
         try:
@@ -273,17 +310,23 @@ def expert_parallel_problems(cfg: DictConfig, dims) -> list[str]:
         return []
     stage, ep = stage_of(cfg), f"parallel.ep={dims.ep}"
     if stage == 3:
-        return [f"strategy=zero3 with {ep}: DeepSpeed partitions ZeRO-3 parameters over the whole "
-                "dp group, not expert parameters over their expert-data-parallel group (it "
-                "refuses its own MoE layers under stage 3); use strategy=zero1 or zero2, or ddp"]
+        return [
+            f"strategy=zero3 with {ep}: DeepSpeed partitions ZeRO-3 parameters over the whole "
+            "dp group, not expert parameters over their expert-data-parallel group (it "
+            "refuses its own MoE layers under stage 3); use strategy=zero1 or zero2, or ddp"
+        ]
     if stage == 0:
-        return [f"strategy=zero0 with {ep}: DeepSpeed's stage-0 gradient norm averages the "
-                "ranks' norms instead of adding their experts' squares, so clipping would "
-                "differ from one process; use strategy=zero1 or zero2, or ddp"]
+        return [
+            f"strategy=zero0 with {ep}: DeepSpeed's stage-0 gradient norm averages the "
+            "ranks' norms instead of adding their experts' squares, so clipping would "
+            "differ from one process; use strategy=zero1 or zero2, or ddp"
+        ]
     if dims.pp > 1:
-        return [f"strategy={cfg.strategy.name} with {ep} and parallel.pp={dims.pp}: expert "
-                "parameters under DeepSpeed's pipeline ZeRO-1 path are not supported by plait "
-                "yet; use strategy=ddp with pipeline stages, or parallel.pp=1"]
+        return [
+            f"strategy={cfg.strategy.name} with {ep} and parallel.pp={dims.pp}: expert "
+            "parameters under DeepSpeed's pipeline ZeRO-1 path are not supported by plait "
+            "yet; use strategy=ddp with pipeline stages, or parallel.pp=1"
+        ]
     return []
 
 
@@ -293,31 +336,42 @@ def pipeline_problems(cfg: DictConfig, dims) -> list[str]:
     outside DeepSpeed, and ZeRO-3 also gathers parameters around every module's forward."""
     stage = stage_of(cfg)
     if dims.pp > 1 and dims.cp > 1:
-        return [f"strategy={cfg.strategy.name} with parallel.pp={dims.pp} and parallel.cp="
-                f"{dims.cp}: DeepSpeed sums gradients over the context-parallel ranks, which the "
-                "pipeline schedule's loss is not scaled for (not built): use strategy=ddp with "
-                "pipeline and context parallelism, or one of them with ZeRO"]
+        return [
+            f"strategy={cfg.strategy.name} with parallel.pp={dims.pp} and parallel.cp="
+            f"{dims.cp}: DeepSpeed sums gradients over the context-parallel ranks, which the "
+            "pipeline schedule's loss is not scaled for (not built): use strategy=ddp with "
+            "pipeline and context parallelism, or one of them with ZeRO"
+        ]
     if dims.pp > 1 and stage == 1 and cfg.precision == "fp16":
-        return [f"strategy=zero1 precision=fp16 with parallel.pp={dims.pp}: the pipeline "
-                "schedule runs the backward outside DeepSpeed, so DeepSpeed's loss scaler never "
-                "scales it; use precision=bf16 (or strategy=ddp, whose pipeline engine scales)"]
+        return [
+            f"strategy=zero1 precision=fp16 with parallel.pp={dims.pp}: the pipeline "
+            "schedule runs the backward outside DeepSpeed, so DeepSpeed's loss scaler never "
+            "scales it; use precision=bf16 (or strategy=ddp, whose pipeline engine scales)"
+        ]
     if dims.pp == 1 or stage == 1:
         return []
     if stage == 0:
-        return [f"strategy=zero0 with parallel.pp={dims.pp}: stage 0 partitions nothing; use "
-                "strategy=ddp (the same data parallelism) or strategy=zero1"]
-    return [f"strategy={cfg.strategy.name} with parallel.pp={dims.pp}: DeepSpeed supports only "
-            "ZeRO-1 under pipeline parallelism (its pipeline engine refuses ZeRO-2 and ZeRO-3: "
-            f"ZeRO-{stage} {'partitions gradients' if stage == 2 else 'partitions parameters'} "
-            "inside each micro-batch's backward, which the pipeline schedule runs); use "
-            "strategy=zero1 (optimizer states partitioned over each stage's dp group)"]
+        return [
+            f"strategy=zero0 with parallel.pp={dims.pp}: stage 0 partitions nothing; use "
+            "strategy=ddp (the same data parallelism) or strategy=zero1"
+        ]
+    return [
+        f"strategy={cfg.strategy.name} with parallel.pp={dims.pp}: DeepSpeed supports only "
+        "ZeRO-1 under pipeline parallelism (its pipeline engine refuses ZeRO-2 and ZeRO-3: "
+        f"ZeRO-{stage} {'partitions gradients' if stage == 2 else 'partitions parameters'} "
+        "inside each micro-batch's backward, which the pipeline schedule runs); use "
+        "strategy=zero1 (optimizer states partitioned over each stage's dp group)"
+    ]
 
 
 def zero_section_problems(cfg: DictConfig, dims: ParallelDims) -> list[str]:
     """DeepSpeed's own checks (its pydantic model) of the ``zero_optimization`` section, run only
     when the user's file or passthrough sets keys in it: importing DeepSpeed takes seconds."""
-    sources = [(source, flatten(settings)) for source, settings in user_sources(cfg)
-               if "zero_optimization" in settings]
+    sources = [
+        (source, flatten(settings))
+        for source, settings in user_sources(cfg)
+        if "zero_optimization" in settings
+    ]
     if not sources:
         return []
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -331,8 +385,10 @@ def zero_section_problems(cfg: DictConfig, dims: ParallelDims) -> list[str]:
             key = "zero_optimization." + ".".join(map(str, error["loc"]))
             source = next((s for s, keys in reversed(sources) if key in keys), sources[-1][0])
             where = f"{source}.{key}" if source == "strategy.deepspeed" else f"{source} ({key})"
-            problems.append(f"{where}={json.dumps(error.get('input'))} is refused by DeepSpeed "
-                            f"({error['msg']}): change or drop it")
+            problems.append(
+                f"{where}={json.dumps(error.get('input'))} is refused by DeepSpeed "
+                f"({error['msg']}): change or drop it"
+            )
         return problems
     return []
 

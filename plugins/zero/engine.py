@@ -8,7 +8,10 @@ One optimizer step is what DeepSpeed's own loop does, micro-batch by micro-batch
         engine.step()           # reduces / partitions grads; clips and steps at the boundary
 
 plait's LR schedule is applied by setting ``lr`` on DeepSpeed's optimizer param groups before each
-step, exactly as DDP does, so a run's per-step LR does not depend on the strategy.
+step (:func:`plait.engine.hyperparameters.set_lr`), exactly as every engine does, so a run's
+per-step LR does not depend on the strategy; the loss is averaged over dp by the engine
+library's :func:`~plait.engine.step.mean_over`, and DeepSpeed computes the norm, clips and asks
+the step guard (``guard.py``) inside its own step.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from plait.plugins.optim.hyperparameters import keep_hyperparameters
-from plait.plugins.optim.state_by_name import load_state_by_name, state_by_name
+from plait.engine.hyperparameters import keep_hyperparameters, set_lr
+from plait.engine.state_by_name import load_state_by_name, state_by_name
+from plait.engine.step import mean_over
 from plait.plugins.zero.fp32_master import share_fp32_partitions
 from plait.plugins.zero.sizing import param_groups_within, split_to_count
 from plait.types import Batch, StepOutput, model_inputs
@@ -39,27 +43,30 @@ class TopologyMPU:
     shards that hold one replica (same dp rank), so the norm is the whole model's; its rank names
     the checkpoint files (``mp_rank_XX``), one per stage and shard. DeepSpeed asks for these per
     parameter on hot paths, so groups and ranks are looked up once (a mesh slice per call costs
-    time).
+    time). These Megatron names live here only because DeepSpeed's ``mpu`` calls them; plait
+    itself names every group ``topology.group(name)``.
     """
 
     def __init__(self, topology):
         dims = topology.dims
-        self.dp_group = topology.get_data_parallel_group()
-        self.tp_group = topology.get_tensor_model_parallel_group()
+        self.dp_group = topology.group("dp")
+        self.tp_group = topology.group("tp")
         self.mp_group, self.mp_rank, self.mp_size = self.tp_group, topology.tp_rank, dims.tp
         if dims.pp > 1:
-            self.mp_group = topology.replica_group()
+            self.mp_group = topology.group("replica")
             self.mp_rank = topology.pp_rank * dims.tp + topology.tp_rank
             self.mp_size = dims.pp * dims.tp
-        self.pp_group = topology.get_pipeline_model_parallel_group()
-        self.dp_rank, self.tp_rank, self.pp_rank = (topology.dp_rank, topology.tp_rank,
-                                                    topology.pp_rank)
+        self.pp_group = topology.group("pp")
+        self.dp_rank, self.tp_rank, self.pp_rank = (
+            topology.dp_rank,
+            topology.tp_rank,
+            topology.pp_rank,
+        )
         self.dp_size, self.tp_size, self.pp_size = dims.dp, dims.tp, dims.pp
         self.dp_ranks = dist.get_process_group_ranks(self.dp_group)
         self.tp_src_rank = dist.get_process_group_ranks(self.tp_group)[0]
-        self.cp_group, self.cp_rank, self.cp_size = (topology.get_context_parallel_group(),
-                                                     topology.cp_rank, dims.cp)
-        self.dp_cp_group = topology.get_data_parallel_group(with_context_parallel=True)
+        self.cp_group, self.cp_rank, self.cp_size = topology.group("cp"), topology.cp_rank, dims.cp
+        self.dp_cp_group = topology.group("dp_cp")
         self.dp_cp_rank, self.dp_cp_size = topology.dp_cp_rank, dims.dp_cp
 
     def get_data_parallel_group(self):
@@ -127,14 +134,21 @@ def optimizer_param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, A
     """The parameter grouping of plait's optimizer plugin (which tensors get weight decay), for
     DeepSpeed to build its AdamW over; every other hyperparameter comes from the DeepSpeed
     config, so it is written in one place."""
-    return [{"params": g["params"], "weight_decay": g["weight_decay"]}
-            for g in optimizer.param_groups]
+    return [
+        {"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups
+    ]
 
 
 class ZeroEngine:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: Callable, topology, ds_config: dict[str, Any],
-                 check_step: Callable[..., list]):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable,
+        topology,
+        ds_config: dict[str, Any],
+        check_step: Callable[..., list],
+    ):
         import deepspeed
 
         from plait.plugins.zero.guard import DeepSpeedStepGuard
@@ -142,7 +156,7 @@ class ZeroEngine:
         self.loss_fn = loss_fn
         self.topology = topology
         # the loss is averaged over the data- and context-parallel ranks
-        self.dp_group = topology.get_data_parallel_group(with_context_parallel=True)
+        self.dp_group = topology.group("dp_cp")
         self.dp_size = topology.dims.dp_cp
         self.backward_scale = 1 / topology.dims.cp  # DeepSpeed sums over sequence parallelism
         client = "optimizer" not in ds_config  # an in-house optimizer plugin's torch optimizer
@@ -151,19 +165,21 @@ class ZeroEngine:
         param_groups = None if client else optimizer_param_groups(optimizer)
         if param_groups and self.stage in (1, 2) and "sub_group_size" in zero:
             # sizing.py: ZeRO-1/2 step their partition in sub-groups
-            param_groups = param_groups_within(param_groups,
-                                               self.dp_size * int(zero["sub_group_size"]))
+            param_groups = param_groups_within(
+                param_groups, self.dp_size * int(zero["sub_group_size"])
+            )
             if topology.dims.pp > 1:  # as many sub-groups on every stage (sizing.py)
                 count = torch.tensor(len(param_groups))
-                dist.all_reduce(count, op=dist.ReduceOp.MAX, group=topology.replica_group())
+                dist.all_reduce(count, op=dist.ReduceOp.MAX, group=topology.group("replica"))
                 param_groups = split_to_count(param_groups, int(count))
         # Expert parallelism: DeepSpeed-MoE's expert param groups (experts.py)
         self.saves_engine_files = topology.dims.ep == 1
         if topology.dims.ep > 1:
             from plait.plugins.zero.experts import moe_marker, named_param_groups
 
-            n_experts = max(m.n_experts for m in model.modules()
-                            if getattr(m, "is_moe_layer", False))
+            n_experts = max(
+                m.n_experts for m in model.modules() if getattr(m, "is_moe_layer", False)
+            )
             model.add_module("deepspeed_moe_marker", moe_marker(topology, n_experts))
             param_groups = param_groups and named_param_groups(param_groups)
         self.ds, *_ = deepspeed.initialize(
@@ -187,8 +203,12 @@ class ZeroEngine:
         if not self.reports_grad_norm:
             self.ds.clip_fp32_gradients = self._clip_fp32_gradients
         # plait_check_step is asked inside DeepSpeed's step, where DeepSpeed checks for overflow
-        self.guard = DeepSpeedStepGuard(self.ds.optimizer, check_step, lambda: self.stage0_norm,
-                                        loss_scaled=self.ds.fp16_enabled())
+        self.guard = DeepSpeedStepGuard(
+            self.ds.optimizer,
+            check_step,
+            lambda: self.stage0_norm,
+            loss_scaled=self.ds.fp16_enabled(),
+        )
         self.device = self.ds.device
         self.model_state_bytes: dict[str, int] | None = None
 
@@ -196,15 +216,8 @@ class ZeroEngine:
         x, kwargs, y = model_inputs(batch, self.device)
         return self.loss_fn(self.ds(x, **kwargs), y)
 
-    def _mean_over_dp(self, value: torch.Tensor) -> float:
-        if self.dp_size > 1:
-            dist.all_reduce(value, group=self.dp_group)  # gloo has no AVG
-            value = value / self.dp_size
-        return value.item()
-
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
-        for group in self.ds.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.ds.optimizer, lr)
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
             loss = self._loss(batch)
@@ -219,20 +232,19 @@ class ZeroEngine:
             if last:
                 if not self.reports_grad_norm and self.ds.gradient_clipping() == 0:
                     self._clip_fp32_gradients(max_norm=math.inf)  # only measures: DeepSpeed won't
-                self.guard.arm(total / len(micro_batches))  # before the sum over dp below
-                # Sum the loss over dp while the optimizer steps (gloo has no AVG).
-                loss_reduced = self._start_sum_over_dp(total)
+                local_loss = total / len(micro_batches)
+                self.guard.arm(local_loss)
+                loss = mean_over(local_loss.clone(), self.dp_group, self.dp_size)  # overlaps
             self.ds.step()
-        loss_reduced()
         grad_norm = self.ds.get_global_grad_norm() if self.reports_grad_norm else self.stage0_norm
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         metrics = self._model_state_metrics()
         if self.ds.fp16_enabled():  # dynamic loss scaling: show the scale and skipped steps
             metrics["loss_scale"] = float(getattr(self.ds.optimizer, "loss_scale", float("nan")))
             metrics["skipped_steps"] = float(self.ds.skipped_steps)
-        mean_loss = total.item() / (len(micro_batches) * self.dp_size)
-        return StepOutput(loss=mean_loss, grad_norm=grad_norm, metrics=metrics,
-                          skipped=self.guard.settle())
+        return StepOutput(
+            loss=loss(), grad_norm=grad_norm, metrics=metrics, skipped=self.guard.settle()
+        )
 
     def step_after_backward(self, loss: float, local_loss: torch.Tensor) -> StepOutput:
         """The optimizer step after a backward that ran outside DeepSpeed (the pipeline
@@ -245,8 +257,12 @@ class ZeroEngine:
         self.ds.optimizer.reduce_gradients(pipeline_parallel=True)
         self.guard.arm(local_loss)
         self.ds.step()
-        return StepOutput(loss=loss, grad_norm=float(self.ds.get_global_grad_norm()),
-                          metrics=self._model_state_metrics(), skipped=self.guard.settle())
+        return StepOutput(
+            loss=loss,
+            grad_norm=float(self.ds.get_global_grad_norm()),
+            metrics=self._model_state_metrics(),
+            skipped=self.guard.settle(),
+        )
 
     def _measure_model_states(self) -> None:
         """Once, after a backward of the second step (every rank calls it at the same point)."""
@@ -256,14 +272,9 @@ class ZeroEngine:
             self.model_state_bytes = self._max_over_ranks(measure_deepspeed_engine(self.ds))
 
     def _model_state_metrics(self) -> dict[str, float]:
-        return {f"model_state_bytes/{k}": float(v)
-                for k, v in (self.model_state_bytes or {}).items()}
-
-    def _start_sum_over_dp(self, value: torch.Tensor) -> Callable[[], None]:
-        """Start summing ``value`` in place over the dp group; call the result to wait."""
-        if self.dp_size == 1:
-            return lambda: None
-        return dist.all_reduce(value, group=self.dp_group, async_op=True).wait
+        return {
+            f"model_state_bytes/{k}": float(v) for k, v in (self.model_state_bytes or {}).items()
+        }
 
     def _clip_fp32_gradients(self, max_norm: float | None = None) -> None:
         """DeepSpeed's stage-0 clipping (``DeepSpeedEngine.clip_fp32_gradients``), keeping the
@@ -271,8 +282,9 @@ class ZeroEngine:
         from deepspeed.runtime.utils import clip_grad_norm_
 
         limit = self.ds.gradient_clipping() if max_norm is None else max_norm
-        self.stage0_norm = float(clip_grad_norm_(self.model.parameters(), max_norm=limit,
-                                                 mpu=self.ds.mpu))
+        self.stage0_norm = float(
+            clip_grad_norm_(self.model.parameters(), max_norm=limit, mpu=self.ds.mpu)
+        )
 
     def _max_over_ranks(self, figures: dict[str, int]) -> dict[str, int]:
         """The largest rank's bytes (ZeRO's partitions differ by padding at most)."""
@@ -285,30 +297,35 @@ class ZeroEngine:
         self.ds.eval()
         loss = self._loss(batch).detach().float()
         self.ds.train()
-        return self._mean_over_dp(loss)
+        return mean_over(loss, self.dp_group, self.dp_size)()
 
     def save_state(self, directory: Path) -> None:
         self.ds.save_checkpoint(str(directory), tag=TAG, save_latest=False)
 
     def load_state(self, directory: Path) -> None:
         with keep_hyperparameters(self.ds.optimizer):
-            path, _ = self.ds.load_checkpoint(str(directory), tag=TAG, load_optimizer_states=True,
-                                              load_lr_scheduler_states=False)
+            path, _ = self.ds.load_checkpoint(
+                str(directory), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
         if path is None:
-            raise ValueError(f"{directory}: no DeepSpeed checkpoint (tag {TAG!r}) in it; it was "
-                             "not written by strategy=zero*")
+            raise ValueError(
+                f"{directory}: no DeepSpeed checkpoint (tag {TAG!r}) in it; it was "
+                "not written by strategy=zero*"
+            )
 
     def layout_free_state(self) -> dict:
         """The fp32 master parameters and Adam states, full over the dp group, by parameter
         name, and under fp16 the dynamic loss scaler's state (``loss_scale.py``). See
-        :mod:`plait.plugins.checkpoint.layout_free`."""
+        :mod:`plait.engine.layout_free`."""
         from plait.plugins.zero.loss_scale import dynamic_loss_scaler, loss_scaler_state
 
         state = self._parameter_state()
         scaler = dynamic_loss_scaler(self.ds.optimizer)
         if scaler is not None:
-            state["loss_scale"] = {**loss_scaler_state(scaler),
-                                   "skipped_steps": torch.tensor(self.ds.skipped_steps)}
+            state["loss_scale"] = {
+                **loss_scaler_state(scaler),
+                "skipped_steps": torch.tensor(self.ds.skipped_steps),
+            }
         return state
 
     def _parameter_state(self) -> dict:
@@ -331,8 +348,9 @@ class ZeroEngine:
             keys = self._optimizer_state_keys()
             for name, param in self.model.named_parameters():
                 model[name] = safe_get_full_fp32_param(param)
-                optim[name] = {key: safe_get_full_optimizer_state(param, key)
-                               for key in keys} | {"step": step}
+                optim[name] = {key: safe_get_full_optimizer_state(param, key) for key in keys} | {
+                    "step": step
+                }
         for name, param in self.model.named_parameters(remove_duplicate=False):
             if name not in model:  # a tied parameter's other names, as in DDP's state dict
                 model[name] = model[self._first_name(param)]
@@ -344,20 +362,30 @@ class ZeroEngine:
         torch optimizer steps those. By the 16-bit parameter's name."""
         wrapper = self.ds.optimizer
         if not hasattr(wrapper, "fp32_groups"):
-            raise NotImplementedError(f"strategy=zero0 with DeepSpeed's {type(wrapper).__name__}"
-                                      ": plait reads the fp32 masters of FP16_UnfusedOptimizer "
-                                      "only (AdamW through torch, or a client optimizer)")
+            raise NotImplementedError(
+                f"strategy=zero0 with DeepSpeed's {type(wrapper).__name__}"
+                ": plait reads the fp32 masters of FP16_UnfusedOptimizer "
+                "only (AdamW through torch, or a client optimizer)"
+            )
         name_of = {id(p): n for n, p in self.model.named_parameters()}
-        return {name_of[id(low)]: master
-                for lows, masters in zip(wrapper.fp16_groups, wrapper.fp32_groups)
-                for low, master in zip(lows, masters)}
+        return {
+            name_of[id(low)]: master
+            for lows, masters in zip(wrapper.fp16_groups, wrapper.fp32_groups)
+            for low, master in zip(lows, masters)
+        }
 
     def _optimizer_state_keys(self) -> list[str]:
         """The per-element states of the torch optimizer DeepSpeed steps (Adam's two moments;
         an in-house client optimizer's own, or none): tensors of the flat partitions' state."""
         inner = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
-        return sorted({key for state in inner.state.values() for key, value in state.items()
-                       if torch.is_tensor(value) and value.dim() > 0})
+        return sorted(
+            {
+                key
+                for state in inner.state.values()
+                for key, value in state.items()
+                if torch.is_tensor(value) and value.dim() > 0
+            }
+        )
 
     def _first_name(self, param: torch.nn.Parameter) -> str:
         return next(n for n, p in self.model.named_parameters() if p is param)
@@ -400,8 +428,7 @@ class ZeroEngine:
         ``GatheredParameters(modifier_rank=0)``, which partitions dp rank 0's edit again."""
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-        with GatheredParameters([param], modifier_rank=0, enabled=self.stage == 3), \
-                torch.no_grad():
+        with GatheredParameters([param], modifier_rank=0, enabled=self.stage == 3), torch.no_grad():
             param.copy_(value)
 
     def _link_optimizer_states(self) -> None:

@@ -39,6 +39,7 @@ from plait.plugins.zero.config import STAGES
 from plait.plugins.zero.sizing import working_memory_settings
 from plait.types import StrategyCost
 
+
 @dataclass(frozen=True)
 class ModelStates:
     """Bytes per rank, split as the ZeRO paper splits them."""
@@ -77,23 +78,38 @@ def strategy_cost(cfg, strategy: str, model: torch.nn.Module, dims) -> StrategyC
     states = zero_formula(dense, stage, dp, cfg.precision)
     if experts:  # partitioned over the ranks that hold the same experts (experts.py)
         more = zero_formula(experts, stage, dims.dp // dims.ep, cfg.precision)
-        states = ModelStates(states.params + more.params, states.grads + more.grads,
-                             states.optimizer + more.optimizer)
+        states = ModelStates(
+            states.params + more.params,
+            states.grads + more.grads,
+            states.optimizer + more.optimizer,
+        )
     bucket = working_memory_settings(model, stage, dims.tp * dims.pp).get("reduce_bucket_size", 0)
     own = cfg.strategy.name == strategy  # its offload settings are in cfg.strategy
-    offloaded = frozenset(name for name, setting in (("optimizer", "offload_optimizer"),
-                                                      ("params", "offload_params"))
-                          if own and cfg.strategy[setting] != "none")
+    offloaded = frozenset(
+        name
+        for name, setting in (("optimizer", "offload_optimizer"), ("params", "offload_params"))
+        if own and cfg.strategy[setting] != "none"
+    )
     references = {}
     reference = own and deepspeed_estimate(
-        psi, max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
-        stage, dp, "optimizer" in offloaded, "params" in offloaded)
+        psi,
+        max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+        stage,
+        dp,
+        "optimizer" in offloaded,
+        "params" in offloaded,
+    )
     if reference:
         references["DeepSpeed's estimator (device, assumes 16-bit training)"] = reference
-    return StrategyCost(params=states.params, grads=states.grads, optimizer=states.optimizer,
-                        buffers=bucket * b * (zero3_buffer_elements(cfg) if stage == 3 else 2),
-                        dp_bytes_per_step=(3 if stage == 3 else 2) * (dp - 1) / dp * psi * b,
-                        offloaded=offloaded, references=references)
+    return StrategyCost(
+        params=states.params,
+        grads=states.grads,
+        optimizer=states.optimizer,
+        buffers=bucket * b * (zero3_buffer_elements(cfg) if stage == 3 else 2),
+        dp_bytes_per_step=(3 if stage == 3 else 2) * (dp - 1) / dp * psi * b,
+        offloaded=offloaded,
+        references=references,
+    )
 
 
 def zero3_buffer_elements(cfg) -> int:
@@ -105,22 +121,34 @@ def zero3_buffer_elements(cfg) -> int:
     return 4 + (1 if runs_on_cpu(cfg) else 0)
 
 
-def deepspeed_estimate(n_params: int, largest_layer_params: int, stage: int, dp: int,
-                       offload_optimizer: bool, offload_params: bool) -> int | None:
+def deepspeed_estimate(
+    n_params: int,
+    largest_layer_params: int,
+    stage: int,
+    dp: int,
+    offload_optimizer: bool,
+    offload_params: bool,
+) -> int | None:
     """Device bytes per rank from DeepSpeed's own estimator (stages 2 and 3 only; it assumes
     16-bit training)."""
     if stage == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
         _, device = estimate_zero2_model_states_mem_needs(
-            n_params, num_gpus_per_node=dp, num_nodes=1, cpu_offload=offload_optimizer)
+            n_params, num_gpus_per_node=dp, num_nodes=1, cpu_offload=offload_optimizer
+        )
         return device
     if stage == 3:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
         _, device, _ = estimate_zero3_model_states_mem_needs(
-            n_params, largest_layer_params, num_gpus_per_node=dp, num_nodes=1,
-            cpu_offload=offload_optimizer, cpu_offload_params=offload_params)
+            n_params,
+            largest_layer_params,
+            num_gpus_per_node=dp,
+            num_nodes=1,
+            cpu_offload=offload_optimizer,
+            cpu_offload_params=offload_params,
+        )
         return device
     return None
 
@@ -163,8 +191,9 @@ def _grad_buffers(zero_optimizer) -> list[torch.Tensor]:
     return tensors
 
 
-def measure_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                         zero_optimizer=None) -> dict[str, int]:
+def measure_model_states(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, zero_optimizer=None
+) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer states this rank holds right now.
 
     ``optimizer`` is the torch optimizer that steps (inside DeepSpeed: the one its ZeRO optimizer
@@ -177,15 +206,19 @@ def measure_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimiz
     params = _unique_bytes(local_params, seen)
     steps = [p for g in optimizer.param_groups for p in g["params"]]
     buffers = _grad_buffers(zero_optimizer) if zero_optimizer is not None else []
-    grads = _unique_bytes([p.grad for p in module.parameters()] + buffers
-                          + [p.grad for p in steps], seen)
-    states = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    grads = _unique_bytes(
+        [p.grad for p in module.parameters()] + buffers + [p.grad for p in steps], seen
+    )
+    states = [
+        t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+    ]
     optimizer_bytes = _unique_bytes(steps + states, seen)
     return {"params": params, "grads": grads, "optimizer": optimizer_bytes}
 
 
-def measure_activation_bytes(model: torch.nn.Module, loss_fn, inputs: torch.Tensor,
-                             targets: torch.Tensor) -> int:
+def measure_activation_bytes(
+    model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor
+) -> int:
     """Bytes autograd saves for backward in one forward and loss of ``model`` (weights and
     their views excluded, each storage once): what a model's ``activation_bytes`` estimates."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}

@@ -6,7 +6,7 @@ whole dp size, adds the experts' squares over every rank to the gradient norm, a
 experts within their expert-data-parallel group. It does so when its engine finds a
 ``deepspeed.moe.layer.MoE`` module in the model (``has_moe_layers``) and the optimizer's param
 groups are split by ``split_params_into_different_moe_groups_for_optimizer`` (named groups;
-experts marked ``allreduce = False``, ``group_name``, as :mod:`plait.plugins.expert_parallel.grads`
+experts marked ``allreduce = False``, ``group_name``, as :mod:`plait.engine.experts`
 marks them).
 
 plait's experts are its own modules, so :func:`moe_marker` stands a ``MoE`` subclass (with no
@@ -42,13 +42,18 @@ def moe_marker(topology, n_experts: int) -> torch.nn.Module:
         def set_deepspeed_parallelism(self, use_data_before_expert_parallel_=False):
             groups._create_expert_data_and_model_parallel(ep, mpu=groups.mpu)
             name = self.expert_group_name
-            ours = (dist.get_process_group_ranks(topology.get_expert_parallel_group()),
-                    dist.get_process_group_ranks(topology.get_expert_data_parallel_group()))
-            theirs = (list(groups._get_expert_parallel_group_ranks(name)),
-                      list(groups._get_expert_data_parallel_group_ranks(name)))
+            ours = (
+                dist.get_process_group_ranks(topology.group("ep")),
+                dist.get_process_group_ranks(topology.group("edp")),
+            )
+            theirs = (
+                list(groups._get_expert_parallel_group_ranks(name)),
+                list(groups._get_expert_data_parallel_group_ranks(name)),
+            )
             if ours != theirs:
-                raise RuntimeError(f"DeepSpeed's expert groups (ep, edp) {theirs} are not "
-                                   f"plait's {ours}")
+                raise RuntimeError(
+                    f"DeepSpeed's expert groups (ep, edp) {theirs} are not plait's {ours}"
+                )
 
         def forward(self, *args, **kwargs):
             raise RuntimeError("stands in for plait's experts while DeepSpeed initializes")

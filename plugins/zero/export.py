@@ -18,24 +18,27 @@ from pathlib import Path
 
 import torch
 
-from plait.plugins.checkpoint.layout_free import DIRECTORY, read_model
+from plait.engine.layout_free import DIRECTORY, read_model
 from plait.plugins.zero.engine import TAG
 
 MP_RANK = re.compile(r"mp_rank_(\d+)_")
 
 
 def tensor_parallel_ranks(ds_dir: Path) -> list[int]:
-    ranks = {int(m.group(1)) for p in ds_dir.glob("*_model_states.pt")
-             if (m := MP_RANK.search(p.name))}
+    ranks = {
+        int(m.group(1)) for p in ds_dir.glob("*_model_states.pt") if (m := MP_RANK.search(p.name))
+    }
     if not ranks:
-        raise ValueError(f"{ds_dir}: no DeepSpeed model states in it; was it written by "
-                         "strategy=zero0..zero3?")
+        raise ValueError(
+            f"{ds_dir}: no DeepSpeed model states in it; was it written by strategy=zero0..zero3?"
+        )
     return sorted(ranks)
 
 
 def read_stage0(ds_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:
-    state = torch.load(ds_dir / f"mp_rank_{tp_rank:02d}_model_states.pt", map_location="cpu",
-                       weights_only=False)
+    state = torch.load(
+        ds_dir / f"mp_rank_{tp_rank:02d}_model_states.pt", map_location="cpu", weights_only=False
+    )
     return {k: v.float() for k, v in state["module"].items()}
 
 

@@ -35,8 +35,9 @@ def share_fp32_partitions(zero_optimizer) -> int:
     """Replace DeepSpeed's fp32 master copies that equal their parameter partition in dtype,
     device and size by that partition; returns the bytes freed (0 for stage 0, offloaded or
     swapped optimizers and 16-bit parameters)."""
-    if getattr(zero_optimizer, "offload_optimizer", False) or getattr(zero_optimizer,
-                                                                      "cpu_offload", False):
+    if getattr(zero_optimizer, "offload_optimizer", False) or getattr(
+        zero_optimizer, "cpu_offload", False
+    ):
         return 0
     if hasattr(zero_optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3
         return _share_stage_3(zero_optimizer)
@@ -46,8 +47,13 @@ def share_fp32_partitions(zero_optimizer) -> int:
 
 
 def _same(low: torch.Tensor | None, master: torch.Tensor) -> bool:
-    return (low is not None and low is not master and low.dtype == master.dtype
-            and low.device == master.device and low.shape == master.shape)
+    return (
+        low is not None
+        and low is not master
+        and low.dtype == master.dtype
+        and low.device == master.device
+        and low.shape == master.shape
+    )
 
 
 def _share_stage_3(zero) -> int:

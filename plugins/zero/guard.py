@@ -37,14 +37,21 @@ from typing import Callable
 
 import torch
 
+from plait.engine.step import ask_guard
+
 
 class DeepSpeedStepGuard:
     """Asks ``check(loss=..., grad_norm=...)`` (the ``plait_check_step`` results) once per
     optimizer step of ``optimizer`` (DeepSpeed's), and makes DeepSpeed skip the step when any
     answer is True. ``stage0_norm()`` gives the norm where DeepSpeed steps a torch optimizer."""
 
-    def __init__(self, optimizer, check: Callable[..., list], stage0_norm: Callable[[], float],
-                 loss_scaled: bool):
+    def __init__(
+        self,
+        optimizer,
+        check: Callable[..., list],
+        stage0_norm: Callable[[], float],
+        loss_scaled: bool,
+    ):
         from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
         from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -61,8 +68,11 @@ class DeepSpeedStepGuard:
             self.stage0_norm = stage0_norm
             self._wrap(optimizer, "step", self._step_stage_0)
         elif isinstance(optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):  # stage 0, 16 bits
-            self._wrap(optimizer.optimizer, "step",
-                       functools.partial(self._step_stage_0_16_bits, optimizer))
+            self._wrap(
+                optimizer.optimizer,
+                "step",
+                functools.partial(self._step_stage_0_16_bits, optimizer),
+            )
         else:  # a DeepSpeed optimizer plait does not configure (e.g. its BF16_Optimizer)
             self.arm = lambda loss: None
 
@@ -86,9 +96,7 @@ class DeepSpeedStepGuard:
     def _ask(self, grad_norm: torch.Tensor) -> bool:
         if self.loss is None:  # a step plait did not arm: not a train step of its loop
             return False
-        if self.loss_scaled:  # fp16: gradient overflows are the loss scaler's
-            grad_norm = torch.zeros(())
-        self.skipped = any(self.check(loss=self.loss, grad_norm=grad_norm))
+        self.skipped = ask_guard(self.check, self.loss, grad_norm, self.loss_scaled)
         self.loss = None
         return self.skipped
 

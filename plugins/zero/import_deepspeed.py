@@ -26,10 +26,14 @@ from typing import Any
 
 from plait.plugins.zero.config import STAGES, flatten
 
-ZERO_OFFLOAD = {"offload_optimizer": "strategy.offload_optimizer",
-                "offload_param": "strategy.offload_params"}
-DEPRECATED_OFFLOAD = {"cpu_offload": "strategy.offload_optimizer",
-                      "cpu_offload_param": "strategy.offload_params"}
+ZERO_OFFLOAD = {
+    "offload_optimizer": "strategy.offload_optimizer",
+    "offload_param": "strategy.offload_params",
+}
+DEPRECATED_OFFLOAD = {
+    "cpu_offload": "strategy.offload_optimizer",
+    "cpu_offload_param": "strategy.offload_params",
+}
 # Top-level keys plait covers otherwise: dropped, with the reason.
 NOT_MAPPED = {
     "steps_per_print": "plait's console and tracker log every train.log_every steps",
@@ -132,25 +136,37 @@ def zero_overrides(zero: dict[str, Any], out: Translation) -> int:
 
 def batch_overrides(ds: dict[str, Any], world_size: int | None, out: Translation) -> None:
     """DeepSpeed's ``_set_batch_related_parameters``: the missing number from the other two."""
-    batch, micro, accum = (ds.pop(k, None) for k in (
-        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"))
+    batch, micro, accum = (
+        ds.pop(k, None)
+        for k in (
+            "train_batch_size",
+            "train_micro_batch_size_per_gpu",
+            "gradient_accumulation_steps",
+        )
+    )
     batch, micro, accum = (v if is_set(v) else None for v in (batch, micro, accum))
     if batch is None and micro is None:
-        out.differences.append("no train_batch_size or micro-batch size (or \"auto\"): plait's "
-                               "train.batch_size and train.grad_accum_steps apply")
+        out.differences.append(
+            'no train_batch_size or micro-batch size (or "auto"): plait\'s '
+            "train.batch_size and train.grad_accum_steps apply"
+        )
         return
     if None not in (batch, micro, accum):
         derived, rest = divmod(batch, micro * accum)
         if rest or derived < 1 or (world_size is not None and world_size != derived):
-            raise ValueError(f"train_batch_size={batch} != train_micro_batch_size_per_gpu={micro}"
-                             f" * gradient_accumulation_steps={accum} * world_size"
-                             f"={world_size if world_size is not None else '?'}: fix the JSON or "
-                             "world_size=")
+            raise ValueError(
+                f"train_batch_size={batch} != train_micro_batch_size_per_gpu={micro}"
+                f" * gradient_accumulation_steps={accum} * world_size"
+                f"={world_size if world_size is not None else '?'}: fix the JSON or "
+                "world_size="
+            )
         world_size = derived
     if world_size is None:
-        raise ValueError("the JSON does not give all of train_batch_size, "
-                         "train_micro_batch_size_per_gpu and gradient_accumulation_steps: give "
-                         "world_size=N, the data-parallel size they are meant for")
+        raise ValueError(
+            "the JSON does not give all of train_batch_size, "
+            "train_micro_batch_size_per_gpu and gradient_accumulation_steps: give "
+            "world_size=N, the data-parallel size they are meant for"
+        )
     if accum is None:
         accum = batch // (micro * world_size) if None not in (batch, micro) else 1
     if micro is None:
@@ -158,14 +174,18 @@ def batch_overrides(ds: dict[str, Any], world_size: int | None, out: Translation
     if batch is None:
         batch = micro * accum * world_size
     if batch != micro * accum * world_size or min(batch, micro, accum) < 1:
-        raise ValueError(f"train_batch_size={batch} is not train_micro_batch_size_per_gpu={micro}"
-                         f" * gradient_accumulation_steps={accum} * world_size={world_size}")
+        raise ValueError(
+            f"train_batch_size={batch} is not train_micro_batch_size_per_gpu={micro}"
+            f" * gradient_accumulation_steps={accum} * world_size={world_size}"
+        )
     out.set("launcher.nproc_per_node", world_size)
     out.set("train.batch_size", batch)
     out.set("train.grad_accum_steps", accum)
-    out.summary = (f"world size {world_size}: train_batch_size {batch} = micro-batch {micro} x "
-                   f"accumulation {accum} x {world_size} processes (on N nodes: launcher.nnodes=N "
-                   f"launcher.nproc_per_node={world_size}/N)")
+    out.summary = (
+        f"world size {world_size}: train_batch_size {batch} = micro-batch {micro} x "
+        f"accumulation {accum} x {world_size} processes (on N nodes: launcher.nnodes=N "
+        f"launcher.nproc_per_node={world_size}/N)"
+    )
 
 
 def precision_overrides(ds: dict[str, Any], out: Translation) -> None:
@@ -182,14 +202,20 @@ def optimizer_overrides(optimizer: dict[str, Any] | None, out: Translation) -> f
     """AdamW (or DeepSpeed's "Adam", which is AdamW unless adam_w_mode=false) -> optimizer.*;
     returns the learning rate."""
     if optimizer is None:
-        out.differences.append("no optimizer section: plait's optimizer=adamw with its own "
-                               "settings (optimizer.lr, ...) runs")
+        out.differences.append(
+            "no optimizer section: plait's optimizer=adamw with its own "
+            "settings (optimizer.lr, ...) runs"
+        )
         return None
     kind, params = str(optimizer.get("type", "")), dict(optimizer.get("params", {}))
     adam_w = kind.lower() == "adamw" or (kind.lower() == "adam" and params.get("adam_w_mode", True))
     if not adam_w:
-        out.drop("optimizer", optimizer, "plait's optimizer plugin builds AdamW (decoupled weight "
-                 "decay); another optimizer needs an optimizer plugin of its own")
+        out.drop(
+            "optimizer",
+            optimizer,
+            "plait's optimizer plugin builds AdamW (decoupled weight "
+            "decay); another optimizer needs an optimizer plugin of its own",
+        )
         return None
     for key, default in ADAM_DEFAULTS.items():
         out.set(f"optimizer.{key}", params.pop(key, default))
@@ -198,14 +224,17 @@ def optimizer_overrides(optimizer: dict[str, Any] | None, out: Translation) -> f
         params.pop(key, None)  # plait picks the kernel: torch's, fused on CUDA; CPU Adam offloaded
     for key, value in params.items():
         out.drop(f"optimizer.params.{key}", value, "plait's AdamW has no such setting")
-    out.differences.append("optimizer: plait's AdamW decays only weights of 2 or more dimensions "
-                           "(not biases and norms, as nanoGPT and Megatron do); DeepSpeed decays "
-                           "every parameter it is given")
+    out.differences.append(
+        "optimizer: plait's AdamW decays only weights of 2 or more dimensions "
+        "(not biases and norms, as nanoGPT and Megatron do); DeepSpeed decays "
+        "every parameter it is given"
+    )
     return out.settings["optimizer.lr"]
 
 
-def scheduler_overrides(scheduler: dict[str, Any] | None, lr: float | None,
-                        out: Translation) -> None:
+def scheduler_overrides(
+    scheduler: dict[str, Any] | None, lr: float | None, out: Translation
+) -> None:
     """DeepSpeed's warm-up schedules onto plait's cosine with linear warm-up
     (``optimizer.warmup_steps``, ``min_lr``, ``decay_steps``)."""
     if scheduler is None:
@@ -215,23 +244,35 @@ def scheduler_overrides(scheduler: dict[str, Any] | None, lr: float | None,
         return
     kind, params = scheduler.get("type"), dict(scheduler.get("params", {}))
     if kind not in ("WarmupCosineLR", "WarmupLR", "WarmupDecayLR"):
-        out.drop("scheduler", scheduler, "plait's schedule is a cosine with linear warm-up; "
-                 "set optimizer.warmup_steps, optimizer.min_lr, optimizer.decay_steps")
+        out.drop(
+            "scheduler",
+            scheduler,
+            "plait's schedule is a cosine with linear warm-up; "
+            "set optimizer.warmup_steps, optimizer.min_lr, optimizer.decay_steps",
+        )
         return
     if kind == "WarmupCosineLR" and lr is None:
-        out.drop("scheduler", scheduler, "WarmupCosineLR scales the optimizer's lr, and the "
-                 "optimizer was not mapped")
+        out.drop(
+            "scheduler",
+            scheduler,
+            "WarmupCosineLR scales the optimizer's lr, and the optimizer was not mapped",
+        )
         return
     if kind != "WarmupLR" and "total_num_steps" not in params:
-        raise ValueError(f"scheduler {kind} needs params.total_num_steps (DeepSpeed has no "
-                         "default for it)")
+        raise ValueError(
+            f"scheduler {kind} needs params.total_num_steps (DeepSpeed has no default for it)"
+        )
     warmup = max(2, params.get("warmup_num_steps", 1000))  # DeepSpeed's floor of 2
-    start = ("warmup_min_ratio * lr" if kind == "WarmupCosineLR"
-             else f"warmup_min_lr={params.get('warmup_min_lr', 0)}")
+    start = (
+        "warmup_min_ratio * lr"
+        if kind == "WarmupCosineLR"
+        else f"warmup_min_lr={params.get('warmup_min_lr', 0)}"
+    )
     out.differences.append(
         f"scheduler {kind}: the warm-up differs (DeepSpeed's is {params.get('warmup_type', 'log')}"
         f"-shaped from {start} and one step later; plait's is linear from lr/warmup_steps); from "
-        f"step warmup_steps+1={warmup + 1} on the two schedules give the same lr")
+        f"step warmup_steps+1={warmup + 1} on the two schedules give the same lr"
+    )
     out.set("optimizer.warmup_steps", warmup)
     if kind == "WarmupCosineLR":
         out.set("optimizer.min_lr", params.get("cos_min_ratio", 0.0001) * lr)
@@ -245,13 +286,17 @@ def scheduler_overrides(scheduler: dict[str, Any] | None, lr: float | None,
         return
     out.set("optimizer.min_lr", params.get("warmup_min_lr", 0.0))
     out.set("optimizer.decay_steps", params["total_num_steps"])
-    out.differences.append("scheduler WarmupDecayLR decays linearly to warmup_min_lr; plait's "
-                           "decay is a cosine between the same end points")
+    out.differences.append(
+        "scheduler WarmupDecayLR decays linearly to warmup_min_lr; plait's "
+        "decay is a cosine between the same end points"
+    )
 
 
 def format_translation(source: str, out: Translation) -> str:
-    lines = [f"# plait overrides for {source}" + (f"; {out.summary}" if out.summary else ""),
-             shlex.join(["plait", "train", *out.overrides])]
+    lines = [
+        f"# plait overrides for {source}" + (f"; {out.summary}" if out.summary else ""),
+        shlex.join(["plait", "train", *out.overrides]),
+    ]
     for title, items in (("differences", out.differences), ("not mapped", out.not_mapped)):
         if items:
             lines.append(f"# {title}:")

@@ -1,7 +1,7 @@
 """DeepSpeed's dynamic loss scaler in the layout-free checkpoint copy.
 
 The layout-free form is the one torch's ``GradScaler`` gives under DDP and in a pipeline
-(:func:`plait.plugins.optim.mixed_precision.grad_scaler_state`): ``{"scale", "growth_tracker"}``,
+(:func:`plait.engine.precision.grad_scaler_state`): ``{"scale", "growth_tracker"}``,
 plus ``"hysteresis"``, which only DeepSpeed has. So a checkpoint converted between DDP, a
 pipeline and any ZeRO stage continues with the scale it had.
 
@@ -30,9 +30,12 @@ def dynamic_loss_scaler(optimizer):
 
 
 def loss_scaler_state(scaler) -> dict[str, torch.Tensor]:
-    state = {"scale": torch.tensor(float(scaler.cur_scale), dtype=torch.float64),
-             "growth_tracker": torch.tensor(scaler.cur_iter - scaler.last_overflow_iter - 1,
-                                            dtype=torch.int64)}
+    state = {
+        "scale": torch.tensor(float(scaler.cur_scale), dtype=torch.float64),
+        "growth_tracker": torch.tensor(
+            scaler.cur_iter - scaler.last_overflow_iter - 1, dtype=torch.int64
+        ),
+    }
     if hasattr(scaler, "cur_hysteresis"):
         state["hysteresis"] = torch.tensor(scaler.cur_hysteresis, dtype=torch.int64)
     return state

@@ -42,20 +42,25 @@ def materialize_partitioned(model: nn.Module, init: ParameterInit, cfg, topology
     offload = cfg.strategy.offload_params
     partitioned: list[nn.Parameter] = []
 
-    settings = dict(data_parallel_group=mpu.get_sequence_data_parallel_group(),
-                    config_dict_or_path=deepspeed_config(cfg, topology.dims),
-                    remote_device=None if offload == "none" else offload, mpu=mpu)
+    settings = dict(
+        data_parallel_group=mpu.get_sequence_data_parallel_group(),
+        config_dict_or_path=deepspeed_config(cfg, topology.dims),
+        remote_device=None if offload == "none" else offload,
+        mpu=mpu,
+    )
     if init.read is not None:
         zero_init = deepspeed.zero.Init(module=nn.ParameterList(), **settings)
         if getattr(zero_init, "zero_param_process_group", None) is None:
+
             def read_partitions(module, params, origins) -> None:
                 for p, (name, meta) in zip(params, origins):
                     zero_init._convert_to_deepspeed_param(p)
                     p.partition()
                     fill_partition(p, init.flat, name, meta)
 
-            return materialize(model, init, topology.device, after_module=read_partitions,
-                               fill=False)
+            return materialize(
+                model, init, topology.device, after_module=read_partitions, fill=False
+            )
 
     def partition(module: nn.Module, params: list[nn.Parameter], origins) -> None:
         if partitioned:
@@ -76,6 +81,5 @@ def fill_partition(p: nn.Parameter, flat, name: str, meta: nn.Parameter) -> None
     stop = min(start + part.ds_numel, p.ds_numel)
     with torch.no_grad():
         if stop > start:
-            part[:stop - start].copy_(flat(name, meta, start, stop))
-        part[max(stop - start, 0):].zero_()
-
+            part[: stop - start].copy_(flat(name, meta, start, stop))
+        part[max(stop - start, 0) :].zero_()

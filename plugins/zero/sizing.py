@@ -55,19 +55,27 @@ def bucket_elements(model: torch.nn.Module, model_parallel: int) -> int:
     return int(min(max(local // BUCKETS_PER_MODEL, max(sizes)), DEEPSPEED_DEFAULT_BUCKET))
 
 
-def working_memory_settings(model: torch.nn.Module, stage: int, model_parallel: int
-                            ) -> dict[str, Any]:
+def working_memory_settings(
+    model: torch.nn.Module, stage: int, model_parallel: int
+) -> dict[str, Any]:
     """The ``zero_optimization`` keys above for ``model`` (unsplit, any device) cut into
     ``model_parallel`` = tp·pp parts."""
     bucket = bucket_elements(model, model_parallel)
     if stage == 0 or not bucket:
         return {}
     if stage < 3:
-        return {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                "sub_group_size": bucket}
-    return {"reduce_bucket_size": bucket, "stage3_prefetch_bucket_size": bucket,
-            "stage3_max_live_parameters": 2 * bucket, "stage3_max_reuse_distance": 2 * bucket,
-            "sub_group_size": bucket}
+        return {
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            "sub_group_size": bucket,
+        }
+    return {
+        "reduce_bucket_size": bucket,
+        "stage3_prefetch_bucket_size": bucket,
+        "stage3_max_live_parameters": 2 * bucket,
+        "stage3_max_reuse_distance": 2 * bucket,
+        "sub_group_size": bucket,
+    }
 
 
 def param_groups_within(groups: list[dict[str, Any]], max_elements: int) -> list[dict[str, Any]]:
@@ -103,6 +111,8 @@ def split_to_count(groups: list[dict[str, Any]], count: int) -> list[dict[str, A
         sizes = [p.numel() for p in largest["params"]]
         at = min(range(1, len(sizes)), key=lambda k: max(sum(sizes[:k]), sum(sizes[k:])))
         i = next(k for k, g in enumerate(groups) if g is largest)
-        groups[i:i + 1] = [{**largest, "params": largest["params"][:at]},
-                           {**largest, "params": largest["params"][at:]}]
+        groups[i : i + 1] = [
+            {**largest, "params": largest["params"][:at]},
+            {**largest, "params": largest["params"][at:]},
+        ]
     return groups

@@ -26,9 +26,14 @@ class PBTSweeper(pbt.PBTSweeper):
 def register_with_hydra(config_store) -> None:
     for sweeper in (OptunaSweeper, PBTSweeper):
         Plugins.instance().register(sweeper)
-    config_store.store(group="hydra/sweeper", name="optuna", provider="plait",
-                       node=optuna_sweeper.OptunaSweeperConfig)
+    config_store.store(
+        group="hydra/sweeper",
+        name="optuna",
+        provider="plait",
+        node=optuna_sweeper.OptunaSweeperConfig,
+    )
     for name, node in optuna_sweeper.SAMPLERS.items():
         config_store.store(group="hydra/sweeper/sampler", name=name, provider="plait", node=node)
-    config_store.store(group="hydra/sweeper", name="pbt", provider="plait",
-                       node=pbt.PBTSweeperConfig)
+    config_store.store(
+        group="hydra/sweeper", name="pbt", provider="plait", node=pbt.PBTSweeperConfig
+    )

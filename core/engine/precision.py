@@ -4,7 +4,7 @@ bf16 needs no loss scaling; fp16 uses a dynamic ``GradScaler`` (on CUDA, and on 
 installed torch supports it). fp32 runs without autocast.
 
 A dynamic loss scaler's state travels in the layout-free checkpoint copy (see
-:mod:`plait.plugins.checkpoint.layout_free`) as ``{"scale", "growth_tracker"}``: the scale, and
+:mod:`plait.engine.layout_free`) as ``{"scale", "growth_tracker"}``: the scale, and
 the overflow-free steps counted towards its next growth (torch's ``_growth_tracker``), so another
 engine's scaler (DeepSpeed's, ``plait.plugins.zero.loss_scale``) continues where this one was.
 """
@@ -32,8 +32,10 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
 def grad_scaler_state(scaler: torch.amp.GradScaler) -> dict[str, torch.Tensor]:
     """An enabled ``GradScaler``'s scale and growth tracker, as layout-free tensors."""
     state = scaler.state_dict()
-    return {"scale": torch.tensor(state["scale"], dtype=torch.float64),
-            "growth_tracker": torch.tensor(state["_growth_tracker"], dtype=torch.int64)}
+    return {
+        "scale": torch.tensor(state["scale"], dtype=torch.float64),
+        "growth_tracker": torch.tensor(state["_growth_tracker"], dtype=torch.int64),
+    }
 
 
 def load_grad_scaler_state(scaler: torch.amp.GradScaler, state: dict[str, torch.Tensor]) -> None:
@@ -41,6 +43,10 @@ def load_grad_scaler_state(scaler: torch.amp.GradScaler, state: dict[str, torch.
     scaler keeps its own growth interval and factors; a count of overflow-free steps longer
     than the interval is taken modulo it."""
     own = scaler.state_dict()
-    scaler.load_state_dict({**own, "scale": float(state["scale"]),
-                            "_growth_tracker": int(state["growth_tracker"])
-                            % own["growth_interval"]})
+    scaler.load_state_dict(
+        {
+            **own,
+            "scale": float(state["scale"]),
+            "_growth_tracker": int(state["growth_tracker"]) % own["growth_interval"],
+        }
+    )

@@ -32,10 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.plugins.tensor_parallel.layers import merge_tensors, split_tensor
+from plait.engine.tensor_shards import merge_tensors, split_tensor
 
 # torch.distributed.checkpoint is imported where it is used: it pulls in DTensor and sympy
-# (~0.8 s), and every ``plait train`` loads this plugin in the launching process too.
+# (~0.8 s), and every ``plait train`` loads the plugins that import this in the launching
+# process too.
 
 DIRECTORY = "layout_free"
 SHARD_ATTRS = ("partition_dim", "partition_stride")
@@ -44,9 +45,11 @@ SHARD_ATTRS = ("partition_dim", "partition_stride")
 def tensor_parallel_placements(engine) -> dict[str, tuple[int, int]]:
     """``{fqn: (dim, parts)}`` of the engine's tensor-parallel shards, under every name of a
     shared (tied) parameter."""
-    return {name: (p.partition_dim, p.partition_stride)
-            for name, p in engine.model.named_parameters(remove_duplicate=False)
-            if getattr(p, "tensor_model_parallel", False)}
+    return {
+        name: (p.partition_dim, p.partition_stride)
+        for name, p in engine.model.named_parameters(remove_duplicate=False)
+        if getattr(p, "tensor_model_parallel", False)
+    }
 
 
 def _map_entries(state: dict, placements: dict[str, tuple[int, int]], fn) -> dict:
@@ -59,8 +62,17 @@ def _map_entries(state: dict, placements: dict[str, tuple[int, int]], fn) -> dic
     for name, entries in state["optim"].items():
         out["optim"][name] = {
             key: fn(v, placements[name]) if name in placements and v.dim() > 0 else v
-            for key, v in entries.items()}
+            for key, v in entries.items()
+        }
     return out
+
+
+def gather_shard(local: torch.Tensor, placement: tuple[int, int], topology) -> torch.Tensor:
+    """The full tensor of a tensor-parallel shard, from every tp rank (a collective over the
+    tp group)."""
+    shards = [torch.empty_like(local) for _ in range(topology.dims.tp)]
+    dist.all_gather(shards, local.contiguous(), group=topology.group("tp"))
+    return merge_tensors(shards, *placement)
 
 
 def full_state(engine, topology) -> dict:
@@ -70,14 +82,9 @@ def full_state(engine, topology) -> dict:
     state = engine.layout_free_state()
     if not placements:
         return state
-    group, size = topology.get_tensor_model_parallel_group(), topology.dims.tp
-
-    def gather(local: torch.Tensor, placement: tuple[int, int]) -> torch.Tensor:
-        shards = [torch.empty_like(local) for _ in range(size)]
-        dist.all_gather(shards, local.contiguous(), group=group)
-        return merge_tensors(shards, *placement)
-
-    return _map_entries(state, placements, gather)
+    return _map_entries(
+        state, placements, lambda local, placement: gather_shard(local, placement, topology)
+    )
 
 
 def local_state(engine, topology, full: dict) -> dict:
@@ -86,8 +93,11 @@ def local_state(engine, topology, full: dict) -> dict:
     if not placements:
         return full
     rank, size = topology.tp_rank, topology.dims.tp
-    return _map_entries(full, placements,
-                        lambda t, placement: split_tensor(t, *placement, rank, size))
+    return _map_entries(
+        full,
+        placements,
+        lambda t, placement: split_tensor(t, placement[0], placement[1], rank, size),
+    )
 
 
 def save(engine, topology, directory: Path, group, stager=None):
@@ -101,8 +111,7 @@ def save(engine, topology, directory: Path, group, stager=None):
     if stager is None:
         dcp.save(state, checkpoint_id=target, process_group=group)
         return None
-    response = dcp.async_save(state, checkpoint_id=target, process_group=group,
-                              async_stager=stager)
+    response = dcp.async_save(state, checkpoint_id=target, process_group=group, async_stager=stager)
     return getattr(response, "upload_completion", response)
 
 
@@ -114,8 +123,9 @@ def load(engine, topology, directory: Path, group) -> None:
     template = full_state(engine, topology)
     reader = dcp.FileSystemReader(str(directory / DIRECTORY))
     stored = reader.read_metadata().state_dict_metadata
-    scaler = {k: v for k, v in template.pop("loss_scale", {}).items()
-              if f"loss_scale.{k}" in stored}  # what the saving run's scaler wrote, if any
+    scaler = {
+        k: v for k, v in template.pop("loss_scale", {}).items() if f"loss_scale.{k}" in stored
+    }  # what the saving run's scaler wrote, if any
     if scaler:
         template["loss_scale"] = scaler
     dcp.load(template, storage_reader=reader, process_group=group)
@@ -128,9 +138,11 @@ def saved_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     import torch.distributed.checkpoint as dcp
 
     metadata = dcp.FileSystemReader(str(directory / DIRECTORY)).read_metadata()
-    return {key.removeprefix("model."): tuple(meta.size)
-            for key, meta in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and hasattr(meta, "size")}
+    return {
+        key.removeprefix("model."): tuple(meta.size)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(meta, "size")
+    }
 
 
 def read_model(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -139,10 +151,14 @@ def read_model(checkpoint: Path) -> dict[str, torch.Tensor]:
     (``plait export``, ``plait sample``). The entries DCP's metadata lists under ``model.`` are
     allocated and ``dcp.load`` fills them; the optimizer's are not read."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = dcp.FileSystemReader(str(checkpoint / DIRECTORY))
     stored = reader.read_metadata().state_dict_metadata
-    model = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in stored.items() if key.startswith("model.") and hasattr(meta, "size")}
+    model = {
+        key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in stored.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
     dcp.load({"model": model}, storage_reader=reader, no_dist=True)
     return {name: value.float() for name, value in model.items()}

@@ -9,8 +9,10 @@ ranks is therefore (Megatron's and DeepSpeed's expert scaling)::
     g_expert = (1 / dp) · Σ_{edp group} g_local          g_dense = (1 / dp) · Σ_{dp group} g_local
 
 Expert parameters carry DeepSpeed's marks (``allreduce = False``, ``group_name = "ep_size_<ep>"``,
-read by ``deepspeed.moe.utils.is_moe_param`` and its optimizer-group split), so the DDP engine,
-the pipeline engine and DeepSpeed's ZeRO all recognise them the same way.
+read by ``deepspeed.moe.utils.is_moe_param`` and its optimizer-group split), so the DDP, FSDP and
+pipeline engines and DeepSpeed's ZeRO all recognise them the same way. FSDP reduces expert
+gradients itself, over its expert shard group, but sums them there: the engine divides them by
+``dp`` after (:func:`divide_expert_gradients`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from plait.plugins.optim.clip_grads import is_expert
+
+def is_expert(p: torch.Tensor) -> bool:
+    """Held by one expert-parallel rank only (DeepSpeed's mark, ``is_moe_param``)."""
+    return getattr(p, "allreduce", True) is False
 
 
 def mark_expert(p: torch.nn.Parameter, ep: int) -> None:
-    p.allreduce = False
-    p.group_name = f"ep_size_{ep}"
+    setattr(p, "allreduce", False)  # DeepSpeed's marks: attributes torch does not declare
+    setattr(p, "group_name", f"ep_size_{ep}")
 
 
 def expert_names(model: torch.nn.Module) -> list[str]:
@@ -51,3 +56,12 @@ def average_expert_gradients(params: Iterable[torch.Tensor], edp_group, dp_size:
         flat.div_(dp_size)
         for grad, value in zip(same, _unflatten_dense_tensors(flat, same)):
             grad.copy_(value)
+
+
+def divide_expert_gradients(params: Iterable[torch.Tensor], dp_size: int) -> None:
+    """``g /= dp`` for the expert parameters among ``params`` whose gradients were summed, not
+    averaged, over their expert-data-parallel ranks (this rank's local parts)."""
+    for p in params:
+        if p.grad is not None and is_expert(p):
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            grad.div_(dp_size)

@@ -1,5 +1,5 @@
 """Model and torch-optimizer state keyed by parameter name, through DCP's ``get_state_dict`` /
-``set_state_dict``: the layout-free form (see :mod:`plait.plugins.checkpoint.layout_free`) of
+``set_state_dict``: the layout-free form (see :mod:`plait.engine.layout_free`) of
 every engine that steps a plain torch optimizer (DDP, ZeRO stage 0).
 
 DCP is imported where it is used (it pulls in DTensor and sympy, ~0.8 s, which a process that
@@ -17,12 +17,16 @@ def state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     return {"model": model_state, "optim": optim_state["state"]}
 
 
-def load_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                       state: dict) -> None:
+def load_state_by_name(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
+) -> None:
     """The optimizer keeps its own param groups (learning rate, schedule position)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     _, current = get_state_dict(model, optimizer)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optim"],
-                                     "param_groups": current["param_groups"]})
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict={"state": state["optim"], "param_groups": current["param_groups"]},
+    )

@@ -70,7 +70,11 @@ def average_gradients(params, reducer: GradReducer | None, group: dist.ProcessGr
     bucket_bytes = reducer.spec.bucket_bytes if reducer is not None else None
     groups = fuse(grads, bucket_bytes or DEFAULT_BUCKET_BYTES)
     buckets = [FlatBucket(i, g, last=i == len(groups) - 1) for i, g in enumerate(groups)]
-    futures = [reducer.reduce(bucket, group) if reducer is not None
-               else default_hooks.allreduce_hook(group, bucket) for bucket in buckets]
+    futures = [
+        reducer.reduce(bucket, group)
+        if reducer is not None  # FlatBucket: a GradBucket
+        else default_hooks.allreduce_hook(group, bucket)  # type: ignore[arg-type]
+        for bucket in buckets
+    ]
     for bucket, future in zip(buckets, futures):
         bucket.copy_back(future.wait())
