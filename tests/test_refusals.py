@@ -123,6 +123,15 @@ CASES = [
      ["launcher.nnodes=3:4: at 3 node(s) dp is 3, which cannot share the 4 micro-batches of a "
       "step (train.grad_accum_steps=1 x dp 4 at 4 nodes), so train.batch_size=64 cannot be "
       "kept: set train.grad_accum_steps to a multiple of 3"]),
+    # launcher=ray: nothing is submitted where no cluster answers (tests/test_ray.py: real runs)
+    ("launcher=ray launcher.address=127.0.0.1:1 launcher.max_restarts=-1 "
+     "launcher.placement_strategy=ROUND launcher.nnodes=1:2",
+     ["launcher.address=127.0.0.1:1: no Ray cluster answers at 127.0.0.1:1 (Connection "
+      "refused): start one there (`ray start --head`)", "set launcher.max_restarts >= 0",
+      "launcher.placement_strategy=ROUND: choose one of PACK, SPREAD",
+      "launcher.nnodes=1:2 under launcher=ray: Ray Train's elastic range counts workers, not "
+      "nodes"]),
+    ("launcher=ray launcher.address=auto", ["launcher.address=auto: no Ray cluster"]),
     # models; with tp and pp on, the plugins that build the model to check it skip quietly
     ("model.n_layer=0 model.n_head=0 model.n_embd=0 model.block_size=0 model.dropout=1.0 "
      "parallel.tp=2 parallel.pp=2 launcher.nproc_per_node=4 pipeline.microbatches=2",
