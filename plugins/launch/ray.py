@@ -64,7 +64,7 @@ class RayLauncherConfig(LauncherConfig):
     address: Optional[str] = None
     max_restarts: int = 0  # Ray Train's FailureConfig(max_failures)
     # Ray resources of each worker; None: {CPU: 1}, or {GPU: 1} with device=cuda
-    resources_per_worker: Optional[dict[str, float]] = None
+    resources_per_worker: Any = None
     placement_strategy: str = "PACK"
     num_cpus: Optional[int] = None  # CPUs of the local Ray plait starts; None: enough for all
 
