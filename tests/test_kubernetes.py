@@ -28,6 +28,7 @@ from __future__ import annotations
 import gzip
 import os
 import shutil
+import signal
 import site
 import subprocess
 import sys
@@ -180,15 +181,21 @@ def test_the_manifests_command_in_two_pods_trains_like_the_local_launcher(tmp_pa
     shutil.rmtree(tmp_path / "job")  # the pods write the run
     port = free_port()
     pods = []
-    for node_rank in range(2):
-        env = pod_env(manifest, node_rank, nnodes=2, nproc=1, port=port, tmp=tmp_path)
-        Path(env["TMPDIR"]).mkdir()
-        pods.append(subprocess.Popen(manifest["spec"]["trainer"]["command"], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True))
-    for pod in pods:
-        out, _ = pod.communicate(timeout=300)
-        assert pod.returncode == 0, out[-3000:]
+    try:
+        for node_rank in range(2):
+            env = pod_env(manifest, node_rank, nnodes=2, nproc=1, port=port, tmp=tmp_path)
+            Path(env["TMPDIR"]).mkdir()
+            pods.append(subprocess.Popen(manifest["spec"]["trainer"]["command"], env=env,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         text=True, start_new_session=True))
+        for pod in pods:
+            out, _ = pod.communicate(timeout=240)
+            assert pod.returncode == 0, out[-3000:]
+    finally:
+        for pod in pods:  # a pod that hangs takes its workers with it
+            if pod.poll() is None:
+                os.killpg(pod.pid, signal.SIGKILL)
+                pod.wait()
     losses = [m["loss"] for m in read_metrics(tmp_path / "job")]
     assert losses == pytest.approx(reference, rel=1e-5)
 
