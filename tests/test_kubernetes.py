@@ -31,7 +31,6 @@ import shutil
 import signal
 import site
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

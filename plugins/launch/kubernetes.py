@@ -5,7 +5,7 @@ operator's ``PyTorchJob``), and in each of its pods start that node's workers.
         launcher.nproc_per_node=4 launcher.namespace=team-a \\
         'launcher.resources_per_node={nvidia.com/gpu: 4, cpu: 32, memory: 256Gi}' \\
         'launcher.volumes={team-a-data: /data, team-a-runs: /runs}' run.root=/runs data.path=/data
-    plait train launcher=kubernetes launcher.image=... launcher.dry_run=true   # print, submit nothing
+    plait train launcher=kubernetes launcher.image=... launcher.dry_run=true  # print only
 
 Which kind (``launcher.kind``): ``TrainJob`` or ``PyTorchJob`` as given; ``auto`` (the default)
 takes a ``PyTorchJob`` for an elastic range (``launcher.nnodes=MIN:MAX``: only it has an elastic
@@ -45,8 +45,7 @@ from plait import hookimpl
 from plait.config import AT_LEAST_0, LauncherConfig, range_problems
 from plait.plugins import launch as local_launcher
 from plait.plugins.launch.forkserver import START_METHODS
-from plait.plugins.launch.manifests import (PYTORCHJOB, RESOURCES, TRAINJOB, job_manifest,
-                                            job_name, to_yaml)
+from plait.plugins.launch.manifests import PYTORCHJOB, RESOURCES, TRAINJOB, job_manifest, to_yaml
 from plait.types import PluginInfo
 
 KINDS = ("auto", TRAINJOB, PYTORCHJOB)
@@ -323,4 +322,5 @@ def launch_pod(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
         max_restarts=cfg.launcher.max_restarts, start_method=cfg.launcher.start_method))
     node_cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     node_cfg.launcher = local
-    return local_launcher.plait_launch(cfg=node_cfg, dims=dims, entrypoint=entrypoint, args=args, hook=hook)
+    return local_launcher.plait_launch(cfg=node_cfg, dims=dims, entrypoint=entrypoint,
+                                       args=args, hook=hook)

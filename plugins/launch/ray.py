@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from plait import hookimpl
-from plait.config import AT_LEAST_0, AT_LEAST_1, LauncherConfig, Range, range_problems, runs_on_cpu
+from plait.config import AT_LEAST_0, AT_LEAST_1, LauncherConfig, range_problems, runs_on_cpu
 from plait.types import PluginInfo
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -188,10 +188,7 @@ def plait_launch(cfg, dims, entrypoint, args) -> dict[int, Any]:
                 failure_config=FailureConfig(max_failures=launcher.max_restarts),
                 worker_runtime_env={"env_vars": env}),
         )
-        result = trainer.fit()
-        if result.error is not None:
-            raise RuntimeError(f"launcher=ray: the run failed after {launcher.max_restarts} "
-                               f"restart(s) (launcher.max_restarts): {result.error}")
+        trainer.fit()  # raises Ray Train's error once launcher.max_restarts are spent
         return ray.get(board.summaries.remote())
     finally:
         ray.kill(board)
