@@ -2,9 +2,8 @@
 started by the fixture with ``ray start --head`` on 127.0.0.1; and two Ray "nodes" in two
 network namespaces (scripts/netns_cluster.py), a head in one and a worker node in the other, with
 ``plait train`` run on the head's node as a user runs it. Every Ray started here is limited (2
-CPUs per node, a 100 MB object store, no dashboard, token authentication off: loopback and the
-test's own namespaces only) and stopped in teardown. Skipped, with the reason, where Ray is not
-installed (``pip install -e ".[ray]"``; scripts/setup.sh installs it).
+CPUs per node, a 100 MB object store, no dashboard) and stopped in teardown. Skipped, with the
+reason, where Ray is not installed (``pip install -e ".[ray]"``; scripts/setup.sh installs it).
 
 Proof: 2 Ray workers give the local launcher's 2-process losses step for step (rel 1e-5); a
 SIGKILLed Ray worker under ``launcher.max_restarts=1`` is restarted by Ray Train and the run
@@ -46,8 +45,8 @@ KILL_STEP = 5
 
 def ray_env(**extra: str) -> dict[str, str]:
     """What a Ray node started here runs with: workers inherit it (the tests' in-house plugins
-    importable, DeepSpeed on the CPU); token authentication off (loopback and namespaces)."""
-    return {**os.environ, "RAY_AUTH_MODE": "disabled", "DS_ACCELERATOR": "cpu",
+    importable, DeepSpeed on the CPU)."""
+    return {**os.environ, "DS_ACCELERATOR": "cpu",
             "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
             **extra}
 
@@ -94,9 +93,8 @@ def ray_head(monkeypatch_module):
                             stderr=subprocess.DEVNULL)
     try:
         wait_for_port("127.0.0.1", port, head)
-        for name, value in ray_env().items():  # the driver (this process) connects with them
-            if name.startswith("RAY_") or name == "PYTHONPATH":
-                monkeypatch_module.setenv(name, value)
+        # the driver (this process) hands the workers its PYTHONPATH (launcher=ray forwards it)
+        monkeypatch_module.setenv("PYTHONPATH", ray_env()["PYTHONPATH"])
         yield f"127.0.0.1:{port}"
     finally:
         stop(head)
@@ -140,24 +138,28 @@ def test_sigkilled_ray_worker_is_restarted_by_ray_and_the_run_is_bit_identical(r
                     reason=f"{netns_cluster.can_make_namespaces()}")
 def test_two_ray_nodes_in_namespaces_with_hierarchical_comm_match_the_local_launcher(tmp_path):
     reference = run_losses(tmp_path / "local", [*STEPS, "launcher.nproc_per_node=4"])
+    # Ray's token authentication off for this cluster's nodes and driver (processes of their
+    # own, in namespaces of the test's own): the worker node and the driver were refused the
+    # head's token there ("InvalidAuthToken")
+    env = ray_env(RAY_AUTH_MODE="disabled")
     with netns_cluster.Cluster(2) as cluster:
         head_node, worker_node = cluster.nodes
         temp_dirs = [tempfile.mkdtemp(prefix="rayn", dir="/tmp") for _ in cluster.nodes]
         try:
             head = cluster.popen(head_node, ray_start(
                 ["--head", f"--node-ip-address={head_node.addr}", "--port=6379",
-                 "--include-dashboard=false"], temp_dirs[0]), env=ray_env(),
+                 "--include-dashboard=false"], temp_dirs[0]), env=env,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             wait_for_port(head_node.addr, 6379, head, head_node.netns)
             cluster.popen(worker_node, ray_start(
                 [f"--address={head_node.addr}:6379", f"--node-ip-address={worker_node.addr}"],
-                temp_dirs[1]), env=ray_env(), stdout=subprocess.DEVNULL,
+                temp_dirs[1]), env=env, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)
             train = cluster.popen(head_node, [
                 sys.executable, "-m", "plait", "train", *TEST_OVERRIDES, *STEPS, "launcher=ray",
                 f"launcher.address={head_node.addr}:6379", "launcher.nnodes=2",
                 "launcher.nproc_per_node=2", "comm=hierarchical", f"run.root={tmp_path}",
-                "run.name=nodes"], env=ray_env(), stdout=subprocess.PIPE,
+                "run.name=nodes"], env=env, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, text=True)
             out, _ = train.communicate(timeout=500)
             assert train.returncode == 0, out[-4000:]
