@@ -26,6 +26,11 @@ NEEDS = {
     ("data", "shards"): ["data.path=__SHARDS__"],
     ("model", "custom"): ["model._target_=torch.nn.Identity"],
     ("model", "hf"): ["model.path=__HF__", "model.pretrained=false"],
+    # a real submit would ask a cluster first (tests/test_kubernetes.py)
+    ("launcher", "kubernetes"): [
+        "launcher.image=registry.example/plait:1.0",
+        "launcher.dry_run=true",
+    ],
 }
 
 

@@ -212,6 +212,46 @@ CASES = [
             "kept: set train.grad_accum_steps to a multiple of 3"
         ],
     ),
+    # launcher=ray: nothing is submitted where no cluster answers (tests/test_ray.py: real runs)
+    (
+        "launcher=ray launcher.address=127.0.0.1:1 launcher.max_restarts=-1 "
+        "launcher.placement_strategy=ROUND launcher.nnodes=1:2",
+        [
+            "launcher.address=127.0.0.1:1: no Ray cluster answers at 127.0.0.1:1 (Connection "
+            "refused): start one there (`ray start --head`)",
+            "set launcher.max_restarts >= 0",
+            "launcher.placement_strategy=ROUND: choose one of PACK, SPREAD",
+            "launcher.nnodes=1:2 under launcher=ray: Ray Train's elastic range counts workers, not "
+            "nodes",
+        ],
+    ),
+    ("launcher=ray launcher.address=auto", ["launcher.address=auto: no Ray cluster"]),
+    # launcher=kubernetes: refused before anything is submitted (tests/test_kubernetes.py)
+    (
+        "launcher=kubernetes launcher.dry_run=true launcher.kind=CronJob launcher.job_name=Exp_1 "
+        "launcher.env={{PET_NNODES:4}}",
+        [
+            "launcher=kubernetes needs launcher.image=<the container image the pods run",
+            "launcher.env sets PET_NNODES: the operator sets torchrun's PET_ variables",
+            "launcher.kind=CronJob: choose one of auto, TrainJob, PyTorchJob",
+            "launcher.job_name=Exp_1: Kubernetes takes lower-case letters, digits and '-'",
+        ],
+    ),
+    (
+        "launcher=kubernetes launcher.image=reg/plait:1 launcher.kind=TrainJob launcher.nnodes=1:2",
+        [
+            "launcher.nnodes=1:2 with launcher.kind=TrainJob: a TrainJob has no elastic policy",
+            "every pod writes its checkpoints into run.root={tmp_path}, which lies on none of "
+            "launcher.volumes",
+        ],
+    ),
+    (
+        "launcher=kubernetes launcher.image=reg/plait:1 launcher.nnodes=3:2",
+        [
+            "launcher.nnodes=3:2 is out of range: set launcher.nnodes >= 1, or MIN:MAX with "
+            "1 <= MIN <= MAX"
+        ],
+    ),
     # models; with tp and pp on, the plugins that build the model to check it skip quietly
     (
         "model.n_layer=0 model.n_head=0 model.n_embd=0 model.block_size=0 model.dropout=1.0 "
@@ -480,7 +520,38 @@ def test_bad_input_is_refused_before_launch(overrides, messages, data_files, tmp
     assert code == 2, err
     assert "plait: plait refused this plan:" in err
     for message in messages:
-        assert message.format(tmp=data_files) in err
+        assert message.format(tmp=data_files, tmp_path=tmp_path) in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_kubernetes_submit_without_credentials_or_to_an_unknown_namespace_is_refused(
+    tmp_path, capsys, monkeypatch
+):
+    """For a real submit (not launcher.dry_run) plait asks the cluster first. The cluster is
+    tests/fake_kube_api.py's stand-in (no API server can run here); nothing is created."""
+    pytest.importorskip("kubernetes", reason="pip install -e '.[kubernetes]'")
+    from fake_kube_api import FakeKubeApi
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+    submit = [
+        "train",
+        "launcher=kubernetes",
+        "launcher.image=reg/plait:1",
+        "device=cpu",
+        f"run.root={tmp_path}",
+        "run.name=r",
+    ]
+    assert main(submit) == 2
+    assert "launcher=kubernetes found no Kubernetes credentials" in capsys.readouterr().err
+    with FakeKubeApi(namespaces={"default"}, crds={"trainjobs.trainer.kubeflow.org"}) as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kube_config(tmp_path)))
+        assert main([*submit, "launcher.namespace=nosuch"]) == 2
+        assert (
+            "launcher.namespace=nosuch: the cluster has no such namespace"
+            in capsys.readouterr().err
+        )
+        assert api.created == []
     assert not (tmp_path / "r").exists()
 
 
