@@ -21,6 +21,6 @@ __version__ = "0.1.0"
 # The hook spec's own version (semver), separate from the package's: within a major version hooks
 # and arguments are only added; a removal or rename first warns for at least one minor version
 # (docs/plugins.md, "Stability"). ``hookspec_signatures.json`` records it with every hook.
-HOOKSPEC_VERSION = "1.4.0"
+HOOKSPEC_VERSION = "1.5.0"
 
 __all__ = ["hookimpl", "hookspec", "HOOKSPEC_VERSION", "PROJECT_NAME", "__version__"]

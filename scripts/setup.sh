@@ -17,7 +17,7 @@ python -m pip install -q --upgrade pip
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   python -m pip install -q torch==2.13.0
 fi
-python -m pip install -q -e ".[test,hf]"
+python -m pip install -q -e ".[test,hf,eval]"
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   # DeepSpeed compiles its CPU ops (CPU Adam, shared-memory all-reduce) on first use, into
   # ~/.cache/torch_extensions. Build them here, in one process: workers that start compiling
