@@ -6,7 +6,7 @@
   refused (nothing reaches the network).
 - Runs under dp=2 and tp=2 x pp=2 log ``eval/<task>/acc`` every 2 steps, equal to ``plait
   eval`` of the checkpoint saved at that step (each request's log-likelihood within 1e-4, each
-  generation the same text).
+  generation the same text); in ``metrics.jsonl``, W&B and ``plait report``.
 - A 2-trial Optuna sweep (two learning rates, one far too small) maximizes ``eval/plait_tiny_mc/acc``
   and picks the trial with the higher score.
 - ``plait eval``'s refusals happen before any model is loaded (exit 2).
@@ -25,7 +25,9 @@ import pytest
 import yaml
 
 from plait.cli import main
-from plait.testing import TEST_OVERRIDES, read_metrics, run_training
+from plait.plugins.report.figures import build
+from plait.plugins.report.runs import find_runs
+from plait.testing import TEST_OVERRIDES, read_metrics, read_wandb_run, run_training
 
 from hf_models import corpus_files, write_checkpoint
 
@@ -141,8 +143,21 @@ def assert_logged_scores_equal_plait_eval_of_each_checkpoint(run: Path, tmp_path
 
 @pytest.mark.slow
 def test_dp2_logs_task_scores_every_n_steps_equal_to_plait_eval_of_that_step(tmp_path):
-    run = run_training(tmp_path / "dp2", ["launcher.nproc_per_node=2", *IN_TRAINING])
+    """Also in W&B (offline, read back) and drawn by ``plait report``."""
+    run = run_training(tmp_path / "dp2", ["launcher.nproc_per_node=2", "tracker=wandb",
+                                          *IN_TRAINING])
     assert_logged_scores_equal_plait_eval_of_each_checkpoint(run, tmp_path)
+    logged = {m["step"]: m["eval/plait_tiny_mc/acc"] for m in read_metrics(run)
+              if "eval/plait_tiny_mc/acc" in m}
+    history = read_wandb_run(run)["history"]
+    assert {h["_step"]: h["eval/plait_tiny_mc/acc"] for h in history
+            if "eval/plait_tiny_mc/acc" in h} == logged
+    assert main(["report", str(run), f"out={tmp_path / 'report.html'}"]) == 0
+    [figure] = [f for f in build(find_runs([str(run)])) if f.id == "eval_scores"]
+    assert {(s["metric"], tuple(s["x"])) for s in figure.data["series"]} == {
+        (f"eval/{name}", (2, 4)) for name in ("plait_tiny_mc/acc", "plait_tiny_mc/acc_norm",
+                                              "plait_tiny_gen/exact_match")}
+    assert (tmp_path / "report-eval_scores.png").stat().st_size > 0
 
 
 @pytest.mark.slow
