@@ -112,7 +112,7 @@ def test_plait_eval_of_a_model_hf_checkpoint_equals_the_harness_hf_backend_on_it
     hf = HFLM(pretrained=str(tmp_path / "export"), backend="causal", device="cpu",
               dtype="float32", batch_size=8, max_length=32)  # plait's window: train.seq_len
     theirs = simple_evaluate(model=hf, tasks=["plait_tiny_mc"], limit=LIMIT, log_samples=True,
-                             task_manager=task_manager(None))
+                             task_manager=task_manager(None, ("plait_tiny_mc",)))
     assert_same_scores(ours, theirs)
     # the scores are the trained model's: not every choice equally likely
     lls = [r[0][0] for resps in samples(ours, "plait_tiny_mc").values() for r in resps]
@@ -204,6 +204,34 @@ def test_a_2_trial_optuna_sweep_maximizes_a_task_score(tmp_path):
     assert best["best_value"] == max(values)
     assert best["best_params"]["optimizer.lr"] == trials[values.index(max(values))].params[
         "optimizer.lr"]
+
+
+@pytest.mark.slow
+def test_pbt_ranks_its_members_by_a_task_score_and_replaces_the_lower(tmp_path):
+    from plait import api
+
+    small = [o for o in TEST_OVERRIDES if not o.startswith("train.steps=")]
+    api.multirun(["hydra/sweeper=pbt", "hydra.sweeper.population=2", "hydra.sweeper.rounds=2",
+                  "hydra.sweeper.steps_per_round=3", "hydra.sweeper.quantile=0.5",
+                  "hydra.sweeper.direction=maximize", "hydra.sweeper.resample_probability=0",
+                  "hydra.sweeper.seed=0", "optimizer.lr=1e-6,3e-2", *small,
+                  "optimizer.decay_steps=6", "launcher.nproc_per_node=1",
+                  "tune.objective=eval/plait_tiny_mc/acc", "eval.tasks=[plait_tiny_mc]",
+                  "eval.micro_batch_size=32", f"run.root={tmp_path}", "run.name=pbt"])
+    sweep = tmp_path / "pbt"
+    lineage = [json.loads(line) for line in (sweep / "pbt_lineage.jsonl").open()]
+    for member in lineage:  # each score is the member's task score at the end of its round
+        [end] = [m for m in read_metrics(sweep / member["name"])
+                 if m["step"] == (member["round"] + 1) * 3]
+        assert member["score"] == end["eval/plait_tiny_mc/acc"], member
+    first = {m["name"]: m for m in lineage if m["round"] == 0}
+    assert first["m0"]["score"] != first["m1"]["score"]
+    better = max(first.values(), key=lambda m: m["score"])
+    worse = min(first.values(), key=lambda m: m["score"])
+    second = {m["name"]: m for m in lineage if m["round"] == 1}
+    assert worse["name"] not in second and better["name"] in second
+    [child] = [m for m in second.values() if m["name"] not in first]
+    assert child["parent"] == better["name"]
 
 
 # ---------------------------------------------------------------------------------------------

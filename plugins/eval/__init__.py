@@ -85,7 +85,7 @@ class LmEval:
             if not Path(e.include_path).is_dir():
                 return problems + [f"eval.include_path={e.include_path} is not a directory: "
                                    "give the directory holding your task YAML files"]
-        manager = registry.task_manager(e.include_path)
+        manager = registry.task_manager(e.include_path, tuple(e.tasks))
         return problems + registry.task_problems(manager, list(e.tasks), "eval.tasks",
                                                  hook.plait_tokenizer(cfg=cfg) is not None,
                                                  NO_TOKENIZER)

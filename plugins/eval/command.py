@@ -66,7 +66,8 @@ def check_tasks(checkpoint_path: str, settings: HarnessSettings):
                          "directory holding your task YAML files")
     cfg = run_config(checkpoint_path)
     tokenizer = keep_selected(make_plugin_manager(cfg), cfg).hook.plait_tokenizer(cfg=cfg)
-    problems = task_problems(task_manager(settings.include_path), settings.tasks, "tasks",
+    manager = task_manager(settings.include_path, tuple(settings.tasks))
+    problems = task_problems(manager, settings.tasks, "tasks",
                              tokenizer is not None, NO_TOKENIZER)
     if problems:
         raise ValueError("; ".join(problems))

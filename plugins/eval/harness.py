@@ -30,7 +30,8 @@ def evaluate(lm, settings: HarnessSettings) -> dict[str, Any]:
     return simple_evaluate(model=lm, tasks=list(settings.tasks),
                            num_fewshot=settings.num_fewshot, limit=settings.limit,
                            batch_size=settings.batch_size, log_samples=True,
-                           task_manager=task_manager(settings.include_path))
+                           task_manager=task_manager(settings.include_path,
+                                                     tuple(settings.tasks)))
 
 
 def metrics_of(results: dict[str, Any]) -> dict[str, float]:

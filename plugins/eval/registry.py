@@ -36,15 +36,32 @@ def offline() -> None:
     datasets.config.HF_HUB_OFFLINE = True
 
 
-@functools.lru_cache(maxsize=4)
-def task_manager(include_path: str | None):
-    """The harness's ``TaskManager`` over its registry, plait's tasks and ``include_path``
-    (indexing ~15,000 YAML files takes seconds: made once per process and path)."""
+def task_manager(include_path: str | None, tasks: tuple[str, ...] = ()):
+    """The harness's ``TaskManager`` over plait's tasks, ``include_path`` and, unless every one
+    of ``tasks`` is found there, the harness's registry (indexing its ~15,000 YAML files takes
+    seconds)."""
+    paths = (str(SHIPPED),) + ((str(Path(include_path).expanduser()),) if include_path else ())
+    local = _manager(paths, include_defaults=False)
+    if tasks and all(found_in(local, name) for name in tasks):
+        return local
+    return _manager(paths, include_defaults=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _manager(paths: tuple[str, ...], include_defaults: bool):
     offline()
     from lm_eval.tasks import TaskManager
 
-    paths = [str(SHIPPED)] + ([str(Path(include_path).expanduser())] if include_path else [])
-    return TaskManager(include_path=paths)
+    return TaskManager(include_path=list(paths), include_defaults=include_defaults)
+
+
+def found_in(manager, name: str) -> bool:
+    """``name`` and, for a group, every task it names by name, are in ``manager``'s index."""
+    entry = manager.task_index.get(name)
+    if entry is None or entry.kind.name != "GROUP":
+        return entry is not None
+    return all(isinstance(task, dict) or found_in(manager, task)
+               for task in (entry.cfg or {}).get("task", []))
 
 
 def leaf_configs(manager, name: str, seen: frozenset[str] = frozenset()) -> Iterator[dict]:
