@@ -1,9 +1,11 @@
 """``eval.tasks`` during training: the harness on the logging rank, the scoring on every rank
 with the model as it is sharded (:mod:`.distributed`), the results as ``eval/<task>/<metric>``
-and the harness's JSON in ``run.dir/eval/step<N>.json``."""
+(and the evaluation's wall seconds on the logging rank as ``eval/time_s``) and the harness's JSON
+in ``run.dir/eval/step<N>.json``."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +31,7 @@ def evaluate_sharded(cfg: DictConfig, engine: Engine, loss: ScoringLoss, state: 
     """Every trainer calls this at the same step; the logging rank returns the metrics."""
     from plait.plugins.eval.lm import PlaitLM
 
+    started = time.perf_counter()
     scorer = EngineScorer(engine, loss, topology, cfg.eval.micro_batch_size, cfg.train.seq_len)
     if not scorer.is_leader:
         scorer.follow()
@@ -40,4 +43,4 @@ def evaluate_sharded(cfg: DictConfig, engine: Engine, loss: ScoringLoss, state: 
         scorer.finish()  # the other ranks stop following, even when the harness raised
     print(f"plait: step {state.step}, lm-evaluation-harness:\n{table(results)}", flush=True)
     write_json(results, Path(cfg.run.dir) / "eval" / f"step{state.step}.json")
-    return metrics_of(results)
+    return {**metrics_of(results), "eval/time_s": time.perf_counter() - started}
