@@ -116,7 +116,7 @@ def main() -> int:
           f"seq_len {args.seq_len}, {args.micro_batch} sequences per forward; one process with "
           f"{torch.get_num_threads()} threads, each of the {args.nproc} workers with "
           f"{max(1, (os.cpu_count() or 1) // args.nproc)} (the launcher's OMP_NUM_THREADS)")
-    print(f"| evaluation | median s | requests/s |\n| --- | --- | --- |")
+    print("| evaluation | median s | requests/s |\n| --- | --- | --- |")
     print(f"| in training, dp={args.nproc} | {a:.2f} | {requests / a:.0f} |")
     print(f"| plait eval, one process | {b:.2f} | {requests / b:.0f} |")
     print(f"ratio one process / in training: {b / a:.2f}x")

@@ -16,6 +16,7 @@ See docs/eval.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from plait import hookimpl
@@ -79,12 +80,9 @@ class LmEval:
         missing = registry.harness_problems("eval.tasks")
         if missing:
             return problems + missing
-        if e.include_path:
-            from pathlib import Path
-
-            if not Path(e.include_path).is_dir():
-                return problems + [f"eval.include_path={e.include_path} is not a directory: "
-                                   "give the directory holding your task YAML files"]
+        if e.include_path and not Path(e.include_path).is_dir():
+            return problems + [f"eval.include_path={e.include_path} is not a directory: give "
+                               "the directory holding your task YAML files"]
         manager = registry.task_manager(e.include_path, tuple(e.tasks))
         return problems + registry.task_problems(manager, list(e.tasks), "eval.tasks",
                                                  hook.plait_tokenizer(cfg=cfg) is not None,
