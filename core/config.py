@@ -191,6 +191,13 @@ class TuneConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Downstream tasks scored on the model (``plait eval``, and during training)."""
+
+    name: str = MISSING
+
+
+@dataclass
 class PlaitConfig:
     """The whole config. Each field left ``MISSING`` is a config group, filled by the option
     ``config.yaml``'s defaults list (or the user) chooses, with the field's type as the group's
@@ -211,6 +218,7 @@ class PlaitConfig:
     tracker: TrackerConfig = MISSING
     launcher: LauncherConfig = MISSING
     tune: TuneConfig = MISSING
+    eval: EvalConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     seed: int = 1337

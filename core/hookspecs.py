@@ -22,9 +22,9 @@ Order of a run (``plait.train.train`` reads as this list)::
     plait_build_loss
     plait_build_optimizer, plait_build_lr_schedule, plait_grad_reducer, plait_build_engine
     plait_load_checkpoint, plait_on_run_start
-    per step:  plait_check_step (in the engine's step, every rank), plait_on_step_end,
-               plait_log_metrics (logged steps), plait_save_checkpoint (and, asked by the
-               checkpoint plugin, plait_save_model_copy)
+    per step:  plait_check_step (in the engine's step, every rank), plait_evaluate (every
+               rank), plait_on_step_end, plait_log_metrics (logged steps), plait_save_checkpoint
+               (and, asked by the checkpoint plugin, plait_save_model_copy)
     plait_on_failure (on an exception), plait_on_run_end
     plait export: plait_find_checkpoint, plait_read_model_shards, plait_merge_tensor_parallel_shards,
                   plait_export_model (format=...)
@@ -521,6 +521,37 @@ def plait_check_step(
 
     :param loss: this rank's mean loss over its micro-batches (a 0-d tensor).
     :param grad_norm: the global gradient norm before clipping (a 0-d tensor).
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluate: called on every trainer rank after each step
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def plait_evaluate(
+    cfg: DictConfig,
+    engine: Engine,
+    state: TrainState,
+    topology: Topology,
+    final: bool,
+    hook: HookRelay,
+) -> dict[str, float] | None:
+    """Score the model as it is sharded, if an evaluation is due after ``state.step``; called on
+    every trainer rank after each optimizer step (since hook spec 1.5), beside the core's own
+    validation loss (``train.eval_every``, ``eval/loss``).
+
+    Called on every active plugin; every rank must make the same collectives (forwards through
+    ``engine.eval_loss``, whose loss ``plait_build_loss`` may wrap, and any gather). The
+    dicts returned on the logging rank are merged into the step's metrics, so they reach
+    ``plait_log_metrics`` (``metrics.jsonl``, W&B) and a sweep's objective
+    (``plait_objective``).
+
+    :param final: True after the job's last step.
+    :param hook: the active plugins' hooks, e.g. ``hook.plait_tokenizer(cfg=cfg)``.
+    :return: metrics by name (e.g. ``{"eval/<task>/acc": 0.5}``) on the logging rank; None on
+        the other ranks and on steps with no evaluation.
     """
 
 

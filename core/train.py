@@ -109,6 +109,10 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
             metrics = meter.stop(state.step, out, lr, final, state.tokens_seen)
             if val_data is not None and (state.step % cfg.train.eval_every == 0 or final):
                 metrics["eval/loss"] = evaluate(cfg, engine, val_data, topology)
+            for scores in hook.plait_evaluate(
+                cfg=cfg, engine=engine, state=state, topology=topology, final=final, hook=hook
+            ):
+                metrics.update(scores)  # downstream tasks (eval/<task>/<metric>)
             if logging:
                 step_metrics = metrics or {
                     "loss": out.loss,

@@ -94,6 +94,28 @@ SMOKE = {
         ],
         ["  2 ring ", "  2 ulysses "],
     ),
+    "bench_eval": (
+        [
+            "--limit",
+            "2",
+            "--repeats",
+            "1",
+            "--steps",
+            "2",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "4",
+            "--dir",
+            "{tmp}/runs",
+        ],
+        [
+            "| in training, dp=2 |",
+            "| plait eval, one process |",
+            "ratio one process / in training",
+            "same accuracy in every repeat: True",
+        ],
+    ),
     "bench_gpu": (
         ["--steps", "3", "--warmup", "1", "--batch-size", "2", "--seq-len", "64"],
         ['"ratio_plait_over_plain"'],

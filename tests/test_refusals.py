@@ -466,6 +466,45 @@ CASES = [
             "has 128 rows: raise the model's vocabulary to at least 256"
         ],
     ),
+    # downstream tasks (lm-evaluation-harness), refused before any model is loaded
+    (
+        "eval.every=5",
+        [
+            "eval.every=5 evaluates nothing without eval.tasks: name the tasks "
+            "(eval.tasks=[plait_tiny_mc]) or drop eval.every"
+        ],
+    ),
+    (
+        "eval.tasks=[plait_tiny_mcc,hellaswg]",
+        [
+            "eval.tasks: unknown task 'plait_tiny_mcc'; closest: plait_tiny_mc",
+            "eval.tasks: unknown task 'hellaswg'; closest: hellaswag",
+        ],
+    ),
+    (
+        "data=tokens data.path={tmp}/train.bin eval.tasks=[plait_tiny_gen]",
+        [
+            "eval.tasks: 'plait_tiny_gen' is a generation task (output_type: generate_until), but "
+            "there is no tokenizer to decode what the model generates"
+        ],
+    ),
+    (
+        "eval.tasks=[plait_tiny_mc] eval.every=0 eval.limit=0 eval.num_fewshot=-1 "
+        "eval.micro_batch_size=0",
+        [
+            "set eval.every >= 1",
+            "set eval.limit >= 1",
+            "set eval.num_fewshot >= 0",
+            "set eval.micro_batch_size >= 1",
+        ],
+    ),
+    (
+        "eval.tasks=[plait_tiny_mc] parallel.cp=2 launcher.nproc_per_node=2",
+        [
+            "eval.tasks with parallel.cp=2: scoring a sequence split over context-parallel ranks is "
+            "not supported"
+        ],
+    ),
 ]
 
 

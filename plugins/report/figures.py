@@ -4,6 +4,8 @@ PNG, drawn by matplotlib's Agg renderer (no display, no browser, nothing fetched
 Every figure that plots a metric shows every run given (a sweep: every job), one line each:
 
     loss_by_step, loss_by_tokens   loss (solid) and eval/loss (dashed, where evaluated)
+    eval_scores                    downstream task scores by step (eval/<task>/<metric>, not
+                                   their stderr), where evaluated
     tokens_per_s, mfu              throughput; MFU where the device's peak is known
     peak_memory                    each rank's peak memory at the last logged step, bars per run
     step_time_band                 step time: min to max over ranks as a band, per run
@@ -79,6 +81,7 @@ def build(runs: list[Run]) -> list[Figure]:
     figures = [
         loss_figure(runs, "step"),
         loss_figure(runs, "tokens"),
+        scores_figure(runs),
         line_figure(runs, "tokens_per_s", "tokens / s"),
         line_figure(runs, "mfu", "MFU"),
         memory_figure(runs),
@@ -116,6 +119,35 @@ def loss_figure(runs: list[Run], axis: str) -> Figure | None:
             "markers": {r.label: markers(r) for r in runs} if axis == "step" else {},
         },
         notes=notes,
+    )
+
+
+def task_scores(run: Run) -> list[str]:
+    """The downstream task metrics a run logged: ``eval/<task>/<metric>`` (``eval/loss`` and
+    standard errors left out)."""
+    names = {k for m in run.steps for k in m if k.startswith("eval/") and k.count("/") >= 2}
+    return sorted(n for n in names if not n.split("/")[2].endswith("_stderr"))
+
+
+def scores_figure(runs: list[Run]) -> Figure | None:
+    series = [
+        {"run": r.label, "metric": name, "x": s, "y": v}
+        for r in runs
+        for name in task_scores(r)
+        for s, v in [r.series(name)]
+        if s
+    ]
+    if not series:
+        return None
+    return Figure(
+        "eval_scores",
+        "downstream task scores by step",
+        {
+            "xlabel": "step",
+            "ylabel": "score",
+            "series": series,
+            "markers": {r.label: markers(r) for r in runs},
+        },
     )
 
 
@@ -373,6 +405,7 @@ def draw_phases(figure: Figure) -> bytes:
 DRAW = {
     "loss_by_step": draw_lines,
     "loss_by_tokens": draw_lines,
+    "eval_scores": draw_lines,
     "tokens_per_s": draw_lines,
     "mfu": draw_lines,
     "peak_memory": draw_memory,

@@ -25,7 +25,7 @@ from plait.types import PluginInfo
 @dataclass
 class ObjectiveConfig(TuneConfig):
     name: str = "default"
-    objective: str = "eval/loss"  # a logged metric: loss, eval/loss, tokens_per_s, ...
+    objective: str = "eval/loss"  # a logged metric: loss, eval/loss, eval/<task>/acc, ...
 
 
 @hookimpl
@@ -48,8 +48,9 @@ def plait_register_configs(config_store) -> None:
 @hookimpl
 def plait_configure(cfg) -> None:
     # a job of a sweep without evaluation evaluates once, at its last step, for its objective
+    # (a task score, eval/<task>/<metric>, is scored at every job's last step by its plugin)
     in_sweep = cfg.run.sweep is not None
-    if in_sweep and cfg.tune.objective.startswith("eval/") and not cfg.train.eval_every:
+    if in_sweep and cfg.tune.objective == "eval/loss" and not cfg.train.eval_every:
         cfg.train.eval_every = cfg.train.steps
 
 
