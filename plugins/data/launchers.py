@@ -1,0 +1,109 @@
+"""Where ``plait prepare`` runs its units of work (:mod:`plait.plugins.data.work`):
+
+- ``launcher=local`` (default): ``data.num_workers`` processes on this machine;
+- ``launcher=slurm``: a SLURM job array through submitit, ``launcher.tasks`` array tasks, each
+  running ``data.num_workers`` processes (0: one per core SLURM gave it). The command waits for
+  the array, as Hydra's submitit launcher does, then submits the next phase. Array tasks that
+  fail or are killed (their units left without a marker) are submitted again, up to
+  ``launcher.retries`` times; units that finished are never redone.
+
+``out`` must be where every node sees it (a shared file system or object storage). No scheduler
+is written here: submitit writes the sbatch script, submits the array, pickles the call and
+reports each task's end; ``work.run_units`` is what each array task runs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from plait.plugins.data.work import Work, run_units, undone
+
+
+@dataclass
+class PrepareLauncherConfig:
+    """``launcher=local|slurm`` of ``plait prepare`` (``slurm``'s names are sbatch's)."""
+
+    name: str = "local"
+    tasks: int = 1  # slurm: array tasks (sbatch --array=0-<tasks-1>)
+    cpus_per_task: Optional[int] = None  # sbatch --cpus-per-task
+    partition: Optional[str] = None  # sbatch --partition
+    time: int = 60  # sbatch --time, minutes per array task
+    account: Optional[str] = None  # sbatch --account
+    qos: Optional[str] = None  # sbatch --qos
+    constraint: Optional[str] = None  # sbatch --constraint
+    mem_gb: Optional[int] = None  # sbatch --mem
+    retries: int = 2  # times unfinished units are submitted again after array tasks fail
+    folder: Optional[str] = None  # submitit's logs and pickles; null: <out>/work/slurm
+    additional_parameters: dict[str, Any] = field(default_factory=dict)  # other sbatch options
+
+
+NAMES = ("local", "slurm")
+
+
+class PrepareFailed(ValueError):
+    """Units of work that did not finish; the message says which, why, and how to resume."""
+
+
+def launcher_problems(launcher) -> list[str]:
+    problems = []
+    if launcher.name not in NAMES:
+        problems.append(f"launcher={launcher.name}: plait prepare runs on launcher=local or "
+                        "launcher=slurm")
+    if launcher.tasks < 1:
+        problems.append(f"launcher.tasks={launcher.tasks} is out of range: set "
+                        "launcher.tasks >= 1")
+    if launcher.retries < 0:
+        problems.append(f"launcher.retries={launcher.retries} is out of range: set "
+                        "launcher.retries >= 0")
+    return problems
+
+
+def run(launcher, work: Work, phase: str, count: int, workers: int, log: Callable,
+        progress: Optional[Callable[[int], None]] = None) -> None:
+    """Run every unfinished unit of ``phase`` (``count`` units in all)."""
+    pending = undone(work, phase, count)
+    if not pending:
+        return
+    if launcher.name == "local":
+        run_units(work.out, phase, pending, workers, progress)
+        return
+    run_slurm_array(launcher, work, phase, count, pending, workers, log)
+
+
+def run_slurm_array(launcher, work: Work, phase: str, count: int, pending: list[int],
+                    workers: int, log: Callable) -> None:
+    import submitit
+
+    folder = launcher.folder or (os.path.join(work.dir, "slurm") if work.local
+                                 else os.path.abspath("plait-prepare-slurm"))
+    executor = submitit.SlurmExecutor(folder=os.path.join(folder, "%j"))
+    executor.update_parameters(
+        job_name=f"plait-prepare-{phase}", time=launcher.time, nodes=1, ntasks_per_node=1,
+        cpus_per_task=launcher.cpus_per_task, partition=launcher.partition,
+        account=launcher.account, qos=launcher.qos, constraint=launcher.constraint,
+        mem=f"{launcher.mem_gb}GB" if launcher.mem_gb else None,
+        additional_parameters=dict(launcher.additional_parameters))
+    for attempt in range(launcher.retries + 1):
+        groups = [pending[i::launcher.tasks] for i in range(min(launcher.tasks, len(pending)))]
+        jobs = executor.map_array(run_units, [work.out] * len(groups), [phase] * len(groups),
+                                  groups, [workers] * len(groups))
+        log(f"plait prepare: {phase}: job array {jobs[0].job_id.split('_')[0]}, "
+            f"{len(groups)} task(s), {len(pending)} unit(s)")
+        failures = []
+        for job in jobs:
+            try:
+                job.result()
+            except Exception as e:  # the task's own error, or SLURM's word that it was killed
+                failures.append(f"array task {job.job_id}: {type(e).__name__}: "
+                                f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
+        pending = undone(work, phase, count)
+        if not pending:
+            return
+        log(f"plait prepare: {phase}: {len(failures)} array task(s) did not finish "
+            f"({'; '.join(failures)}); {len(pending)} unit(s) left"
+            + (", submitting them again" if attempt < launcher.retries else ""))
+    raise PrepareFailed(f"plait prepare: {len(pending)} {phase} unit(s) still unfinished after "
+                        f"{launcher.retries + 1} job array(s) ({'; '.join(failures)}); logs in "
+                        f"{folder}: fix the cause and run the same command again to resume")
