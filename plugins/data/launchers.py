@@ -15,6 +15,8 @@ reports each task's end; ``work.run_units`` is what each array task runs.
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -91,19 +93,53 @@ def run_slurm_array(launcher, work: Work, phase: str, count: int, pending: list[
                                   groups, [workers] * len(groups))
         log(f"plait prepare: {phase}: job array {jobs[0].job_id.split('_')[0]}, "
             f"{len(groups)} task(s), {len(pending)} unit(s)")
-        failures = []
-        for job in jobs:
-            try:
-                job.result()
-            except Exception as e:  # the task's own error, or SLURM's word that it was killed
-                failures.append(f"array task {job.job_id}: {type(e).__name__}: "
-                                f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
+        failures = wait_for(jobs)
         pending = undone(work, phase, count)
         if not pending:
             return
         log(f"plait prepare: {phase}: {len(failures)} array task(s) did not finish "
             f"({'; '.join(failures)}); {len(pending)} unit(s) left"
             + (", submitting them again" if attempt < launcher.retries else ""))
-    raise PrepareFailed(f"plait prepare: {len(pending)} {phase} unit(s) still unfinished after "
+    raise PrepareFailed(f"{len(pending)} {phase} unit(s) of plait prepare still unfinished after "
                         f"{launcher.retries + 1} job array(s) ({'; '.join(failures)}); logs in "
                         f"{folder}: fix the cause and run the same command again to resume")
+
+
+ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
+          "RESIZING", "SIGNALING", "STAGE_OUT")
+
+
+def wait_for(jobs, poll_s: float = 1.0) -> list[str]:
+    """Wait for every array task; what each failed one said. A task is over when submitit has
+    its result, or when SLURM no longer lists it as active: submitit learns of a task killed
+    before writing a result from ``sacct``, which a cluster without accounting (the tests'
+    controller) does not answer, and would wait for it forever."""
+    failures, waiting = [], list(jobs)
+    while waiting:
+        states = queue_states([job.job_id for job in waiting])
+        for job in list(waiting):
+            over = states.get(job.job_id, "GONE") not in ACTIVE
+            if not job.paths.result_pickle.exists() and not over:
+                continue
+            waiting.remove(job)
+            if job.paths.result_pickle.exists():
+                try:
+                    job.result()
+                    continue
+                except Exception as e:  # the task's own error, with its traceback
+                    said = str(e).strip().splitlines()
+                    failures.append(f"array task {job.job_id}: {type(e).__name__}: "
+                                    f"{said[-1] if said else ''}")
+            else:
+                failures.append(f"array task {job.job_id} ended without a result "
+                                f"(SLURM: {states.get(job.job_id, 'no longer listed')})")
+        if waiting:
+            time.sleep(poll_s)
+    return failures
+
+
+def queue_states(job_ids: list[str]) -> dict[str, str]:
+    """SLURM's state of each job (array tasks one a line), from ``squeue``."""
+    shown = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-o", "%i %T",
+                            "-j", ",".join(job_ids)], capture_output=True, text=True)
+    return dict(line.split()[:2] for line in shown.stdout.splitlines() if len(line.split()) >= 2)
