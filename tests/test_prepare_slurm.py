@@ -113,8 +113,8 @@ def test_an_array_task_killed_midway_is_run_again_and_the_shards_are_the_same(
             driver.kill()
     assert driver.returncode == 0, stdout[-3000:] + stderr[-3000:]
     assert final_state(slurm, killed[0]) in ("CANCELLED", "FAILED"), stdout
-    assert re.search(r"tokenize: 1 array task\(s\) did not finish \(array task "
-                     f"{killed[0]} .*\\); \\d+ unit\\(s\\) left, submitting them again", stdout), stdout
+    said = f"tokenize: 1 array task\\(s\\) did not finish \\(array task {killed[0]} .*\\); "
+    assert re.search(said + r"\d+ unit\(s\) left, submitting them again", stdout), stdout
     retried = re.findall(r"tokenize: job array \d+, \d+ task\(s\), (\d+) unit", stdout)
     assert len(retried) == 2 and 0 < int(retried[1]) <= n_tasks - len(finished)
     assert files_of(out) == files_of(one_worker)

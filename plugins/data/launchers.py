@@ -100,9 +100,9 @@ def run_slurm_array(launcher, work: Work, phase: str, count: int, pending: list[
         log(f"plait prepare: {phase}: {len(failures)} array task(s) did not finish "
             f"({'; '.join(failures)}); {len(pending)} unit(s) left"
             + (", submitting them again" if attempt < launcher.retries else ""))
-    raise PrepareFailed(f"{len(pending)} {phase} unit(s) of plait prepare still unfinished after "
-                        f"{launcher.retries + 1} job array(s) ({'; '.join(failures)}); logs in "
-                        f"{folder}: fix the cause and run the same command again to resume")
+    raise PrepareFailed(f"{len(pending)} {phase} unit(s) of plait prepare still unfinished "
+                        f"after {launcher.retries + 1} job array(s) ({'; '.join(failures)}); "
+                        f"logs in {folder}: fix the cause and run the same command again to resume")
 
 
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",

@@ -171,8 +171,9 @@ def prepare(data, out, launcher=None, log: Callable = print):
     plan = work.plan
     n_tasks = len(plan["tasks"])
     if state == "planned":
-        log(f"plait prepare: resuming in {out}: {n_tasks - len(units.undone(work, units.TOKENIZE, n_tasks))}"
-            f"/{n_tasks} tasks already tokenized")
+        left = len(units.undone(work, units.TOKENIZE, n_tasks))
+        log(f"plait prepare: resuming in {out}: {n_tasks - left}/{n_tasks} tasks already "
+            "tokenized")
     log(f"plait prepare: {len(sources)} source(s), {n_tasks} task(s) of about "
         f"{plan['task_size'] / MB:.3g} MiB, {plan['tokenizer']['name']} tokenizer, "
         f"launcher={launcher.name}")
