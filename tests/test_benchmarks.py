@@ -28,6 +28,8 @@ SMOKE = {
                     "--batch-size", "2", "--tiny-steps", "3", "--gpt2-steps", "0"],
                    ["1. plait prepare", "tiny GPT     consumes", "GPT-2 small  not run",
                     "warm cache"]),
+    "bench_prepare": (["--mb", "0.3", "--vocab", "300", "--repeats", "1", "--rss-mb", "0.2"],
+                      ["| one large text file |", "| save_to_disk |", "4x / 1x: command"]),
     "bench_cp": (["--world", "2", "--budget-mb", "64", "--start-seq", "32", "--max-seq", "64",
                   "--seq", "32", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
                   "--repeats", "1"],

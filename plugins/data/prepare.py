@@ -154,6 +154,7 @@ def prepare(data, out, launcher=None, log: Callable = print):
         raise ValueError("; ".join(problems))
     sources = find_sources(entries(data.path), data.split, data.subset)
     print_ = fingerprint(sources, data)
+    units.forget()  # a plan or counts an earlier prepare in this process loaded
     work = Work(str(out))
     state = existing(work, print_)
     if state == "done":

@@ -105,6 +105,12 @@ class Work:
 _loaded: dict[str, tuple[Work, Any, list[Source]]] = {}
 
 
+def forget() -> None:
+    """Drop what this process loaded: a new prepare (or a forked worker) starts afresh."""
+    _loaded.clear()
+    _counts.clear()
+
+
 def loaded(out: str) -> tuple[Work, Any, list[Source]]:
     if out not in _loaded:
         from plait.plugins.data.tokenizer import from_spec
@@ -231,8 +237,7 @@ def _init_worker() -> None:
     # default, the pool's terminate() on an error ends a worker whatever it is doing.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
-    _loaded.clear()  # the parent's file systems: an async one (s3fs) is not fork-safe
-    _counts.clear()
+    forget()  # the parent's file systems: an async one (s3fs) is not fork-safe
 
 
 def run_units(out: str, phase: str, ids: list[int], workers: int,
