@@ -180,6 +180,20 @@ def test_each_format_gives_the_tokens_of_each_document_encoded_whole(
     assert shard_files(out) == shard_files(jsonl_shards)
 
 
+@pytest.mark.parametrize("kind", ["jsonl.zst", "parquet", "save_to_disk"])
+def test_data_text_reads_the_formats_too(kind, corpus, documents, tmp_path):
+    """``data=text`` on compressed JSON lines, parquet, a datasets directory: the byte tokens
+    of each document and a newline, as for the same documents in text files."""
+    from plait.plugins import data as data_plugin
+    from plait.testing import compose
+
+    cfg = compose(["data=text", f"data.path={corpus[kind]}", f"data.cache_dir={tmp_path}",
+                   "device=cpu"])
+    path, _ = data_plugin.token_file(cfg, 0, "train")
+    expected = b"".join(d.encode() + b"\n" for d in documents)
+    assert bytes(np.fromfile(path, dtype=np.uint16).astype(np.uint8)) == expected
+
+
 # ---------------------------------------------------------------------------------------------
 # one large text file, cut into parallel tasks
 # ---------------------------------------------------------------------------------------------

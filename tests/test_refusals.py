@@ -217,6 +217,9 @@ CASES = [
     ("data=tokens data.path={tmp} train.eval_every=5", ["is a directory without val.bin"]),
     ("data=text data.path={tmp}/corpus.txt", ["fewer than one global batch of "
                                               "train.batch_size=64"]),
+    ("data=text data.path={tmp}/no_text.parquet",
+     ["data.path={tmp}/no_text.parquet: {tmp}/no_text.parquet has no column 'text' (its "
+      "columns: id, content): set data.text_field=<the text column>"]),
     ("model.vocab_size=128", ["data=stdlib holds token ids up to 255, but the model's embedding "
                               "has 128 rows: raise the model's vocabulary to at least 256"]),
     ("data=shards data.path={tmp}/old_shards data.verify=true",
@@ -239,6 +242,10 @@ def data_files(tmp_path_factory):
     gpt2[0] = 50256  # <|endoftext|>
     gpt2.tofile(tmp / "gpt2.bin")
     (tmp / "train.bin").write_bytes(np.zeros(20000, np.uint16).tobytes())  # a dir without val.bin
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": [1], "content": ["a"]}), tmp / "no_text.parquet")
     import transformers as T  # config-only model=hf directories
 
     small = dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
