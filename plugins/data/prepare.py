@@ -155,7 +155,7 @@ def prepare(data, out, launcher=None, log: Callable = print):
     sources = find_sources(entries(data.path), data.split, data.subset)
     print_ = fingerprint(sources, data)
     units.forget()  # a plan or counts an earlier prepare in this process loaded
-    work = Work(str(out))
+    work = Work(str(out) if "://" in str(out) else os.path.abspath(out))  # as array tasks see it
     state = existing(work, print_)
     if state == "done":
         log(f"plait prepare: {out} already holds these inputs prepared; nothing to do")
