@@ -356,6 +356,9 @@ def finish(work: Work, plan: dict, n_shards: int) -> None:
             "tokens": total, "shards": shards}
     work.write_bytes(work.out_path(fmt.INDEX), json.dumps(meta, indent=1).encode())
     work.fs.rm(work.dir, recursive=True)
+    if work.local:  # a shard's temporary file, left by a writer killed mid-way
+        for leftover in Path(work.root).glob(".shard_*.tmp"):
+            leftover.unlink(missing_ok=True)
 
 
 class progress_bar:

@@ -177,8 +177,9 @@ def plait_register_configs(config_store) -> None:
 def plait_register_commands(register) -> None:
     from plait.plugins.data.prepare import cmd_prepare
 
-    register("prepare", cmd_prepare, "tokenize text into shards for data=shards "
-                                     "(data.path=... out=...)")
+    register("prepare", cmd_prepare, "tokenize a corpus (text, JSON lines, parquet, datasets; "
+                                     "local or URLs) into checksummed shards for data=shards "
+                                     "(data.path=... out=... [launcher=slurm])")
 
 
 @hookimpl
