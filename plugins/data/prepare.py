@@ -179,7 +179,7 @@ def prepare(data, out, launcher=None, log: Callable = print):
         f"{plan['task_size'] / MB:.3g} MiB, {plan['tokenizer']['name']} tokenizer, "
         f"launcher={launcher.name}")
     workers = workers if launcher.name == "local" else data.num_workers  # 0: the task's cores
-    with progress_bar(plan["task_bytes"], work, n_tasks, launcher, workers) as bar:
+    with TokenizingBar(plan["task_bytes"], work, n_tasks, launcher, workers) as bar:
         launchers.run(launcher, work, units.TOKENIZE, n_tasks, workers, log, bar)
     n_shards = write_counts(work, plan)
     launchers.run(launcher, work, units.WRITE_SHARDS, n_shards, workers, log)
@@ -361,7 +361,7 @@ def finish(work: Work, plan: dict, n_shards: int) -> None:
             leftover.unlink(missing_ok=True)
 
 
-class progress_bar:
+class TokenizingBar:
     """A tqdm bar of the text tokenized on this machine (``launcher=local``); nothing for an
     array, whose tasks report to SLURM."""
 
