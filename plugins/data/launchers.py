@@ -89,8 +89,15 @@ def run_slurm_array(launcher, work: Work, phase: str, count: int, pending: list[
         additional_parameters=dict(launcher.additional_parameters))
     for attempt in range(launcher.retries + 1):
         groups = [pending[i::launcher.tasks] for i in range(min(launcher.tasks, len(pending)))]
-        jobs = executor.map_array(run_units, [work.out] * len(groups), [phase] * len(groups),
-                                  groups, [workers] * len(groups))
+        try:
+            jobs = executor.map_array(run_units, [work.out] * len(groups),
+                                      [phase] * len(groups), groups, [workers] * len(groups))
+        except Exception as e:  # sbatch missing, refused, or no controller to talk to
+            said = " ".join(str(e).split())[-600:]
+            raise PrepareFailed(f"launcher=slurm could not submit the job array "
+                                f"({type(e).__name__}: {said}): check that sbatch works here "
+                                "and the launcher settings; run the same command again to "
+                                "resume") from None
         log(f"plait prepare: {phase}: job array {jobs[0].job_id.split('_')[0]}, "
             f"{len(groups)} task(s), {len(pending)} unit(s)")
         failures = wait_for(jobs)
