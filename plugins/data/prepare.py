@@ -166,7 +166,8 @@ def prepare(data, out, launcher=None, log: Callable = print):
         work.fs.makedirs(work.dir, exist_ok=True)
         work.write_bytes(work.path(PLAN), json.dumps({"fingerprint": print_}).encode())
         tokenizer = build_tokenizer(data, work, sources, pieces)
-        slots = workers * (launcher.tasks if launcher.name == "slurm" else 1)
+        slots = workers if launcher.name == "local" else launcher.tasks * (
+            data.num_workers or launcher.cpus_per_task or workers)  # processes over the array
         plan = make_plan(sources, pieces, tokenizer, data, slots, print_)
         work.write_bytes(work.path(PLAN), json.dumps(plan).encode())
     plan = work.plan
