@@ -53,3 +53,13 @@ def pytest_collection_modifyitems(items):
                     reason=f"needs {needed} CUDA GPU(s) with NCCL; this machine has {gpus}"
                 )
             )
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A running single-host SLURM (tests/slurm_cluster.py), started once per session for every
+    test that submits to it; yields the environment that points SLURM's commands at it."""
+    from slurm_cluster import running_slurm
+
+    with running_slurm(tmp_path_factory) as env:
+        yield env

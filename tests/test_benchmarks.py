@@ -71,6 +71,10 @@ SMOKE = {
         ],
         ["1. plait prepare", "tiny GPT     consumes", "GPT-2 small  not run", "warm cache"],
     ),
+    "bench_prepare": (
+        ["--mb", "0.3", "--vocab", "300", "--repeats", "1", "--rss-mb", "0.2"],
+        ["| one large text file |", "| save_to_disk |", "4x / 1x: command"],
+    ),
     "bench_cp": (
         [
             "--world",

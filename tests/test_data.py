@@ -13,7 +13,7 @@ def test_stdlib_default_is_tokenized_once_and_reused(tmp_path, monkeypatch):
     calls = []
     real = data_plugin.tokenize_to_cache
     monkeypatch.setattr(
-        data_plugin, "tokenize_to_cache", lambda s, f: (calls.append(f), real(s, f))
+        data_plugin, "tokenize_to_cache", lambda s, f, *rest: (calls.append(f), real(s, f, *rest))
     )
     first = data_plugin.cached_tokens(sources, tmp_path, local_rank=0)
     second = data_plugin.cached_tokens(sources, tmp_path, local_rank=0)

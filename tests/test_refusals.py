@@ -5,6 +5,9 @@ Every numeric setting of the core and of every built-in plugin (out of range), p
 files and combinations that used to fail inside the workers.
 """
 
+import bz2
+import gzip
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -460,6 +463,13 @@ CASES = [
         ["fewer than one global batch of train.batch_size=64"],
     ),
     (
+        "data=text data.path={tmp}/no_text.parquet",
+        [
+            "data.path={tmp}/no_text.parquet: {tmp}/no_text.parquet has no column 'text' (its "
+            "columns: id, content): set data.text_field=<the text column>"
+        ],
+    ),
+    (
         "model.vocab_size=128",
         [
             "data=stdlib holds token ids up to 255, but the model's embedding "
@@ -505,6 +515,15 @@ CASES = [
             "not supported"
         ],
     ),
+    (
+        "data=shards data.path={tmp}/old_shards data.verify=true",
+        [
+            "data.verify=true, but data.path={tmp}/old_shards has an index.json without shard "
+            "checksums (written by plait prepare before they were recorded): run plait prepare "
+            "again",
+            "or set data.verify=false",
+        ],
+    ),
 ]
 
 
@@ -521,6 +540,10 @@ def data_files(tmp_path_factory):
     gpt2[0] = 50256  # <|endoftext|>
     gpt2.tofile(tmp / "gpt2.bin")
     (tmp / "train.bin").write_bytes(np.zeros(20000, np.uint16).tobytes())  # a dir without val.bin
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": [1], "content": ["a"]}), tmp / "no_text.parquet")
     import transformers as T  # config-only model=hf directories
 
     small = dict(
@@ -539,6 +562,12 @@ def data_files(tmp_path_factory):
     T.BloomConfig(vocab_size=512, hidden_size=64, n_layer=2, n_head=4).save_pretrained(
         tmp / "bloom"
     )
+    # shards whose index.json predates the checksums (as plait prepare wrote it before them)
+    assert main(["prepare", f"data.path={tmp}/corpus.txt", f"out={tmp}/old_shards"]) == 0
+    index = json.loads((tmp / "old_shards" / "index.json").read_text())
+    for shard in index["shards"]:
+        del shard["xxh3_64"]
+    (tmp / "old_shards" / "index.json").write_text(json.dumps(index))
     return tmp
 
 
@@ -643,4 +672,123 @@ def test_an_unknown_value_is_refused_once_and_lists_only_what_a_user_can_choose(
             "plait: plait refused this plan:",
             f"  - strategy=zero9: no such option; choose one of {', '.join(strategies)}",
         ]
+    assert not any(tmp_path.iterdir())
+
+
+# plait prepare: bad input is refused before anything is tokenized or written (no out=), naming
+# the file. {tmp} is the directory of bad_corpora below.
+PREPARE_CASES = [
+    (
+        "data.path={tmp}/no_text_column.parquet",
+        [
+            "{tmp}/no_text_column.parquet has no column 'text' (its columns: id, content): set "
+            "data.text_field=<the text column>"
+        ],
+    ),
+    (
+        "data.path={tmp}/no_text_column.parquet data.text_field=id",
+        ["column 'id' holds int64, not text"],
+    ),
+    (
+        "data.path={tmp}/not_gzip.jsonl.gz",
+        ["{tmp}/not_gzip.jsonl.gz does not decompress as gzip (BadGzipFile"],
+    ),
+    (
+        "data.path={tmp}/truncated.jsonl.bz2",
+        [
+            "{tmp}/truncated.jsonl.bz2 does not decompress as bz2 (EOFError: Compressed file ended "
+            "before the end-of-stream marker was reached)"
+        ],
+    ),
+    (
+        "data.path={tmp}/field.jsonl",
+        [
+            "{tmp}/field.jsonl line 3 has no field 'text' (it has: id, content): set "
+            "data.text_field=<the field holding the text>"
+        ],
+    ),
+    (
+        "data.path={tmp}/field.jsonl data.text_field=id",
+        ["{tmp}/field.jsonl line 1: field 'id' holds int, not text"],
+    ),
+    ("data.path={tmp}/broken.jsonl", ["{tmp}/broken.jsonl line 2 is not JSON"]),
+    (
+        "data.path={tmp}/splits data.split=test",
+        [
+            "{tmp}/splits has no split 'test' (its splits: train, validation): set "
+            "data.split=<one of them>"
+        ],
+    ),
+    ("data.path={tmp}/binary.bin", ["{tmp}/binary.bin is not text (it holds NUL bytes)"]),
+    (
+        "data.path=nobody/no-such-dataset",
+        [
+            "data.path entry nobody/no-such-dataset matches no file, and no dataset of that name is "
+            "in the local Hugging Face cache",
+            "nothing is downloaded",
+        ],
+    ),
+    (
+        "data.path={tmp}/field.jsonl data.task_mb=0",
+        ["data.task_mb=0.0 is out of range: set data.task_mb > 0"],
+    ),
+    (
+        "data.path={tmp}/field.jsonl launcher=slurm launcher.tasks=0 launcher.retries=-1",
+        [
+            "launcher.tasks=0 is out of range: set launcher.tasks >= 1",
+            "launcher.retries=-1 is out of range: set launcher.retries >= 0",
+        ],
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_corpora(tmp_path_factory):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tmp = tmp_path_factory.mktemp("corpora")
+    pq.write_table(pa.table({"id": [1, 2], "content": ["a", "b"]}), tmp / "no_text_column.parquet")
+    (tmp / "not_gzip.jsonl.gz").write_bytes(b'{"text": "not compressed"}\n')
+    lines = b"".join(b'{"text": "line %d"}\n' % i for i in range(5000))
+    (tmp / "truncated.jsonl.bz2").write_bytes(bz2.compress(lines)[:-100])
+    (tmp / "field.jsonl").write_text('{"id": 1, "text": "a"}\n\n{"id": 2, "content": "b"}\n')
+    (tmp / "broken.jsonl").write_text('{"text": "a"}\n{"text": "b"\n')
+    rows = datasets.Dataset.from_dict({"text": ["a", "b"]})
+    datasets.DatasetDict({"train": rows, "validation": rows}).save_to_disk(tmp / "splits")
+    (tmp / "binary.bin").write_bytes(gzip.compress(b"x" * 1000))
+    return tmp
+
+
+@pytest.mark.parametrize(
+    "overrides,messages", PREPARE_CASES, ids=[c[0][:40] for c in PREPARE_CASES]
+)
+def test_bad_corpus_is_refused_before_any_work(overrides, messages, bad_corpora, tmp_path, capsys):
+    overrides = overrides.format(tmp=bad_corpora).split()
+    code = main(["prepare", *overrides, f"out={tmp_path}/out"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    for message in messages:
+        assert message.format(tmp=bad_corpora) in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_prepare_refusal_reaches_the_terminal_without_a_traceback(bad_corpora, tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "plait",
+            "prepare",
+            f"data.path={bad_corpora}/field.jsonl",
+            f"out={tmp_path}/out",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"{bad_corpora}/field.jsonl line 3 has no field 'text'" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
     assert not any(tmp_path.iterdir())

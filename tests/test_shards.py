@@ -6,6 +6,7 @@ run goes through whole epochs. The slow "remote" is ``tests/slowfs.py``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -141,19 +142,23 @@ def test_bpe_round_trips_text_exactly(bpe_shards, corpus):
     assert len(ends) == len(files) and (stream[ends] == 0).all()
 
 
-def tasks_done(out: Path) -> int:
-    """The tasks a running prepare has saved as done (its progress file, replaced atomically)."""
-    try:
-        with np.load(out / "progress.npz") as saved:
-            return int(saved["counters"][0])
-    except FileNotFoundError:
-        return 0
+def finished_tasks(out: Path) -> list[int]:
+    """The tasks a running prepare has marked done (``work/task_<t>.done``)."""
+    return sorted(int(p.name[5:11]) for p in (out / "work").glob("task_*.done"))
+
+
+def token_stream(directory: Path) -> np.ndarray:
+    index = read_index(str(directory))
+    return dataset_of(directory).tokens(0, index.total_tokens)
 
 
 @pytest.mark.slow
-def test_prepare_is_deterministic_and_resumes_after_a_kill(corpus, bpe_shards, tmp_path):
-    """A prepare SIGKILLed after its first task and run again ends with the same files as the
-    uninterrupted one (which used 2 workers; this one 1, then 2), keeping what it had written."""
+def test_prepare_resumes_after_a_kill_without_redoing_a_finished_task(corpus, bpe_shards, tmp_path):
+    """A prepare of ~20 tasks SIGKILLed after two of them, run again with 2 workers instead of
+    1, ends with the same files as the uninterrupted run (2 workers, tasks of 1 MiB): the
+    killed task is redone, nothing is lost or repeated. A finished task is not redone: a copy
+    of the killed run whose task 0 tokens were overwritten by 1s resumes to shards holding those
+    1s exactly there."""
     out = tmp_path / "out"
     command = [
         sys.executable,
@@ -165,6 +170,7 @@ def test_prepare_is_deterministic_and_resumes_after_a_kill(corpus, bpe_shards, t
         "data.tokenizer=bpe",
         "data.vocab_size=512",
         f"data.shard_tokens={1 << 15}",
+        "data.task_mb=0.1",
     ]
     first = subprocess.Popen(
         [*command, "data.num_workers=1"],
@@ -172,20 +178,31 @@ def test_prepare_is_deterministic_and_resumes_after_a_kill(corpus, bpe_shards, t
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    # progress is saved after each task that completes a shard: kill once shard 2 and a
-    # finished task are on disk (a kill inside the first task would rightly start over)
-    while not (out / shard_name(2)).exists() or tasks_done(out) < 1:
+    while len(finished_tasks(out)) < 2:
         assert first.poll() is None, "prepare finished before it could be killed"
         time.sleep(0.01)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
-    assert not (out / "index.json").exists()
-    kept = [(out / shard_name(k)).stat().st_ino for k in range(3)]
+    finished = finished_tasks(out)
+    n_tasks = len(json.loads((out / "work" / "plan.json").read_text())["tasks"])
+    assert not (out / "index.json").exists() and 0 in finished and len(finished) < n_tasks
+    tampered = tmp_path / "tampered"
+    shutil.copytree(out, tampered)
+    task_0 = tampered / "work" / "task_000000.tokens"
+    n_0 = task_0.stat().st_size // 2
+    task_0.write_bytes(np.ones(n_0, dtype=np.uint16).tobytes())
+
     again = subprocess.run([*command, "data.num_workers=2"], capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
-    assert "resuming" in again.stdout and "at task 0/" not in again.stdout
-    assert [(out / shard_name(k)).stat().st_ino for k in range(3)] == kept
+    assert f"resuming in {out}: {len(finished)}/{n_tasks} tasks already tokenized" in again.stdout
     assert files_of(out) == files_of(bpe_shards)
+    again = subprocess.run(
+        [*command[:5], f"out={tampered}", *command[6:]], capture_output=True, text=True
+    )
+    assert again.returncode == 0, again.stderr
+    stream, reference = token_stream(tampered), token_stream(bpe_shards)
+    assert (stream[:n_0] == 1).all() and (stream[n_0:] == reference[n_0:]).all()
+    assert (reference[:n_0] != 1).any()
 
 
 def test_prepare_refuses_bad_settings_and_leaves_nothing(tmp_path, corpus, small_shards, capsys):
@@ -269,7 +286,7 @@ def test_bad_shard_input_is_refused_before_launch(
     # every source's index is checked, and all problems are reported at once
     partial = tmp_path / "partial"
     partial.mkdir()
-    (partial / "progress.npz").touch()
+    (partial / "work").mkdir()  # what an unfinished prepare leaves
     sources = {
         tmp_path: "holds no index.json: make one with `plait prepare data.path=<text "
         f"files> out={tmp_path}`",
@@ -499,8 +516,8 @@ def test_dp2_feeds_the_samples_of_dp1_and_a_killed_run_resumes_exactly_at_any_dp
         f"data.path={small_shards}",
         "train.steps=8",
         "optimizer.decay_steps=8",
-        "fault.checkpoint_every=2",
-        "fault.keep_last=0",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=0",
     ]
     one = [*common, "launcher.nproc_per_node=1", "train.grad_accum_steps=2"]
     reference = run_losses(tmp_path / "ref", one, [inhouse.RecordBatches(tmp_path / "rec_ref")])

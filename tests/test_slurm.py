@@ -6,154 +6,17 @@ batch step of an sbatch script starts its own workers."""
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
+from slurm_cluster import final_state
 
-from plait.testing import TEST_OVERRIDES, free_port, read_metrics, run_losses
+from plait.testing import TEST_OVERRIDES, read_metrics, run_losses
 
 pytestmark = pytest.mark.slow
 
 STEPS = ["train.steps=3", "optimizer.decay_steps=3"]
-DAEMONS = ("munged", "slurmctld", "slurmd")
-
-
-def slurm_missing() -> str | None:
-    """Why SLURM cannot run here, or None. The tests install nothing: ``scripts/test.sh``
-    installs slurm-wlm and munge where root and apt-get are available."""
-    missing = [d for d in DAEMONS if not (shutil.which(d) or Path(f"/usr/sbin/{d}").exists())]
-    if missing:
-        return (
-            f"{', '.join(missing)} not installed (scripts/test.sh installs slurm-wlm and "
-            "munge where it runs as root with apt-get)"
-        )
-    return None
-
-
-def slurm_conf(root: Path, host: str, cpus: int) -> str:
-    return f"""\
-ClusterName=plaittest
-SlurmctldHost={host}
-SlurmctldPort={free_port()}
-SlurmdPort={free_port()}
-AuthType=auth/munge
-AuthInfo=socket={root}/munge.socket
-CredType=cred/munge
-SlurmUser=root
-SlurmdUser=root
-StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
-SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
-SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-SchedulerType=sched/builtin
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-ReturnToService=2
-MinJobAge=600
-NodeName={host} CPUs={cpus} RealMemory=2000 State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
-"""
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    """A running single-host SLURM; yields the environment that points its commands at it."""
-    reason = slurm_missing()
-    if reason:
-        pytest.skip(f"no SLURM: {reason}")
-    root = tmp_path_factory.mktemp("slurm")
-    root.chmod(0o755)  # munged wants its socket's directories searchable by everyone
-    for sub in ("state", "spool"):
-        (root / sub).mkdir()
-    key = root / "munge.key"
-    key.write_bytes(os.urandom(1024))
-    key.chmod(0o600)
-    host = socket.gethostname()
-    conf = root / "slurm.conf"
-    conf.write_text(slurm_conf(root, host, os.cpu_count() or 2))
-    env = {**os.environ, "SLURM_CONF": str(conf)}
-    started = []
-    try:
-        for cmd in (
-            [
-                _sbin("munged"),
-                "--force",
-                f"--key-file={key}",
-                f"--socket={root}/munge.socket",
-                f"--pid-file={root}/munged.pid",
-                f"--log-file={root}/munged.log",
-                f"--seed-file={root}/munge.seed",
-            ],
-            [_sbin("slurmctld"), "-f", str(conf)],
-            [_sbin("slurmd"), "-f", str(conf)],
-        ):
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
-            if done.returncode:
-                pytest.skip(f"no SLURM: {Path(cmd[0]).name} did not start: {done.stderr[-500:]}")
-            started.append(Path(cmd[0]).name)
-        if not _node_idle(env):
-            logs = "".join(p.read_text()[-400:] for p in root.glob("slurm*.log"))
-            pytest.skip(f"no SLURM: the node did not come up within 60 s: {logs}")
-        yield env
-    finally:
-        if "slurmd" in started:  # let jobs end before their daemons go
-            subprocess.run(["scancel", "--full", "--user=root"], env=env, timeout=30)
-            deadline = time.time() + 60
-            while (
-                time.time() < deadline
-                and subprocess.run(
-                    ["squeue", "-h"], env=env, capture_output=True, text=True
-                ).stdout.strip()
-            ):
-                time.sleep(1)
-        for name in reversed(started):
-            pid_file = root / f"{name}.pid"
-            if pid_file.exists():
-                os.kill(int(pid_file.read_text()), signal.SIGTERM)
-
-
-def _sbin(name: str) -> str:
-    return shutil.which(name) or f"/usr/sbin/{name}"
-
-
-def _node_idle(env) -> bool:
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        state = subprocess.run(
-            ["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True
-        ).stdout.strip()
-        if state.startswith("idle") or state.startswith("mixed"):
-            return True
-        time.sleep(1)
-    return False
-
-
-def final_state(env, job_id: str) -> str:
-    """The job's state once it has left the queue's running states (submitit returns as soon as
-    the tasks wrote their results, while SLURM is still ending the job)."""
-    deadline = time.time() + 120
-    while True:
-        shown = subprocess.run(
-            ["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True
-        ).stdout
-        state = re.search(r"JobState=(\w+)", shown)[1]
-        if state not in ("PENDING", "RUNNING", "COMPLETING") or time.time() > deadline:
-            return state
-        time.sleep(1)
 
 
 @pytest.fixture(scope="module")

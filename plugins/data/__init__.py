@@ -3,7 +3,10 @@ directory, or pre-tokenized ``.bin`` files; tokenized once into an on-disk cache
 
 - ``data=stdlib``: every ``.py`` file of the running Python's standard library, byte-level tokens
   (vocab 256). Needs no download, so a fresh machine trains at once.
-- ``data=text data.path=corpus.txt`` (or a directory of text files): byte-level tokens.
+- ``data=text data.path=corpus.txt`` (or a directory, a glob, a URL): byte-level tokens of every
+  document in any format ``plait prepare`` reads (:mod:`plait.plugins.data.formats`: a plain
+  file is one document; JSON lines, parquet and ``datasets`` rows give ``data.text_field``),
+  each followed by a newline.
 - ``data=tokens data.path=train.bin``: token files as nanoGPT or llm.c write them (see
   :mod:`plait.plugins.data.token_files`), memory-mapped as they are; a directory holding
   ``train.bin`` and ``val.bin`` gives both splits.
@@ -25,11 +28,12 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from plait import hookimpl
 from plait.config import Range, range_problems
@@ -50,6 +54,7 @@ class DataFilesConfig(LoaderSettings):
     path: Optional[str] = None
     cache_dir: str = "${oc.env:PLAIT_CACHE_DIR,'~/.cache/plait'}"
     val_fraction: float = 0.01
+    text_field: str = "text"  # data=text: the text of a JSON line, a parquet or datasets row
 
 
 RANGES = {"val_fraction": Range(0, 1, high_open=True)}
@@ -87,39 +92,66 @@ def stdlib_sources() -> list[Path]:
     return sorted(sources)
 
 
-def text_sources(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+def text_sources(path) -> list:
+    """The sources ``data.path`` names (:mod:`plait.plugins.data.sources`); ``ValueError``
+    naming it when it names none."""
+    from plait.plugins.data.sources import find_sources
+
+    return find_sources([str(path)], "train", None)
 
 
-def cache_key(sources: list[Path]) -> str:
+def document_bytes(sources: list, text_field: str = "text") -> Iterator[bytes]:
+    """Each document's bytes: a path's whole file (the standard library), or each document of
+    a source in its format, read and checked as ``plait prepare`` reads it."""
+    from plait.plugins.data.formats import read_documents, scan
+
+    for source in sources:
+        if isinstance(source, Path):
+            yield source.read_bytes()
+            continue
+        for piece in scan(source, text_field, 1 << 20, "train", None):
+            for text, _, _ in read_documents(
+                source, piece.start, piece.end, text_field, "train", None
+            ):
+                yield text if isinstance(text, bytes) else text.encode()
+
+
+def cache_key(sources: list, text_field: str = "text") -> str:
     digest = hashlib.sha256(TOKENIZER.encode())
     for p in sources:
-        st = p.stat()
-        digest.update(f"{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        if isinstance(p, Path):
+            st = p.stat()
+            digest.update(f"{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        else:
+            digest.update(f"{p.path}\0{p.format}\0{p.key}\0{text_field}\n".encode())
     return digest.hexdigest()[:24]
 
 
-def tokenize_to_cache(sources: list[Path], cache_file: Path) -> None:
-    """Byte-tokenize ``sources`` into ``cache_file`` (uint16) atomically."""
+def tokenize_to_cache(sources: list, cache_file: Path, text_field: str = "text") -> None:
+    """Byte-tokenize ``sources`` (each document, then a newline) into ``cache_file`` (uint16)
+    atomically."""
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
     with open(tmp, "wb") as out:
-        for p in sources:
-            out.write(np.frombuffer(p.read_bytes() + b"\n", dtype=np.uint8).astype(np.uint16))
+        for doc in document_bytes(sources, text_field):
+            out.write(np.frombuffer(doc + b"\n", dtype=np.uint8).astype(np.uint16))
     os.replace(tmp, cache_file)
     cache_file.with_suffix(".json").write_text(
-        json.dumps({"tokenizer": TOKENIZER, "sources": [str(s) for s in sources]}, indent=0)
+        json.dumps(
+            {"tokenizer": TOKENIZER, "sources": [str(getattr(s, "path", s)) for s in sources]},
+            indent=0,
+        )
     )
 
 
-def cached_tokens(sources: list[Path], cache_dir: Path, local_rank: int, group=None) -> Path:
+def cached_tokens(
+    sources: list, cache_dir: Path, local_rank: int, group=None, text_field: str = "text"
+) -> Path:
     """The cache file for ``sources``; local rank 0 (a node's first trainer) writes it if
     missing, the rest of ``group`` (the trainers; None: every rank) wait."""
-    cache_file = cache_dir / "tokens" / f"{cache_key(sources)}.bin"
+    cache_file = cache_dir / "tokens" / f"{cache_key(sources, text_field)}.bin"
     if local_rank == 0 and not cache_file.exists():
-        tokenize_to_cache(sources, cache_file)
+        tokenize_to_cache(sources, cache_file, text_field)
     if dist.is_initialized():
         dist.barrier(group=group)
     return cache_file
@@ -133,10 +165,18 @@ def token_file(cfg, local_rank: int, split: str, group=None) -> tuple[Path, bool
         if path.is_dir():
             return path / f"{split}.bin", False
         return path, True
-    sources = (
-        stdlib_sources() if data.name == "stdlib" else text_sources(Path(data.path).expanduser())
-    )
-    return cached_tokens(sources, Path(data.cache_dir).expanduser(), local_rank, group), True
+    sources = stdlib_sources() if data.name == "stdlib" else text_sources(expand(data.path))
+    return cached_tokens(
+        sources,
+        Path(data.cache_dir).expanduser(),
+        local_rank,
+        group,
+        OmegaConf.select(data, "text_field", default="text"),
+    ), True
+
+
+def expand(path: str) -> str:
+    return path if "://" in path else os.path.expanduser(path)
 
 
 def load_split(tokens: np.ndarray, val_fraction: float, split: str) -> np.ndarray:
@@ -191,10 +231,11 @@ def plait_validate(cfg, dims, hook) -> list[str]:
 def split_tokens(data) -> tuple[tuple[int, int], int]:
     """Tokens in the train and validation splits, and the largest token id (in the first
     ``SCAN_TOKENS`` of each file), from sizes and headers: nothing is tokenized here."""
-    path = Path(data.path).expanduser()
     if data.name == "text":
-        n_tokens = sum(p.stat().st_size + 1 for p in text_sources(path))  # + a newline each
-        return split_sizes(n_tokens, data.val_fraction), BYTE_VOCAB - 1
+        return split_sizes(
+            text_tokens(text_sources(expand(data.path)), data.text_field), data.val_fraction
+        ), BYTE_VOCAB - 1
+    path = Path(data.path).expanduser()
     files = [path / "train.bin", path / "val.bin"] if path.is_dir() else [path]
     counts, max_id = [], 0
     for file in (f for f in files if f.exists()):  # val.bin: only needed for evaluation
@@ -210,10 +251,30 @@ def split_tokens(data) -> tuple[tuple[int, int], int]:
     return split_sizes(counts[0], data.val_fraction), max_id
 
 
+def text_tokens(sources: list, text_field: str) -> int:
+    """Byte tokens of ``data=text``'s documents and their newlines: a plain file's from its
+    size; other formats' by reading them (so they are checked before launch too)."""
+    from plait.plugins.data.formats import TEXT
+
+    total = 0
+    for source in sources:
+        if source.format == TEXT and source.compression is None:
+            total += source.size + 1
+        else:
+            total += sum(len(doc) + 1 for doc in document_bytes([source], text_field))
+    return total
+
+
 def path_problems(data, eval_every: int) -> list[str]:
     what = "text file or directory" if data.name == "text" else ".bin token file or directory"
     if data.path is None:
         return [f"data={data.name} needs data.path: give a {what}"]
+    if data.name == "text":
+        try:
+            text_sources(expand(data.path))
+        except ValueError as e:
+            return [f"data.path={data.path}: {e}"]
+        return []
     path = Path(data.path).expanduser()
     if not path.exists():
         return [f"data.path={data.path} does not exist: give an existing {what}"]
@@ -225,10 +286,6 @@ def path_problems(data, eval_every: int) -> list[str]:
                 f"data.path={data.path} is a directory without {' and '.join(missing)}: give "
                 "a .bin file or a directory with train.bin (and val.bin for train.eval_every)"
             ]
-    if data.name == "text" and not text_sources(path):
-        return [
-            f"data.path={data.path} holds no text file: give a text file or a directory of them"
-        ]
     return []
 
 

@@ -10,6 +10,11 @@ made under a lock of the whole cache before each download. A read opens the shar
 eviction only unlinks it, so a read in progress keeps its data, and a read that finds its shard
 gone fetches it again. "Recently used" is the file's mtime, touched on every use.
 
+A shard enters the cache only whole and intact: it is hashed (xxh3_64) as it is copied and
+compared with the checksum its index records (and its byte count with the size), before it is
+renamed into place; a mismatch deletes the download and raises
+:class:`~plait.plugins.data.index.ShardChecksumError` naming the shard and both checksums.
+
 This is MosaicML Streaming's design (one download per node, LRU eviction by ``cache_limit``)
 with file locks instead of Streaming's shared-memory registry.
 """
@@ -25,6 +30,10 @@ from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Hashable, Iterable, Iterator, Optional
+
+import xxhash
+
+from plait.plugins.data.index import ShardChecksumError, verify
 
 GIB = 2**30
 FETCH_SUFFIX = ".fetch"  # a download in flight
@@ -71,8 +80,9 @@ class NodeCache:
     def __getstate__(self):
         return {**self.__dict__, "_fs": None}
 
-    def ensure(self, name: str, size: int) -> Path:
-        """The local copy of shard ``name`` (``size`` bytes), fetched if it is not cached."""
+    def ensure(self, name: str, size: int, checksum: Optional[str] = None) -> Path:
+        """The local copy of shard ``name`` (``size`` bytes), fetched if it is not cached and
+        checked against ``checksum`` (its xxh3_64; None: an index without checksums)."""
         path = self.dir / name
         if self._touch(path):
             return path
@@ -84,9 +94,20 @@ class NodeCache:
             self._make_room(tmp, size)
             fs = self.fs
             try:
+                digest, copied = xxhash.xxh3_64(), 0
                 with fs.open(f"{self._remote_path}/{name}", "rb") as src, open(tmp, "r+b") as dst:
                     while chunk := src.read(COPY_CHUNK):
                         dst.write(chunk)
+                        digest.update(chunk)
+                        copied += len(chunk)
+                url = f"{self.remote}/{name}"
+                if copied != size:
+                    raise ShardChecksumError(
+                        f"shard {url} is truncated or grown: {copied} bytes, but index.json "
+                        f"records {size}; it is not read: restore the file, or run plait "
+                        "prepare again"
+                    )
+                verify(url, digest.hexdigest(), checksum)
                 with locked(self.root / ".lock"):  # an eviction counting now sees tmp or path
                     os.replace(tmp, path)
             except BaseException:
@@ -94,14 +115,16 @@ class NodeCache:
                 raise
         return path
 
-    def read(self, name: str, size: int, offset: int, nbytes: int) -> bytes:
+    def read(
+        self, name: str, size: int, offset: int, nbytes: int, checksum: Optional[str] = None
+    ) -> bytes:
         """``nbytes`` bytes of shard ``name`` at ``offset``, from the local copy."""
         path = os.path.join(self.dir, name)
         while True:
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:  # not cached, or evicted since: fetch it
-                self.ensure(name, size)
+                self.ensure(name, size, checksum)
                 continue
             try:
                 data = os.pread(fd, nbytes, offset)

@@ -7,19 +7,24 @@
       documents.npy         int64 token offsets of every document start, then the end offset
       tokenizer.json        the HF tokenizer the ids come from (none for bytes)
       index.json            written last: format, tokenizer name, identity and vocab size, token
-                            dtype, shard size, every shard's file and token count, totals
+                            dtype, shard size, every shard's file, token count and xxh3_64
+                            checksum (of the whole file), totals
 
 The token stream is the documents in input order, each followed by the tokenizer's
 ``<|endoftext|>`` where it has one; shards cut that stream every ``shard_tokens`` tokens, so a
 document may continue in the next shard. Everything is read through fsspec, so ``<dir>`` may be
 a local directory or any fsspec URL.
+
+A shard is checked against its checksum when it enters the node-local cache, and when read in
+place with ``data.verify=true`` (:func:`checksum_of`, :func:`verify`); a mismatch raises
+:class:`ShardChecksumError` naming the file and both checksums. An index written before the
+checksums (no ``xxh3_64`` entries) is read without them: see ``docs/data.md``.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +34,8 @@ FORMAT = "plait-shards-v1"
 MAGIC = 20240520  # llm.c's data file magic
 HEADER_BYTES = 256 * 4
 VERSION_OF_DTYPE = {"uint16": 1, "uint32": 2}  # llm.c: 1 = GPT-2 (uint16), 2 = uint32 ids
+CHECKSUM = "xxh3_64"  # xxhash's 64-bit XXH3 of a whole shard file, as 16 hex digits
+HASH_CHUNK = 1 << 23
 INDEX = "index.json"
 DOCUMENTS = "documents.npy"
 TOKENIZER = "tokenizer.json"
@@ -42,21 +49,10 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
-def write_shard(path: Path, tokens: np.ndarray, dtype: str) -> None:
-    """Write one shard atomically (temp file, then rename)."""
+def shard_header(n_tokens: int, dtype: str) -> bytes:
     header = np.zeros(256, dtype=np.int32)
-    header[:3] = (MAGIC, VERSION_OF_DTYPE[dtype], len(tokens))
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype(dtype, copy=False).tobytes())
-    os.replace(tmp, path)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    header[:3] = (MAGIC, VERSION_OF_DTYPE[dtype], n_tokens)
+    return header.tobytes()
 
 
 def join(root: str, name: str) -> str:
@@ -65,6 +61,29 @@ def join(root: str, name: str) -> str:
 
 class ShardIndexError(ValueError):
     """A shard directory that cannot be trained on; the message names the fix."""
+
+
+class ShardChecksumError(ValueError):
+    """A shard whose bytes are not those its index records: corrupt or truncated."""
+
+
+def checksum_of(f) -> str:
+    """The xxh3_64 of a binary file object's bytes from where it stands to its end."""
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    while chunk := f.read(HASH_CHUNK):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify(name: str, actual: str, expected: str | None) -> None:
+    """Refuse shard ``name`` (a path or URL) when its checksum is not the index's."""
+    if expected is not None and actual != expected:
+        raise ShardChecksumError(
+            f"shard {name} is corrupt or truncated: its {CHECKSUM} is {actual}, but index.json "
+            f"records {expected}; it is not read: restore the file, or run plait prepare again"
+        )
 
 
 @dataclass
@@ -78,6 +97,7 @@ class ShardIndex:
     shard_sizes: list[int]  # tokens per shard
     documents: np.ndarray  # int64, len = number of documents + 1
     fingerprint: str
+    checksums: list  # each shard's xxh3_64, or None (an index written before checksums)
 
     @property
     def total_tokens(self) -> int:
@@ -92,6 +112,10 @@ class ShardIndex:
 
     def shard_file(self, k: int) -> str:
         return join(self.root, shard_name(k))
+
+    @property
+    def has_checksums(self) -> bool:
+        return all(c is not None for c in self.checksums)
 
 
 def read_index(root: str, setting: str = "data.path") -> ShardIndex:
@@ -115,7 +139,7 @@ def read_index(root: str, setting: str = "data.path") -> ShardIndex:
     if INDEX not in listing:
         hint = (
             "its plait prepare did not finish: run the same plait prepare again to resume"
-            if "progress.npz" in listing
+            if "work" in listing
             else f"make one with `plait prepare data.path=<text files> out={root}`"
         )
         raise ShardIndexError(f"{setting}={root} holds no {INDEX}: {hint}")
@@ -133,6 +157,7 @@ def read_index(root: str, setting: str = "data.path") -> ShardIndex:
             shard_sizes=[int(s["tokens"]) for s in meta["shards"]],
             documents=documents.astype(np.int64, copy=False),
             fingerprint=meta["fingerprint"],
+            checksums=[s.get(CHECKSUM) for s in meta["shards"]],
         )
     except Exception as e:
         raise ShardIndexError(

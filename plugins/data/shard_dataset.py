@@ -17,6 +17,7 @@ the neighbouring samples read, so a node's cache holds only a window of shards a
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from typing import Optional
 
@@ -24,16 +25,37 @@ import numpy as np
 import torch
 
 from plait.plugins.data.cache import NodeCache, shard_keys_in_order
-from plait.plugins.data.index import HEADER_BYTES, ShardIndex, shard_name
+from plait.plugins.data.index import (
+    HEADER_BYTES,
+    ShardChecksumError,
+    ShardIndex,
+    checksum_of,
+    shard_name,
+    verify,
+)
+
+
+def verify_file(path: str, index: ShardIndex, k: int) -> None:
+    """Check a local copy of shard ``k`` against its size and checksum (``data.verify=true``)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != index.shard_bytes(k):
+            raise ShardChecksumError(
+                f"shard {path} is truncated or grown: {size} bytes, but index.json records "
+                f"{index.shard_bytes(k)}; it is not read: restore the file, or run plait "
+                "prepare again"
+            )
+        verify(path, checksum_of(f), index.checksums[k])
 
 
 class LocalShards:
-    """Shards on a local (or mounted) file system, memory-mapped where they lie."""
+    """Shards on a local (or mounted) file system, memory-mapped where they lie; with
+    ``verify``, each is checked against its checksum when this process first maps it."""
 
     remote = False
 
-    def __init__(self, index: ShardIndex):
-        self.index = index
+    def __init__(self, index: ShardIndex, verify: bool = False):
+        self.index, self.verify = index, verify
         self._maps: dict[int, np.memmap] = {}
 
     def __getstate__(self):
@@ -41,30 +63,49 @@ class LocalShards:
 
     def read(self, k: int, offset: int, count: int) -> np.ndarray:
         if k not in self._maps:
-            self._maps[k] = np.memmap(
-                self.index.shard_file(k), dtype=self.index.dtype, mode="r", offset=HEADER_BYTES
-            )
+            path = self.index.shard_file(k)
+            if self.verify:
+                verify_file(path, self.index, k)
+            self._maps[k] = np.memmap(path, dtype=self.index.dtype, mode="r", offset=HEADER_BYTES)
         return self._maps[k][offset : offset + count]
 
 
 class CachedShards:
-    """Shards of a remote dataset, read from the node-local cache (fetched on demand)."""
+    """Shards of a remote dataset, read from the node-local cache (fetched on demand and checked
+    as they enter it); with ``verify``, the cached copy is checked again when this process first
+    reads it."""
 
     remote = True
 
-    def __init__(self, index: ShardIndex, cache: NodeCache):
-        self.index, self.cache = index, cache
+    def __init__(self, index: ShardIndex, cache: NodeCache, verify: bool = False):
+        self.index, self.cache, self.verify = index, cache, verify
+        self._verified: set[int] = set()
+
+    def __getstate__(self):
+        return {**self.__dict__, "_verified": set()}
 
     def fetch(self, k: int) -> None:
-        self.cache.ensure(shard_name(k), self.index.shard_bytes(k))
+        self.cache.ensure(shard_name(k), self.index.shard_bytes(k), self.index.checksums[k])
 
     def read(self, k: int, offset: int, count: int) -> np.ndarray:
         itemsize = self.index.itemsize
+        if self.verify and k not in self._verified:
+            verify_file(
+                str(
+                    self.cache.ensure(
+                        shard_name(k), self.index.shard_bytes(k), self.index.checksums[k]
+                    )
+                ),
+                self.index,
+                k,
+            )
+            self._verified.add(k)
         data = self.cache.read(
             shard_name(k),
             self.index.shard_bytes(k),
             HEADER_BYTES + offset * itemsize,
             count * itemsize,
+            self.index.checksums[k],
         )
         return np.frombuffer(data, dtype=self.index.dtype)
 
@@ -169,10 +210,12 @@ class ShardDataset:
         self.reader.fetch(key)
 
 
-def make_reader(index: ShardIndex, cache_dir: str, cache_limit_gb: Optional[float]):
+def make_reader(
+    index: ShardIndex, cache_dir: str, cache_limit_gb: Optional[float], verify: bool = False
+):
     """Read a local directory in place; copy shards of a URL (``scheme://...``, including
     ``file://`` for a slow mounted directory) into the node-local cache."""
     if "://" not in index.root:
-        return LocalShards(index)
+        return LocalShards(index, verify)
     limit = None if cache_limit_gb is None else int(cache_limit_gb * 2**30)
-    return CachedShards(index, NodeCache(index.root, cache_dir, limit))
+    return CachedShards(index, NodeCache(index.root, cache_dir, limit), verify)

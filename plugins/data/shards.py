@@ -12,12 +12,18 @@ has fewer ids than the tokenizer (asked of the model plugin: the model is built 
 device and run on one token), weights that do not sum to a positive number, a cache limit
 smaller than one shard, too few samples for one global batch (or, with ``train.eval_every``, for
 one per-rank validation batch), ``data.pack=true`` with a model whose forward takes no
-``position_ids``, and numbers out of range (``RANGES``).
+``position_ids``, ``data.verify=true`` on an index without checksums, and numbers out of range
+(``RANGES``).
+
+Shards are checked against the xxh3_64 checksums of their index when they enter the node-local
+cache (always) and when read in place with ``data.verify=true``; a corrupt or truncated shard
+stops the run, naming the file and both checksums, before any of its tokens is trained on.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -58,6 +64,7 @@ class ShardsDataConfig(LoaderSettings):
     cache_dir: str = "${oc.env:PLAIT_CACHE_DIR,'~/.cache/plait'}"  # node-local, for URLs
     cache_limit_gb: Optional[float] = None  # GiB the node's shard cache may hold; None: no limit
     prefetch_shards: int = 2  # shards fetched ahead of the loader
+    verify: bool = False  # check each shard read in place (and each cached copy) by checksum
 
 
 RANGES = {
@@ -154,6 +161,14 @@ def index_problems(cfg, dims, hook, indexes: list[tuple[str, ShardIndex]]) -> li
                 f"train.batch_size={cfg.train.batch_size}: lower them, set "
                 "data.pack=true, or prepare more text"
             )
+    for setting, index in indexes:
+        if data.verify and not index.has_checksums:
+            problems.append(
+                f"data.verify=true, but {setting}={index.root} has an index.json "
+                "without shard checksums (written by plait prepare before they "
+                f"were recorded): run plait prepare again with out={index.root} "
+                "into a new directory, or set data.verify=false"
+            )
     per_rank = cfg.train.batch_size // dims.dp
     n_val = sum(samples_of(index, data, cfg.train.seq_len, "val") for _, index in indexes)
     if cfg.train.eval_every and n_val < per_rank:
@@ -194,7 +209,11 @@ def plait_register_commands(register) -> None:
     from plait.plugins.data.prepare import cmd_prepare
 
     register(
-        "prepare", cmd_prepare, "tokenize text into shards for data=shards (data.path=... out=...)"
+        "prepare",
+        cmd_prepare,
+        "tokenize a corpus (text, JSON lines, parquet, datasets; "
+        "local or URLs) into checksummed shards for data=shards "
+        "(data.path=... out=... [launcher=slurm])",
     )
 
 
@@ -237,12 +256,25 @@ def plait_tokenizer(cfg):
 
 
 @hookimpl
-def plait_build_dataset(cfg, split: str):
+def plait_build_dataset(cfg, topology, split: str):
     data = cfg.data
     datasets, weights = [], []
     for setting, path, weight in sources_of(data):
         index = read_index(path, setting)
-        reader = make_reader(index, data.cache_dir, data.cache_limit_gb)
+        if (
+            "://" in path
+            and not index.has_checksums
+            and topology.is_logging_rank
+            and split == "train"
+        ):
+            print(
+                f"plait: warning: {setting}={path} has no shard checksums (an index.json "
+                "written before plait prepare recorded them): its shards enter the cache "
+                "unchecked; prepare it again to have them checked",
+                file=sys.stderr,
+                flush=True,
+            )
+        reader = make_reader(index, data.cache_dir, data.cache_limit_gb, data.verify)
         datasets.append(
             ShardDataset(
                 index,
