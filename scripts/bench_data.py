@@ -83,7 +83,7 @@ def train_figures(root: Path, name: str, overrides: list[str]) -> tuple[float, f
         [
             "data=shards",
             "launcher.nproc_per_node=1",
-            "fault.save_final=false",
+            "checkpoint.save_final=false",
             "+plugins=[slowfs]",
             *overrides,
         ],

@@ -732,7 +732,7 @@ class OverflowAtSteps:
 
 
 # A 4-step run for OverflowAtSteps(2, 3), a checkpoint after each step (all kept).
-OVERFLOW_RUN = ["train.steps=4", "fault.checkpoint_every=1", "fault.keep_last=0"]
+OVERFLOW_RUN = ["train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=0"]
 
 
 def assert_steps_2_and_3_skipped(run_dir, scales: list[float]) -> None:

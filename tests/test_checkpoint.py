@@ -17,7 +17,7 @@ from plait.types import TrainState
 RUN = [
     "train.steps=8",
     "optimizer.decay_steps=8",
-    "fault.checkpoint_every=3",
+    "checkpoint.every=3",
     "launcher.nproc_per_node=2",
 ]
 
@@ -68,7 +68,7 @@ class FailingEngine:
 
 
 def test_a_failed_write_leaves_latest_on_the_previous_checkpoint(tmp_path):
-    cfg = compose([f"run.root={tmp_path}", "run.name=r", "fault.checkpoint_every=2"])
+    cfg = compose([f"run.root={tmp_path}", "run.name=r", "checkpoint.every=2"])
     root = tmp_path / "r" / "checkpoints"
     (root / "step_00000002").mkdir(parents=True)
     (root / "step_00000002" / "complete.json").write_text('{"files": {}}')
@@ -140,7 +140,7 @@ def test_a_checkpoint_missing_a_ranks_random_state_is_refused_not_resumed_around
         [
             f"run.root={tmp_path}",
             "run.name=r",
-            "fault.checkpoint_every=2",
+            "checkpoint.every=2",
             "launcher.nproc_per_node=1",
         ]
     )

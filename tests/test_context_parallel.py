@@ -432,7 +432,7 @@ def test_packed_samples_restart_positions_at_every_document(packed_shards):
 # ---------------------------------------------------------------------------------------------
 
 COMMON = [f"train.steps={STEPS}", "train.batch_size=8", "train.seq_len=32"]
-CP2_DP2 = ["parallel.cp=2", "launcher.nproc_per_node=4", "fault.checkpoint_every=10"]
+CP2_DP2 = ["parallel.cp=2", "launcher.nproc_per_node=4", "checkpoint.every=10"]
 CP2_TP2 = ["parallel.cp=2", "parallel.tp=2", "launcher.nproc_per_node=4"]
 CP2_PP2 = ["parallel.cp=2", "parallel.pp=2", "pipeline.microbatches=2", "launcher.nproc_per_node=4"]
 

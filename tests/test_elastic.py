@@ -50,8 +50,8 @@ RUN = [
     f"train.steps={STEPS}",
     f"optimizer.decay_steps={STEPS}",
     "precision=fp32",
-    f"fault.checkpoint_every={JOINED_AFTER}",
-    "fault.keep_last=0",
+    f"checkpoint.every={JOINED_AFTER}",
+    "checkpoint.keep_last=0",
 ]
 # torch's rendezvous timings, shortened: a lost node is declared dead after 3 missed 2-second
 # heartbeats; a round with fewer than 2 nodes closes 10 s after it reached 1 (both nodes start

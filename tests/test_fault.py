@@ -26,9 +26,9 @@ STEPS = 8
 RUN = [
     f"train.steps={STEPS}",
     "optimizer.decay_steps=8",
-    "fault.checkpoint_every=3",
+    "checkpoint.every=3",
     "launcher.nproc_per_node=2",
-    "fault.keep_last=0",
+    "checkpoint.keep_last=0",
     "model.dropout=0.1",
 ]
 LAYOUTS = {
@@ -265,7 +265,7 @@ def test_sigkill_at_every_moment_of_a_checkpoint_write_never_leaves_a_bad_checkp
     operations in turn: the newest complete checkpoint always loads whole, no partial write is
     ever chosen, and the next save clears what the killed one left."""
     cfg = compose(
-        [f"run.root={tmp_path}", "run.name=r", "fault.checkpoint_every=2", "fault.keep_last=2"]
+        [f"run.root={tmp_path}", "run.name=r", "checkpoint.every=2", "checkpoint.keep_last=2"]
     )
     root = tmp_path / "r" / "checkpoints"
     checkpoint.plait_save_checkpoint(
@@ -307,7 +307,7 @@ def test_sigkill_at_every_moment_of_a_checkpoint_write_never_leaves_a_bad_checkp
 
 def test_a_damaged_checkpoint_is_skipped_with_a_message(tmp_path, capsys):
     cfg = compose(
-        [f"run.root={tmp_path}", "run.name=r", "fault.checkpoint_every=2", "fault.keep_last=0"]
+        [f"run.root={tmp_path}", "run.name=r", "checkpoint.every=2", "checkpoint.keep_last=0"]
     )
     root = tmp_path / "r" / "checkpoints"
     for step in (2, 4):

@@ -38,7 +38,7 @@ COMMON = [
     f"optimizer.decay_steps={STEPS}",
     "train.grad_clip=0",
     "precision=fp32",
-    "fault.save_final=false",
+    "checkpoint.save_final=false",
 ]
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
 LAYOUTS = {
@@ -148,7 +148,7 @@ def pp2_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("fsdp_pp") / "pp2"
     return run_training(
         run,
-        [*COMMON, *PP2, f"fault.checkpoint_every={SAVED}", "fault.keep_last=0"],
+        [*COMMON, *PP2, f"checkpoint.every={SAVED}", "checkpoint.keep_last=0"],
         plugins=[RecordShards(), inhouse.RecordLayout()],
     )
 
@@ -254,8 +254,8 @@ def test_fsdp_resumes_from_its_own_checkpoint_exactly(tmp_path):
         "launcher.nproc_per_node=2",
         "train.steps=8",
         "optimizer.decay_steps=8",
-        "fault.checkpoint_every=4",
-        "fault.keep_last=0",
+        "checkpoint.every=4",
+        "checkpoint.keep_last=0",
     ]
     origin = run_training(tmp_path / "origin", run)
     resumed = run_training(

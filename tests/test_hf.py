@@ -22,7 +22,7 @@ What runs:
   elements: the tensors tp halves, counted per family; each stage's own parameters; ZeRO and
   FSDP partitions) and read from the checkpoint or, under cp, the keys and values its attention
   sent every step proves the layout happened. Runs no test exports write no checkpoint
-  (``fault.save_final=false``).
+  (``checkpoint.save_final=false``).
 - The pp=2 x tp=2 Llama run also writes ``checkpoint.hf_every=10``; it, the fsdp run and the
   fsdp x tp=2 run are exported with ``format=hf`` (``from_pretrained`` loads each; its logits
   equal plait's one-process logits after the same training, 1e-5), and the pp=2 x tp=2 and fsdp
@@ -312,7 +312,7 @@ COMMON = [
     "train.batch_size=8",
     "train.seq_len=32",
     "optimizer.warmup_steps=2",
-    "fault.keep_last=1",
+    "checkpoint.keep_last=1",
 ]
 PIPELINE = ["parallel.pp=2", "pipeline.microbatches=2"]
 LAYOUTS = {
@@ -335,7 +335,7 @@ LAYOUTS = {
 FAMILY_LAYOUTS = ("ddp_dp2", "zero3_dp2", "tp2", "pp2", "pp2_tp2")
 EXPORTED = ("pp2_tp2", "fsdp_dp2", "fsdp_dp2_tp2")  # Llama's runs exported with format=hf
 ONE = ["launcher.nproc_per_node=1", "train.grad_accum_steps=2"]
-UNREAD = ["fault.save_final=false"]  # no test reads these runs' checkpoints: none is written
+UNREAD = ["checkpoint.save_final=false"]  # no test reads these runs' checkpoints: none is written
 RUNS = {
     ("llama", "one"): ONE,  # its checkpoint: the one-process weights the exports equal
     **{
@@ -666,7 +666,7 @@ def big_run(checkpoints, shards, tmp_path_factory) -> tuple[Path, Path]:
             *PIPELINE,
             "parallel.tp=2",
             "launcher.nproc_per_node=4",
-            "fault.save_final=false",
+            "checkpoint.save_final=false",
             "checkpoint.hf_every=1",
         ],
         plugins=[libraries, MemoryProbe()],

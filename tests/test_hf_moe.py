@@ -248,7 +248,7 @@ COMMON = [
     "train.seq_len=32",
     "optimizer.warmup_steps=2",
     f"optimizer.decay_steps={STEPS}",
-    "fault.keep_last=1",
+    "checkpoint.keep_last=1",
 ]
 MICRO_BATCHES = 2  # of 2 sequences per rank and step in every layout (the router's losses are
 # per micro-batch): the reference accumulates 4

@@ -49,8 +49,8 @@ RUN = [
     f"train.steps={STEPS}",
     f"optimizer.decay_steps={STEPS}",
     "precision=fp32",
-    "fault.checkpoint_every=2",
-    "fault.keep_last=0",
+    "checkpoint.every=2",
+    "checkpoint.keep_last=0",
 ]
 RDZV = "launcher.rdzv_conf={last_call_timeout:5,keep_alive_interval:2,keep_alive_max_attempt:3}"
 TESTS = str(Path(__file__).parent)

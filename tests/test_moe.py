@@ -249,8 +249,8 @@ LAYOUTS = {
         "launcher.nproc_per_node=4",
         "parallel.ep=4",
         "tracker=wandb",
-        f"fault.checkpoint_every={SAVED}",
-        "fault.keep_last=0",
+        f"checkpoint.every={SAVED}",
+        "checkpoint.keep_last=0",
     ],
     "ep2_dp4_zero2": ["launcher.nproc_per_node=4", "parallel.ep=2", "strategy=zero2"],
     "ep2_tp2": [

@@ -116,7 +116,7 @@ def sync_overrides(servers: int) -> list[str]:
         "strategy=parameter_server",
         f"strategy.servers={servers}",
         f"launcher.nproc_per_node={servers + 2}",
-        "fault.checkpoint_every=2",
+        "checkpoint.every=2",
     ]
 
 
@@ -350,7 +350,7 @@ def replica_overrides(name: str) -> list[str]:
         f"strategy={name}",
         "strategy.sync_every=3",
         *extra,
-        "fault.keep_last=0",
+        "checkpoint.keep_last=0",
     ]
 
 
@@ -363,7 +363,7 @@ def replica_runs(tmp_path_factory):
     def run(name: str) -> Path:
         if name not in runs:
             runs[name] = tmp_path_factory.mktemp(name) / "r"
-            run_training(runs[name], [*replica_overrides(name), "fault.checkpoint_every=1"])
+            run_training(runs[name], [*replica_overrides(name), "checkpoint.every=1"])
         return runs[name]
 
     return run
@@ -389,7 +389,7 @@ def test_replicas_resume_diverged_as_if_uninterrupted(tmp_path, replica_runs, na
     straight, run = replica_runs(name), tmp_path / "killed"
     run_training(
         run,
-        [*replica_overrides(name), "fault.checkpoint_every=2", "launcher.max_restarts=1"],
+        [*replica_overrides(name), "checkpoint.every=2", "launcher.max_restarts=1"],
         plugins=[inhouse.KillAt(step=5, rank=1)],
     )
     assert not identical(*replicas(run, 4))

@@ -409,7 +409,7 @@ def test_pp_resume_continues_with_identical_losses_and_exports_the_full_model(tm
         *PP2,
         "model.n_layer=4",
         "train.steps=8",
-        "fault.checkpoint_every=4",
+        "checkpoint.every=4",
         "pipeline.schedule=1f1b",
     ]
     whole = tmp_path / "whole"

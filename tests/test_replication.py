@@ -30,13 +30,13 @@ STEPS = 6
 RUN = [
     f"train.steps={STEPS}",
     "optimizer.decay_steps=6",
-    "fault.checkpoint_every=3",
+    "checkpoint.every=3",
     "launcher.nnodes=2",
     "launcher.nproc_per_node=1",
     "launcher.master_addr=127.0.0.1",
     "launcher.local_addr=127.0.0.1",
     "launcher.timeout_s=120",
-    "fault.replicas=1",
+    "checkpoint.replicas=1",
 ]
 STEP3, STEP6 = "step_00000003", "step_00000006"
 
@@ -85,7 +85,7 @@ def test_plan_says_where_each_nodes_part_and_its_replicas_live(tmp_path):
             "launcher.master_port=29500",
             "run.name=r",
             f"run.root={tmp_path}",
-            f"fault.local_dir={tmp_path}/local",
+            f"checkpoint.local_dir={tmp_path}/local",
         ]
     )
     assert plan.problems == []
@@ -112,7 +112,7 @@ def start_nodes(root: Path, name: str, extra: list[str]) -> list[subprocess.Pope
                 *extra,
                 f"run.root={root}",
                 f"run.name={name}",
-                f"fault.local_dir={root}/local",
+                f"checkpoint.local_dir={root}/local",
                 f"launcher.master_port={port}",
                 f"launcher.node_rank={node}",
             ],

@@ -20,10 +20,10 @@ STEPS, SAVED = 8, 4
 BASE = [
     f"train.steps={STEPS}",
     f"optimizer.decay_steps={STEPS}",
-    "fault.keep_last=0",
+    "checkpoint.keep_last=0",
     "precision=fp32",
 ]
-RUN = [*BASE, f"fault.checkpoint_every={SAVED}"]
+RUN = [*BASE, f"checkpoint.every={SAVED}"]
 DP2 = ["launcher.nproc_per_node=2"]
 # ZeRO-3 with every parameter partitioned: below DeepSpeed's persistence threshold (1e5
 # elements) it keeps a parameter whole on every rank, and all of the tiny model's are below.
@@ -139,8 +139,8 @@ def test_fp16_loss_scale_carries_over_from_zero2_to_a_ddp_pipeline(tmp_path, mon
     fp16 = [
         f"train.steps={FP16_STEPS}",
         f"optimizer.decay_steps={FP16_STEPS}",
-        f"fault.checkpoint_every={FP16_SAVED}",
-        "fault.keep_last=0",
+        f"checkpoint.every={FP16_SAVED}",
+        "checkpoint.keep_last=0",
         "precision=fp16",
     ]
     origin = run_training(
@@ -201,12 +201,12 @@ def test_zero0_in_bf16_resumes_from_its_layout_free_copy_exactly(tmp_path):
     run = [
         "train.steps=4",
         "optimizer.decay_steps=4",
-        "fault.checkpoint_every=2",
-        "fault.keep_last=0",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=0",
         "precision=bf16",
         "strategy=zero0",
         *DP2,
-        "fault.async_save=true",
+        "checkpoint.async_save=true",
     ]
     straight = run_training(tmp_path / "straight", run)
     stopped = run_training(tmp_path / "stopped", [*run, "train.stop_at=2"])
@@ -228,8 +228,8 @@ def test_async_save_killed_during_the_background_write_leaves_the_previous_check
         run_dir,
         [
             *BASE,
-            "fault.checkpoint_every=2",
-            "fault.async_save=true",
+            "checkpoint.every=2",
+            "checkpoint.async_save=true",
             *DP2,
             "launcher.max_restarts=1",
         ],
@@ -291,7 +291,7 @@ def test_a_layout_free_checkpoint_of_another_model_is_refused(tmp_path, capsys):
 
 
 def test_async_save_with_a_strategy_that_cannot_write_it_is_refused(tmp_path, capsys):
-    err = refusal(tmp_path, capsys, ["fault.async_save=true", "strategy=local_sgd"])
+    err = refusal(tmp_path, capsys, ["checkpoint.async_save=true", "strategy=local_sgd"])
     assert (
         "checkpoint.async_save=true: strategy=local_sgd cannot write the layout-free (DCP) state"
     ) in err

@@ -350,7 +350,7 @@ def tp2(tmp_path_factory):
             GRAD_CLIP,
             "launcher.nproc_per_node=2",
             "parallel.tp=2",
-            "fault.checkpoint_every=10",
+            "checkpoint.every=10",
         ],
         plugins=[CountCollectives(), RecordLayout()],
     )

@@ -17,7 +17,7 @@ def test_one_offline_run_with_config_metrics_and_rank_min_max(tmp_path):
             "tracker.project=plait-test",
             "train.steps=4",
             "launcher.nproc_per_node=2",
-            "fault.checkpoint_every=2",
+            "checkpoint.every=2",
             "train.peak_flops=1e12",
         ],
     )  # a CPU has no known peak
@@ -56,7 +56,7 @@ def test_resumed_job_continues_the_same_wandb_run(tmp_path):
     common = [
         "tracker=wandb",
         "launcher.nproc_per_node=1",
-        "fault.checkpoint_every=2",
+        "checkpoint.every=2",
         "optimizer.decay_steps=4",
     ]
     run_dir = run_training(tmp_path / "r", [*common, "train.steps=2"])

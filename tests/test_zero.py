@@ -361,7 +361,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         "zero0": ["strategy=zero0"],
         "zero1": ["strategy=zero1"],
         "zero2": ["strategy=zero2"],
-        "zero3": ["strategy=zero3", "fault.checkpoint_every=10", f"train.eval_every={STEPS}"],
+        "zero3": ["strategy=zero3", "checkpoint.every=10", f"train.eval_every={STEPS}"],
     }
     runs = {}
     for name, overrides in extra.items():
