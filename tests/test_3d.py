@@ -21,7 +21,9 @@ import os
 
 import inhouse
 import pytest
+import torch
 
+from plait.export import export
 from plait.plugins.models.gpt import GPT
 from plait.plugins.pipeline.split import build_stage_modules, split_stages
 from plait.plugins.zero.estimate import zero_formula
@@ -116,6 +118,19 @@ def test_zero1_pp2_dp2_trains_like_one_process(runs):
         runs["zero1_pp2_dp2"], inhouse.whole_model_shapes(runs["one"]), dp=2, pp=2
     )
     assert_same(figures(runs["zero1_pp2_dp2"]), figures(runs["one"]), STEPS)
+
+
+@pytest.mark.slow
+def test_zero1_pp2_dp2_exports_the_weights_of_one_process(runs, tmp_path):
+    """plait export of the pipeline stages' ZeRO-1 checkpoint gives the whole model, equal to the
+    one-process run's export (the same training up to float rounding, as the losses agree)."""
+    staged, one = (
+        torch.load(export(str(runs[name]), str(tmp_path / f"{name}.pt")), weights_only=True)
+        for name in ("zero1_pp2_dp2", "one")
+    )
+    assert staged.keys() == one.keys()
+    for key, tensor in staged.items():
+        torch.testing.assert_close(tensor, one[key], rtol=1e-4, atol=2e-5, msg=key)
 
 
 def stage_params(n_stages: int) -> list[int]:

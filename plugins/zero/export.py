@@ -5,9 +5,11 @@ ZeRO-1..3, one ``*_optim_states.pt`` per data-parallel rank holding that rank's 
 DeepSpeed's zero-to-fp32 path joins the partitions; it reads one tensor-parallel rank per folder,
 so each tensor-parallel rank's files are linked into a folder of their own first.
 
-A checkpoint without DeepSpeed's files (written under expert parallelism, ``experts.py``) is read
-from its layout-free copy, which holds every parameter whole (:func:`plait.plugins.checkpoint.
-layout_free.read_model`).
+A checkpoint with a layout-free copy (every checkpoint plait writes under ZeRO: the strategy
+provides ``engine:layout_free_state``) is read from that copy, which holds every parameter whole
+by the unsplit model's names (:func:`plait.engine.layout_free.read_model`): DeepSpeed's
+``mp_rank`` files number its model-parallel ranks, which under pipeline stages are stages, not
+tensor-parallel shards. DeepSpeed's own files are read for a checkpoint without that copy.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def read_partitioned(ds_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:
 
 
 def read_model_shards(checkpoint: Path, stage: int) -> dict[tuple[int, int], dict]:
-    ds_dir = checkpoint / TAG
-    if not ds_dir.exists() and (checkpoint / DIRECTORY).exists():
+    if (checkpoint / DIRECTORY).exists():
         return {(0, 0): read_model(checkpoint)}
+    ds_dir = checkpoint / TAG
     read = read_stage0 if stage == 0 else read_partitioned
     return {(0, tp): read(ds_dir, tp) for tp in tensor_parallel_ranks(ds_dir)}
