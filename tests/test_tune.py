@@ -63,6 +63,31 @@ def study_trials(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_grid_sweep_runs_each_point_once_and_ends_with_the_grid(tmp_path):
+    """Optuna's grid sampler stops the study after its last point, which ask-and-tell cannot
+    take (optuna#4121): the sweep ends there, n_trials above the grid's size, with every point
+    run once and the best one written."""
+    sweep = [
+        "train",
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra/sweeper/sampler=grid",
+        "hydra.sweeper.n_trials=5",
+        "optimizer.lr=choice(1e-3,3e-3)",
+        *SMALL,
+        "train.steps=2",
+        "optimizer.decay_steps=2",
+        f"run.root={tmp_path}",
+        "run.name=grid",
+    ]
+    assert main(sweep) == 0
+    results = OmegaConf.load(tmp_path / "grid" / "optimization_results.yaml")
+    assert results.best_params["optimizer.lr"] in (1e-3, 3e-3)
+    trials = sorted(p.name for p in (tmp_path / "grid").iterdir() if p.name.isdigit())
+    assert trials == ["0", "1"]
+
+
+@pytest.mark.slow
 def test_optuna_sweep_killed_after_two_trials_continues_to_four(tmp_path):
     from optuna.trial import TrialState
 

@@ -214,7 +214,11 @@ class OptunaSweeper(Sweeper):
             f"{type(sampler).__name__}, {self.direction}"
         )
         failures = 0
-        while (todo := self.n_trials - counted(study)) > 0 and failures < self.n_trials:
+        while (
+            (todo := self.n_trials - counted(study)) > 0
+            and failures < self.n_trials
+            and not exhausted(study)
+        ):
             trials = [study.ask(fixed_distributions=space) for _ in range(min(todo, self.n_jobs))]
             for trial in trials:
                 trial.set_user_attr(WORKER, worker_id())
@@ -280,6 +284,24 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def exhausted(study) -> bool:
+    """A grid sampler has run every point of its grid (other samplers never are)."""
+    is_exhausted = getattr(study.sampler, "is_exhausted", None)
+    return bool(is_exhausted and is_exhausted(study))
+
+
+def tell_study(study, trial, *args, **kwargs) -> None:
+    """``study.tell``, where the grid sampler's stop after its last point is the end of the grid:
+    Optuna's ``GridSampler`` calls ``Study.stop`` in ``after_trial``, which ask-and-tell cannot
+    take (a ``RuntimeError``, optuna#4121; Hydra's Optuna sweeper catches it the same way); the
+    trial's result is stored before (``Study.tell`` writes it in a ``finally``)."""
+    try:
+        study.tell(trial, *args, **kwargs)
+    except RuntimeError as error:
+        if "Study.stop" not in str(error) or not exhausted(study):
+            raise
+
+
 def tell(study, trial, job) -> bool:
     """Tell Optuna the job's objective, or that it failed (the sweep goes on); True if told a
     value. The run's directory is kept as a user attribute of the trial."""
@@ -290,9 +312,9 @@ def tell(study, trial, job) -> bool:
         value = float(result)
     except Exception as error:  # noqa: BLE001 - any failure of one trial fails only that trial
         log.error(f"trial {trial.number} failed: {type(error).__name__}: {error}")
-        study.tell(trial, state=TrialState.FAIL)
+        tell_study(study, trial, state=TrialState.FAIL)
         return False
     trial.set_user_attr("run_dir", str(result.run_dir))
-    study.tell(trial, value)
+    tell_study(study, trial, value)
     log.info(f"trial {trial.number}: {value:.6g} {trial.params}")
     return True
