@@ -98,8 +98,11 @@ def test_context_longer_than_the_model():
 
 
 def test_missing_data_path():
-    assert "data.path=/no/such/file does not exist" in problems(
+    assert "data.path entry /no/such/file matches no file" in problems(
         "data=text", "data.path=/no/such/file"
+    )
+    assert "data.path=/no/such/file does not exist" in problems(
+        "data=tokens", "data.path=/no/such/file"
     )
     assert "data=text needs data.path" in problems("data=text")
 

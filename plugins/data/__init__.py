@@ -273,7 +273,7 @@ def path_problems(data, eval_every: int) -> list[str]:
         try:
             text_sources(expand(data.path))
         except ValueError as e:
-            return [f"data.path={data.path}: {e}"]
+            return [str(e) if "data.path" in str(e) else f"data.path={data.path}: {e}"]
         return []
     path = Path(data.path).expanduser()
     if not path.exists():
