@@ -58,6 +58,61 @@ def family_config(family: str, **overrides):
             intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2
         )
         return T.MixtralConfig(**{**small, **moe, **overrides})
+    if family in SCALED_FAMILIES:
+        return scaled_config(family, small, overrides)
+    raise ValueError(family)
+
+
+# Families whose forward does more than chain the modules their plans name, each with its scaling
+# settings away from its defaults: Gemma's embedding scaled by sqrt(hidden) inside the embedding
+# module (a non-persistent buffer), Gemma 2's final and attention soft-capping (and its sliding
+# window, shorter than the sequence, on every other layer), Cohere's logit_scale after the head,
+# MiniCPM3's scale_emb, residual scales scale_depth/sqrt(layers) and logits divided by
+# hidden/dim_model_base (with its multi-head latent attention), and Granite's multipliers, whose
+# embedding multiplier its base model applies to inputs_embeds (so no pipeline stage after the
+# first can run its forward faithfully). Two layers, width 64; initializer_range 0.2, so that the
+# logits reach the soft cap's bend.
+SCALED_FAMILIES = ("gemma", "gemma2", "cohere", "minicpm3", "granite")
+
+
+def scaled_config(family: str, small: dict, overrides: dict):
+    import transformers as T
+
+    small = {**small, "num_hidden_layers": 2, "initializer_range": 0.1, "pad_token_id": None}
+    if family == "gemma":
+        return T.GemmaConfig(**{**small, "head_dim": 16, **overrides})
+    if family == "gemma2":
+        gemma2 = dict(
+            head_dim=16,
+            final_logit_softcapping=3.0,  # 30.0 by default
+            attn_logit_softcapping=5.0,  # 50.0
+            query_pre_attn_scalar=8,  # 256
+            sliding_window=8,  # 4096; layer 0 slides, layer 1 attends to everything
+        )
+        return T.Gemma2Config(**{**small, **gemma2, **overrides})
+    if family == "cohere":
+        return T.CohereConfig(**{**small, "logit_scale": 3.0, **overrides})  # 0.0625
+    if family == "minicpm3":
+        mla = dict(
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            scale_emb=3.0,  # 12
+            scale_depth=2.0,  # 1.4
+            dim_model_base=16,  # 256: logits divided by 64 / 16 = 4
+        )
+        return T.MiniCPM3Config(**{**small, **mla, **overrides})
+    if family == "granite":
+        granite = dict(
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=4.0,
+        )
+        return T.GraniteConfig(**{**small, **granite, **overrides})
     raise ValueError(family)
 
 

@@ -143,6 +143,10 @@ SMOKE = {
         ],
         ["from_pretrained + DDP", "plait zero3", "plait tp2_pp2"],
     ),
+    "bench_layout_check": (
+        ["--cases", "gemma2_tiny", "--repeats", "1"],
+        ["gemma2_tiny", "medians of 1 repeat(s); load average"],
+    ),
     "bench_memory": (
         ["--only", "recompute", "--cases", "2", "--tiny", "--steps", "2", "--warmup", "1"],
         ["| ddp, recompute none |", "| ddp, recompute full |"],

@@ -404,6 +404,16 @@ CASES = [
             "config, so it has no mixture-of-experts layers to spread: set parallel.ep=1"
         ],
     ),
+    # model=hf: a forward pipeline stages cannot run faithfully (tests/test_hf_fidelity.py)
+    (
+        "model=hf model.path={tmp}/granite model.pretrained=false train.seq_len=32 "
+        "parallel.pp=2 pipeline.microbatches=2 launcher.nproc_per_node=2",
+        [
+            "parallel.pp=2 (2 stages of [1, 1] layers): GraniteForCausalLM's pipeline stages do "
+            "not compute its own forward: on a seeded stand-in of it (2 x 32 tokens)",
+            "set parallel.pp=1 (ddp, ZeRO and FSDP run its forward whole)",
+        ],
+    ),
     (
         "checkpoint.hf_every=5",
         [
@@ -558,6 +568,8 @@ def data_files(tmp_path_factory):
     T.Qwen3MoeConfig(
         moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2, **small
     ).save_pretrained(tmp / "qwen3_moe6")
+    # Granite: its base model multiplies inputs_embeds, which a later pipeline stage repeats
+    T.GraniteConfig(embedding_multiplier=2.0, **small).save_pretrained(tmp / "granite")
     # Bloom: ALiBi attention of its own, no context parallelism
     T.BloomConfig(vocab_size=512, hidden_size=64, n_layer=2, n_head=4).save_pretrained(
         tmp / "bloom"

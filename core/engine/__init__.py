@@ -18,7 +18,9 @@ wraps the model, reduces gradients and steps; the rest is here:
 ``precision``         autocast and the fp16 loss scaler (torch's ``GradScaler``) and its state
 ``experts``           how expert parameters are marked, and their gradients averaged
 ``buckets``           flat gradient buckets handed to a comm plugin's reducer
-``stages``            a pipeline rank's stage modules under the unsplit model's names
+``stages``            a pipeline rank's stage modules under the unsplit model's names, and the
+                      identities a cut leaves in the places of other stages' parts
+``fidelity``          whether a layout computes a model's own forward, on a seeded stand-in
 ``state_by_name``     model and optimizer state by parameter name (DCP's ``get_state_dict``)
 ``tensor_shards``     a tensor-parallel shard cut from a full tensor, and shards joined again
 ``layout_free``       the layout-free checkpoint copy (DCP), which any layout loads

@@ -84,10 +84,8 @@ def units(model: nn.Module) -> list[nn.Module]:
     every parameter left (embeddings, final norm, head)."""
     plan = getattr(model, "pipeline_plan", None)
     layers = model.get_submodule(plan["layers"]) if plan else None
-    if isinstance(layers, nn.ModuleDict):
-        return [*layers.values(), model]
-    if isinstance(layers, nn.ModuleList):
-        return [*layers, model]
+    if isinstance(layers, (nn.ModuleList, nn.ModuleDict)):  # a stage's: the layers it holds
+        return [*layers.children(), model]
     return [model]
 
 

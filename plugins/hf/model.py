@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from plait.engine.stages import holds
 from plait.meta import SkipMetaInit, whole
 from plait.plugins.hf import context_parallel, experts, plans
 from plait.plugins.hf.checkpoint_files import CheckpointFiles
@@ -81,21 +82,38 @@ class _Shared:
 class PlaitCausalLM:
     """plait's model contract, mixed into a ``transformers`` ``*ForCausalLM`` class.
 
-    ``forward(ids)`` returns the logits; a pipeline stage after the first receives hidden states
-    (floats) in place of ids and passes them to the base model as ``inputs_embeds`` (its
-    embedding is then a stage identity, its final norm and the head too on stages before the
-    last). Called with keywords (``generate``, ``labels=``) it is ``transformers``' forward.
+    ``forward(ids)`` returns the logits of the family's own ``*ForCausalLM.forward`` (its
+    ``.logits``: whatever it does after the base model, before and after the head, is kept:
+    MiniCPM3's and Granite's scalings, Gemma 2's soft-capping, Cohere's ``logit_scale``). A
+    pipeline stage after the first receives hidden states (floats) in place of ids and passes
+    them as ``inputs_embeds`` (its embedding is then a stage identity); a stage without the head
+    runs only the base model and hands on its ``last_hidden_state`` (its final norm is an
+    identity too), as ``transformers``' own pipeline does. Called with keywords (``generate``,
+    ``labels=``) it is ``transformers``' forward.
     """
 
     def forward(self, input_ids=None, *args, **kwargs):
         if args or kwargs or input_ids is None:
             return super().forward(input_ids, *args, **kwargs)
-        base = getattr(self, self.base_model_prefix)
-        if input_ids.is_floating_point():
-            out = base(inputs_embeds=input_ids, use_cache=False)
-        else:
-            out = base(input_ids=input_ids, use_cache=False)
-        return self.get_output_embeddings()(out.last_hidden_state)
+        given = {"inputs_embeds" if input_ids.is_floating_point() else "input_ids": input_ids}
+        if not holds(self.get_output_embeddings()):  # a stage before the last
+            base = getattr(self, self.base_model_prefix)
+            return base(**given, use_cache=False).last_hidden_state
+        return super().forward(**given, use_cache=False, **self.plait_forward_options).logits
+
+    @property
+    def plait_forward_options(self) -> dict:
+        """Keywords of the family's forward that plait answers itself: a mixture of experts'
+        router losses are plait's (:mod:`.experts`), so ``transformers`` pools none."""
+        return {"output_router_logits": False} if self.plait_expert_blocks else {}
+
+    def stand_in(self, seed: int, tp: int = 1) -> nn.Module:
+        """A small model of this family with its settings, initialised from ``seed`` on the
+        CPU (:mod:`.stand_in`): what the pipeline and tensor-parallel plugins cut as they cut
+        this model and compare with its unsplit forward before the first step."""
+        from plait.plugins.hf.stand_in import build_stand_in
+
+        return build_stand_in(self, seed, tp)
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """The initial value of the unsplit parameter ``name``: the checkpoint's, or
@@ -241,6 +259,7 @@ def hf_model(
     model.__class__ = plait_class(type(model))
     real_buffers(model)
     model.plait_architecture = architecture
+    model.plait_parameter_count = sum(p.numel() for p in model.parameters())
     model.plait_expert_blocks = experts.adopt_experts(model)  # base_model_ep_plan's blocks
     model.plait_checkpoint = _Shared(checkpoint)
     model.plait_source_directory = _Shared(directory)
@@ -252,9 +271,13 @@ def hf_model(
             read_parameter, checkpoint, model.plait_names.value, model.plait_aliases.value
         )
     model.tensor_parallel_plan = plans.tensor_parallel_plan(model)
+    plans.give_rotary_key_widths(model, model.tensor_parallel_plan)
     model.pipeline_plan = plans.pipeline_plan(model)
     if model.pipeline_plan is not None:  # whole decoder layers; the attention core is a function
         model.activation_checkpointing_plan = {"full": f"{model.pipeline_plan['layers']}.*"}
+        # a decoder layer returns the whole hidden state, and a forward may look a layer's
+        # settings up by its index: other stages' layers are identities in their places
+        model.pipeline_identities_for_other_layers = True
     else:  # its forward mixes the embedding into later layers' inputs: no layer list will do
         model.no_pipeline_plan_reason = (
             f"{architecture} has no base_model_pp_plan in its "

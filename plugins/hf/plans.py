@@ -23,11 +23,13 @@ transformers                    plait
 ``rowwise_split_input``,        ``rowwise_split_input`` (each rank keeps its slice of the whole
 ``rowwise_rep``                 input, then all-reduce)
 ``embedding_rowwise``           ``vocab`` (vocab-parallel embedding)
+``mla_kv_a_proj``               ``mla_kv_a_proj`` (multi-head latent attention's down-projection,
+                                whole; the gradient of its rotary-key features summed over tp)
 ``replicate``                   ``replicate``
 ==============================  ===================================================================
 
 Every other style (``packed_colwise``, ``packed_rowwise``, ``moe_tp_experts``,
-``moe_identity_expert``, ``mla_kv_a_proj``, ``replicated_with_grad_allreduce``,
+``moe_identity_expert``, ``replicated_with_grad_allreduce``,
 ``sequence_parallel``, ``embedding_colwise``, ``all_reduce``, ``local_params``, and any name a
 later ``transformers`` adds) is refused by name before launch, never guessed. Only module entries
 are read; a plan entry naming a parameter is refused too.
@@ -40,6 +42,8 @@ model's forward, so they cannot be timed alone (``pipeline.balance=time`` is ref
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
+
 import torch.nn as nn
 
 TO_PLAIT = {
@@ -50,6 +54,7 @@ TO_PLAIT = {
     "rowwise_split_input": "rowwise_split_input",
     "rowwise_rep": "rowwise_split_input",
     "embedding_rowwise": "vocab",
+    "mla_kv_a_proj": "mla_kv_a_proj",
     "replicate": "replicate",
 }
 EXPERTS = "plait spreads a mixture of experts' experts with parallel.ep, not by tensor parallelism"
@@ -75,15 +80,31 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, str] | None:
     if not tp_plan:
         return None
     head = output_embedding_name(model)
+    names = [name for name, _ in model.named_modules()]
     plan = {}
     for pattern, style in tp_plan.items():
         if style not in TO_PLAIT or pattern.endswith(FUSED_EXPERTS):
             continue
+        if not any(fnmatchcase(name, pattern) for name in names):
+            continue  # a module this config leaves out (MiniCPM3's q_proj beside q_lora_rank)
         mapped = TO_PLAIT[style]
         if pattern == head and mapped in ("colwise", "colwise_gather_output"):
             mapped = "vocab"
         plan[pattern] = mapped
     return plan
+
+
+def give_rotary_key_widths(model: nn.Module, plan: dict[str, str] | None) -> None:
+    """The modules the plan gives ``mla_kv_a_proj`` learn the width of their rotary key
+    (``qk_rope_head_dim``), which the tensor-parallel layer needs (``transformers`` hands them
+    the config for it)."""
+    patterns = [p for p, style in (plan or {}).items() if style == "mla_kv_a_proj"]
+    if not patterns:
+        return
+    width = model.config.get_text_config().qk_rope_head_dim
+    for name, module in model.named_modules():
+        if any(fnmatchcase(name, p) for p in patterns):
+            module.qk_rope_head_dim = width
 
 
 def output_embedding_name(model: nn.Module) -> str | None:

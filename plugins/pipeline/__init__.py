@@ -256,7 +256,12 @@ def plait_validate(cfg, dims, hook) -> list[str]:
             "(tied embeddings): they live on different stages; untie them (for "
             "plait's GPT: model.tie_embeddings=false)"
         )
-    return problems
+    if problems or settings.balance == "time":  # time: the counts are measured at launch
+        return problems
+    from plait.plugins.pipeline.fidelity import stage_composition_problems
+
+    split = split_stages(model, n_stages, balance_of(settings), plan=plan)
+    return stage_composition_problems(cfg, model, plan, split)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +277,12 @@ def profile_sample(cfg, model: torch.nn.Module, dp: int) -> torch.Tensor:
     return torch.randint(0, vocab, (micro, cfg.train.seq_len), generator=generator)
 
 
+def balance_of(settings):
+    """``pipeline.balance`` as :func:`split_stages` takes it: a name or a list of counts."""
+    balance = settings.balance
+    return balance if isinstance(balance, str) else list(balance)
+
+
 @hookimpl
 def plait_split_pipeline(cfg, model, topology) -> PipelineStageModules | None:
     pp = topology.dims.pp
@@ -279,8 +290,7 @@ def plait_split_pipeline(cfg, model, topology) -> PipelineStageModules | None:
         return None
     style = SCHEDULES[cfg.pipeline.schedule][2]
     n_stages = pp * stages_per_rank(cfg)
-    balance = cfg.pipeline.balance
-    balance = balance if isinstance(balance, str) else list(balance)
+    balance = balance_of(cfg.pipeline)
     plan = model_plan(model, cfg.pipeline.layers)
     part_times = None
     if balance == "time":

@@ -25,9 +25,12 @@ expensive stage::
 
 A stage is the whole model holding only its parts, so the model's own forward runs on every
 stage: its layer list keeps only the stage's layers under their original indices (a loop over it
-visits those), and the first and last parts of other stages are :class:`StageIdentity`, which
-passes its input on, so a later stage's input (hidden states) flows through in place of the
-embedding, as ``transformers``' pipeline does and torchtitan's models do with ``None`` parts. A
+visits those; with the plan's ``identities_for_other_layers``, as for ``transformers`` models, it
+meets a :class:`~plait.engine.stages.StageIdentity` in each other stage's layer's place, so a
+forward that looks a layer's settings up by its index sees the right ones), and the first and
+last parts of other stages are identities, which pass their input on, so a later stage's input
+(hidden states) flows through in place of the embedding, as ``transformers``' pipeline does and
+torchtitan's models do with ``None`` parts. A
 model cut by ``pipeline.layers`` must therefore pass a later stage's input through its first parts
 unchanged (a forward that adds position embeddings to the token embeddings does not); a model
 that knows it cannot be cut says why in ``no_pipeline_plan_reason``.
@@ -36,6 +39,7 @@ that knows it cannot be cut says why in ``no_pipeline_plan_reason``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -44,7 +48,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from plait.engine.stages import PipelineStageModules
+from plait.engine.stages import PipelineStageModules, StageIdentity, StageLayerList
 
 BALANCES = ("layers", "params", "time")
 
@@ -56,12 +60,18 @@ class PipelinePlan:
     ``layers_run_alone``: each part can be called on the previous part's output alone (the
     ``time`` balance times them that way); False for layers that take more from the model's
     forward (a Hugging Face decoder layer takes the rotary embedding and the mask).
+    ``identities_for_other_layers``: a stage's forward meets an identity in the place of each
+    layer another stage holds (its layers return the whole hidden state, and the forward may
+    look a layer's settings up by its index: ``transformers``' decoder layers), instead of
+    skipping them (a layer that returns its residual branch); a model asks for it with the
+    attribute ``pipeline_identities_for_other_layers = True``.
     """
 
     first: tuple[str, ...]
     layers: str
     last: tuple[str, ...]
     layers_run_alone: bool = True
+    identities_for_other_layers: bool = False
 
     @classmethod
     def of(cls, plan) -> PipelinePlan:
@@ -105,7 +115,10 @@ def model_plan(model: nn.Module, layers: str | None = None) -> PipelinePlan | No
     if layers:
         return plan_from_layers(model, layers)
     plan = getattr(model, "pipeline_plan", None)
-    return PipelinePlan.of(plan) if plan is not None else None
+    if plan is None:
+        return None
+    identities = bool(getattr(model, "pipeline_identities_for_other_layers", False))
+    return dataclasses.replace(PipelinePlan.of(plan), identities_for_other_layers=identities)
 
 
 def required_plan(model: nn.Module) -> PipelinePlan:
@@ -343,39 +356,13 @@ def timing_copy(part: nn.Module | None) -> nn.Module | None:
     return copy_
 
 
-class StageIdentity(nn.Module):
-    """Stands in for a part another stage holds: returns its first input unchanged (the hidden
-    states a later stage receives pass through the embedding's place)."""
-
-    def forward(self, *args, **kwargs):
-        return args[0] if args else next(iter(kwargs.values()))
-
-
-class StageLayerList(nn.ModuleList):
-    """A stage's share of a ``ModuleList`` of layers, under their indices in the whole list:
-    iterating (and slicing, ``layers[:n]`` as ``transformers`` does) visits only these, in
-    order; ``layers[i]`` is layer ``i`` when the stage holds it."""
-
-    def __init__(self, layers: dict[str, nn.Module], total: int):
-        super().__init__()
-        self.total = total
-        for key, layer in layers.items():
-            self.add_module(key, layer)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            wanted = range(*index.indices(self.total))
-            return [layer for key, layer in self._modules.items() if int(key) in wanted]
-        return self._modules[str(index % self.total)]
-
-
 def stage_layers(
-    container: nn.ModuleList | nn.ModuleDict, layers: dict[str, nn.Module]
+    container: nn.ModuleList | nn.ModuleDict, layers: dict[str, nn.Module], plan: PipelinePlan
 ) -> nn.Module:
     """The container of one stage's layers, of the whole list's kind."""
     if isinstance(container, nn.ModuleDict):
         return nn.ModuleDict(layers)
-    return StageLayerList(layers, len(container))
+    return StageLayerList(layers, len(container), plan.identities_for_other_layers)
 
 
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -401,14 +388,15 @@ def build_stage_modules(
     keys = layer_keys(container)
     for name in (*plan.first, *plan.last):
         _set(model, name, StageIdentity())
-    _set(model, plan.layers, stage_layers(container, {}))
+    _set(model, plan.layers, stage_layers(container, {}, plan))
     ranges = split.block_ranges()
     final = len(split.counts) - 1
 
     def holding(stages: Sequence[int]) -> nn.Module:
         shell = copy.deepcopy(model)  # the stripped model: no parameters of its own
         held = sorted(i for s in stages for i in ranges[s])
-        _set(shell, plan.layers, stage_layers(container, {keys[i]: layers[i] for i in held}))
+        layers_held = {keys[i]: layers[i] for i in held}
+        _set(shell, plan.layers, stage_layers(container, layers_held, plan))
         for s in stages:
             if s == 0:
                 for name, part in zip(plan.first, first):

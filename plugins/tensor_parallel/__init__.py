@@ -91,9 +91,13 @@ def plait_validate(cfg, dims, hook) -> list[str]:
 def plait_apply_tensor_parallel(cfg, model, topology) -> None:
     if topology.dims.tp == 1:
         return
+    from plait.plugins.tensor_parallel.fidelity import check_shard_composition
+
+    plan = plan_for(cfg, model)
+    check_shard_composition(cfg, model, plan, topology)  # raises before training
     apply_plan(
         model,
-        plan_for(cfg, model),
+        plan,
         topology.group("tp"),
         topology.tp_rank,
         topology.dims.tp,

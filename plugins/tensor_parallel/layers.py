@@ -204,6 +204,11 @@ class VocabParallelEmbedding(nn.Module):
         self, embedding: nn.Embedding, group, rank: int, size: int, memo: dict | None = None
     ):
         super().__init__()
+        self.shard_vocabulary(embedding, group, rank, size, memo)
+
+    def shard_vocabulary(
+        self, embedding: nn.Embedding, group, rank: int, size: int, memo: dict | None
+    ) -> None:
         memo = {} if memo is None else memo
         _check_divisible("vocab size", embedding.num_embeddings, size)
         self.group = group
@@ -223,6 +228,56 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local, self.weight, self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # and no gradient from those rows
         return reduce_from_tensor_model_parallel_region(out, self.group)
+
+
+class _VocabParallelLookup(nn.Embedding):
+    """Sits between an ``nn.Embedding`` subclass and ``nn.Embedding`` in a vocab-parallel copy of
+    the subclass, so that the subclass's ``super().forward(ids)`` is the vocab-parallel lookup."""
+
+    forward = VocabParallelEmbedding.forward
+
+
+_KEEPING_FORWARD: dict[type, type] = {}
+
+
+def vocab_parallel_embedding(
+    embedding: nn.Embedding, group, rank: int, size: int, memo: dict | None = None
+) -> nn.Module:
+    """The vocab-parallel form of ``embedding``. A subclass whose forward does more than the
+    lookup (Gemma's and MiniCPM3's embeddings multiply it by a non-persistent ``embed_scale``
+    buffer) keeps its class, forward and buffers, with the lookup made vocab-parallel under it:
+    the multiplier applies once, to the all-reduced embedding (``(sum_i E_i[x]) * s``), as in the
+    unsplit module."""
+    cls = type(embedding)
+    if cls.forward is nn.Embedding.forward:
+        return VocabParallelEmbedding(embedding, group, rank, size, memo)
+    if cls not in _KEEPING_FORWARD:  # a name of this module, like transformers' classes
+        name = f"VocabParallel{cls.__name__}"
+        _KEEPING_FORWARD[cls] = type(name, (cls, _VocabParallelLookup), {"__module__": __name__})
+        globals()[name] = _KEEPING_FORWARD[cls]
+    new = _KEEPING_FORWARD[cls].__new__(_KEEPING_FORWARD[cls])
+    new.__dict__.update(embedding.__dict__)  # settings and buffers (embed_scale)
+    new._parameters, new._buffers = {}, dict(embedding._buffers)
+    VocabParallelEmbedding.shard_vocabulary(new, embedding, group, rank, size, memo)
+    return new
+
+
+class SharedRotaryKey:
+    """Forward hook of multi-head latent attention's down-projection ``c = x W``, kept whole on
+    every rank: ``c = [c_kv, k_rot]``. ``c_kv`` reaches the heads through the column-parallel
+    ``kv_b_proj``, whose backward already sums ``dL/dc_kv`` over the group; ``k_rot`` (the last
+    ``rope_features``) is the rotary key shared by every head, used by each rank's heads directly,
+    so each rank's ``dL/dk_rot`` is its heads' part and is summed here
+    (``copy_to_tensor_model_parallel_region``: identity forward, all-reduce backward), as
+    ``transformers``' ``MlaKvAProjParallel`` does."""
+
+    def __init__(self, group, rope_features: int):
+        self.group = group
+        self.rope_features = rope_features
+
+    def __call__(self, module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
+        kv, rope = output.split([output.shape[-1] - self.rope_features, self.rope_features], -1)
+        return torch.cat([kv, copy_to_tensor_model_parallel_region(rope, self.group)], dim=-1)
 
 
 class SequenceParallelLayerNorm(nn.LayerNorm):

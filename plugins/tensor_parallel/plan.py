@@ -19,6 +19,10 @@ matching pattern wins, unmatched modules are replicated. Styles:
                      ``tensor_parallel.sequence_parallel``)
 ``sequence_scatter`` the module whose output enters the sequence-parallel region (its output is
                      split along the sequence under ``tensor_parallel.sequence_parallel``)
+``mla_kv_a_proj``    multi-head latent attention's key/value down-projection (MiniCPM3,
+                     DeepSeek-V2; transformers' name): kept whole, and the gradient of its last
+                     ``qk_rope_head_dim`` output features (the rotary key every rank's heads use
+                     directly, not through a column-parallel layer) summed over the group
 ``replicate``        kept whole on every rank (overrides a later, broader pattern)
 ===================  ==========================================================================
 
@@ -47,6 +51,7 @@ STYLES = (
     "vocab",
     "norm",
     "sequence_scatter",
+    "mla_kv_a_proj",
     "replicate",
 )
 COLUMN_STYLES = ("colwise", "colwise_qkv", "colwise_gather_output", "vocab")
@@ -91,6 +96,13 @@ def plan_problems(cfg, model: nn.Module) -> list[str]:
         for pattern, style in plan.styles.items()
         if style not in STYLES
     ]
+    problems += [
+        f"tensor_parallel.plan gives {name} the style 'mla_kv_a_proj', which needs the width of "
+        "its rotary key (the module's qk_rope_head_dim, which model=hf sets): give it one or "
+        "another style"
+        for name, module in model.named_modules()
+        if plan.style_of(name) == "mla_kv_a_proj" and not hasattr(module, "qk_rope_head_dim")
+    ]
     unmatched = plan.unmatched_patterns(model)
     if unmatched:
         problems.append(
@@ -120,13 +132,17 @@ def apply_plan(
                     lambda _m, _i, out: scatter_to_sequence_parallel_region(out, group)
                 )
             continue
+        if style == "mla_kv_a_proj":
+            _expect(name, style, module, nn.Linear)
+            module.register_forward_hook(L.SharedRotaryKey(group, module.qk_rope_head_dim))
+            continue
         if style == "norm":
             if sequence_parallel:
                 _expect(name, style, module, nn.LayerNorm)
                 _replace(model, name, L.SequenceParallelLayerNorm.from_layer_norm(module, group))
             continue
         if style == "vocab" and isinstance(module, nn.Embedding):
-            new = L.VocabParallelEmbedding(module, group, rank, size, memo)
+            new = L.vocab_parallel_embedding(module, group, rank, size, memo)
         elif style in COLUMN_STYLES:
             _expect(name, style, module, nn.Linear)
             parent = name.rpartition(".")[0]
