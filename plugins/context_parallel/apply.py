@@ -82,7 +82,7 @@ class ContextParallelAttention(nn.Module):
 def split_sequence(layout: SequenceLayout) -> Callable:
     """A forward pre-hook: ``(ids, position_ids)`` → this rank's ids and their positions; called
     with keywords, ``input_ids`` and ``position_ids`` likewise (``inputs_embeds``: positions
-    only)."""
+    only), also when only the ids come by position."""
 
     def positions_of(positions, like: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         if positions is None:
@@ -90,6 +90,8 @@ def split_sequence(layout: SequenceLayout) -> Callable:
         return positions[:, index]
 
     def hook(module, args, kwargs):
+        if len(args) == 1 and kwargs:  # a transformers base model given its ids by position
+            args, kwargs = (), {"input_ids": args[0], **kwargs}  # (GPT-NeoX's *ForCausalLM)
         if args:
             ids, *rest = args
             positions = rest[0] if rest else kwargs.pop("position_ids", None)
