@@ -2,7 +2,8 @@
 stand_in(seed)``: a small seeded model of the same family and settings) run whole and run as the
 layout cuts it, on the same tokens, with the same seeded weights on its logits; the logits and
 every parameter's gradient compared. The pipeline plugin checks its stages this way before
-launch, the tensor-parallel plugin its shards at load, both before the first step.
+launch, the tensor-parallel plugin its shards at load (once the model is built), both before the
+first step.
 
 Rounding alone moves an fp32 result by about 1e-7 to 1e-6 of its size (a tensor-parallel
 all-reduce sums in another order); arithmetic a cut loses or repeats (a multiplier, a soft cap, a

@@ -91,18 +91,30 @@ def plait_validate(cfg, dims, hook) -> list[str]:
 def plait_apply_tensor_parallel(cfg, model, topology) -> None:
     if topology.dims.tp == 1:
         return
-    from plait.plugins.tensor_parallel.fidelity import check_shard_composition
-
-    plan = plan_for(cfg, model)
-    check_shard_composition(cfg, model, plan, topology)  # raises before training
     apply_plan(
         model,
-        plan,
+        plan_for(cfg, model),
         topology.group("tp"),
         topology.tp_rank,
         topology.dims.tp,
         cfg.tensor_parallel.sequence_parallel,
     )
+
+
+@hookimpl(wrapper=True)
+def plait_build_engine(cfg, topology, hook):
+    """Before the first step, the shards are checked against the model's own forward on its
+    stand-in (:mod:`.fidelity`; raises when they differ). After the build, so that the first
+    computation's one-off memory (torch's CPU kernels, about 20 MB) lands where the first step
+    would pay it, not in the peak of reading this rank's part."""
+    engine = yield
+    if topology.dims.tp > 1:
+        from plait.plugins.tensor_parallel.fidelity import check_shard_composition
+
+        model = meta_model(hook, cfg)  # the unsplit model's plan and stand-in
+        if model is not None:
+            check_shard_composition(cfg, model, plan_for(cfg, model), topology)
+    return engine
 
 
 @hookimpl

@@ -1,5 +1,5 @@
-"""At load, before the first step: do this layout's tensor-parallel shards compute the model's
-own forward?
+"""At load, once the model is built and before the first step: do this layout's
+tensor-parallel shards compute the model's own forward?
 
 A model that can make a stand-in of itself (``model.stand_in(seed, tp)``, ``model=hf``) has it
 split by the same plan over the real tensor-parallel group; each rank runs the stand-in whole and
