@@ -60,12 +60,13 @@ class StepMeter:
     """Times each step and turns an engine's output into the logged metrics.
 
     Per rank it sums, over the steps since the last logged step, its step time, its data wait
-    and the phase times the engine's output carries (``StepOutput.timings``); a logged step
+    and the phase times the engine's output carries (``StepOutput.timings``, which an engine may
+    report on some steps only: the mean is over the steps that reported it); a logged step
     gathers every rank's means and peak memory in one all-gather over ``topology.step_group``
     (no collective on other steps), logged as ``<figure>/rank<r>`` beside the min/max of the
     logged step itself::
 
-        step_time_s/rank<r> = (1/n) sum_{steps since the last logged one} step time of rank r
+        step_time_s/rank<r> = (1/n) sum_{the n steps since the last logged one} step time of rank r
     """
 
     def __init__(self, cfg: DictConfig, model: torch.nn.Module, topology: Topology):
@@ -77,7 +78,7 @@ class StepMeter:
         self.peak_flops = peak * topology.dims.world_size if peak else None
         self._started = self._data_ready = 0.0
         self._sums: dict[str, float] = {}
-        self._steps = 0
+        self._counts: dict[str, int] = {}  # steps that reported each figure
 
     def start(self) -> None:
         self._started = time.perf_counter()
@@ -99,16 +100,16 @@ class StepMeter:
             **out.timings,
         }.items():
             self._sums[name] = self._sums.get(name, 0.0) + seconds
-        self._steps += 1
+            self._counts[name] = self._counts.get(name, 0) + 1
         if step % self.cfg.train.log_every and not last:
             return {}
         mine = {
             "step_time_s": step_time,
             "data_wait_s": data_wait,
             "peak_memory_bytes": float(peak_memory_bytes(self.topology.device)),
-            "means": {name: total / self._steps for name, total in self._sums.items()},
+            "means": {name: total / self._counts[name] for name, total in self._sums.items()},
         }
-        self._sums, self._steps = {}, 0
+        self._sums, self._counts = {}, {}
         figures = self._gather(mine)
         step_times = [f["step_time_s"] for f in figures.values()]
         memories = [f["peak_memory_bytes"] for f in figures.values()]

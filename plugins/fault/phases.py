@@ -24,8 +24,10 @@ slept, so the rank that waited in a collective gets the core and the rank that c
 descheduled; its compute phases then take longer on the wall clock than its work (seen on a
 loaded 2-core host: a rank of a plain run read 4x for 40 steps). The CPU time counts the work.
 
-The core's ``StepMeter`` adds ``data_wait_s`` and gathers the figures per rank on logged steps
-(``StepOutput.timings``). Where an engine reduces inside backward on the main thread (DeepSpeed
+Only logged steps are timed (every ``train.log_every``-th and the last): the core's
+``StepMeter`` gathers the figures per rank on those steps alone (``StepOutput.timings``, beside
+its ``data_wait_s``), so timing the others would cost every step for figures no one reads. On
+other steps the hooks only keep the watchdog's progress marks, where the watchdog is on. Where an engine reduces inside backward on the main thread (DeepSpeed
 ZeRO-2/3's gradient hooks, FSDP's reduce-scatter) or gathers parameters inside forward (ZeRO-3,
 FSDP), those waits fall in ``backward_s`` / ``forward_s`` (on the wall clock; a blocking wait
 costs no CPU time); under a pipeline (``parallel.pp>1``) the schedule calls the stages' parts,
@@ -40,10 +42,12 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from plait import hookimpl
+from plait.config import job_last_step
 from plait.types import PluginInfo
 
 PHASES = ("before forward", "forward", "backward", "optimizer", "after the step")
@@ -127,11 +131,26 @@ class CudaWork:
 
 
 class PhaseClock:
-    """Hooks on one engine's model and optimizer that time the phases of its ``train_step``."""
+    """Hooks on one engine's model and optimizer that time the phases of its ``train_step``.
 
-    def __init__(self, model: torch.nn.Module, optimizer, device: torch.device) -> None:
+    Only the steps ``timed(step)`` says (the logged steps, whose figures the core gathers) are
+    timed; on the others the hooks keep the watchdog's progress marks where ``marks`` (the
+    watchdog is on) and do nothing else. The model's forward hooks run outside
+    ``torch.compile``'s graphs (``torch.compiler.disable``): traced, a CUDA event would be made
+    and never recorded, and a CPU clock read once at compile time."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer,
+        device: torch.device,
+        timed: Callable[[int], bool] = lambda step: True,
+        marks: bool = True,
+    ) -> None:
         self.work = CudaWork() if device.type == "cuda" else CpuWork()
+        self.timed, self.marks = timed, marks
         self.inside = False  # only train_step's passes count (not evaluation)
+        self.timing = False  # this step is timed
         self.forwards = 0
         self.sums = dict.fromkeys(("forward_s", "backward_s", "optimizer_s"), 0.0)
         self.intervals: list = []  # (start, end) stamps of the work clock
@@ -141,8 +160,8 @@ class PhaseClock:
         self._work_last_grad = None
         params = [p for p in model.parameters() if p.requires_grad]
         progress.total_grads = max(len(params), 1)
-        model.register_forward_pre_hook(self._forward_start)
-        model.register_forward_hook(self._forward_end)
+        model.register_forward_pre_hook(torch.compiler.disable(self._forward_start))
+        model.register_forward_hook(torch.compiler.disable(self._forward_end))
         for param in params:
             param.register_post_accumulate_grad_hook(self._grad_ready)
         stepping = torch_optimizer(optimizer)
@@ -151,14 +170,26 @@ class PhaseClock:
             stepping.register_step_post_hook(self._optimizer_end)
 
     def train_step(self, inner, micro_batches, lr):
-        """``inner(micro_batches, lr=lr)`` with its phases in ``StepOutput.timings``."""
+        """``inner(micro_batches, lr=lr)``; on a timed step with its phases in
+        ``StepOutput.timings``."""
+        progress.step += 1
+        progress.micro_batch = 0
+        progress.mark(0)
+        self.timing = self.timed(progress.step)
+        if not (self.timing or self.marks):
+            out = inner(micro_batches, lr=lr)
+        else:
+            out = self._observed(inner, micro_batches, lr)
+        progress.mark(len(PHASES) - 1)
+        if out.skipped:  # the loop does not count a skipped step
+            progress.step -= 1
+        return out
+
+    def _observed(self, inner, micro_batches, lr):
         self.sums = dict.fromkeys(self.sums, 0.0)
         self.intervals = []
         self.forwards = 0
         self._last_grad = None
-        progress.step += 1
-        progress.micro_batch = 0
-        progress.mark(0)
         self.inside = True
         started = time.perf_counter()
         try:
@@ -167,9 +198,8 @@ class PhaseClock:
             self.inside = False
         total = time.perf_counter() - started
         self._close_backward()
-        progress.mark(len(PHASES) - 1)
-        if out.skipped:  # the loop does not count a skipped step
-            progress.step -= 1
+        if not self.timing:
+            return out
         compute = sum(self.sums.values())
         out.timings.update(self.sums, comm_wait_s=max(total - compute, 0.0))
         if self.forwards:  # a pipeline's schedule calls the stages' parts: no compute to judge
@@ -189,25 +219,28 @@ class PhaseClock:
             self.forwards += 1
             progress.grads = 0
             progress.mark(1)
-            self._work_started = self.work.stamp()
-            self._forward_started = time.perf_counter()
+            if self.timing:
+                self._work_started = self.work.stamp()
+                self._forward_started = time.perf_counter()
 
     def _forward_end(self, module, args, output) -> None:
         if self.inside and torch.is_grad_enabled():
-            self._forward_ended = time.perf_counter()
-            self._work_forward_ended = self.work.stamp()
-            self.sums["forward_s"] += self._forward_ended - self._forward_started
-            self.intervals.append((self._work_started, self._work_forward_ended))
+            if self.timing:
+                self._forward_ended = time.perf_counter()
+                self._work_forward_ended = self.work.stamp()
+                self.sums["forward_s"] += self._forward_ended - self._forward_started
+                self.intervals.append((self._work_started, self._work_forward_ended))
             progress.mark(2)
 
     def _grad_ready(self, param) -> None:
         if self.inside:
-            self._last_grad = time.perf_counter()
-            self._work_last_grad = (
-                self.work.stamp()
-                if self._work_last_grad is None
-                else self.work.stamp_again(self._work_last_grad)
-            )
+            if self.timing:
+                self._last_grad = time.perf_counter()
+                self._work_last_grad = (
+                    self.work.stamp()
+                    if self._work_last_grad is None
+                    else self.work.stamp_again(self._work_last_grad)
+                )
             progress.grads += 1
             progress.changed_at = time.monotonic()
 
@@ -215,14 +248,22 @@ class PhaseClock:
         if self.inside:
             self._close_backward()
             progress.mark(3)
-            self._work_started = self.work.stamp()
-            self._optimizer_started = time.perf_counter()
+            if self.timing:
+                self._work_started = self.work.stamp()
+                self._optimizer_started = time.perf_counter()
 
     def _optimizer_end(self, optimizer, args, kwargs) -> None:
         if self.inside:
-            self.sums["optimizer_s"] += time.perf_counter() - self._optimizer_started
-            self.intervals.append((self._work_started, self.work.stamp()))
+            if self.timing:
+                self.sums["optimizer_s"] += time.perf_counter() - self._optimizer_started
+                self.intervals.append((self._work_started, self.work.stamp()))
             progress.mark(4)
+
+
+def logged_steps(cfg) -> Callable[[int], bool]:
+    """Whether a step is logged: every ``train.log_every``-th and the job's last."""
+    every, last = cfg.train.log_every, job_last_step(cfg.train)
+    return lambda step: step % every == 0 or step == last
 
 
 def timing_wanted(cfg) -> bool:
@@ -245,7 +286,13 @@ class StepTiming:
     def plait_build_engine(self, cfg, topology):
         engine = yield
         if timing_wanted(cfg):
-            clock = PhaseClock(engine.model, getattr(engine, "optimizer", None), topology.device)
+            clock = PhaseClock(
+                engine.model,
+                getattr(engine, "optimizer", None),
+                topology.device,
+                timed=logged_steps(cfg) if cfg.fault.straggler_factor > 0 else lambda step: False,
+                marks=cfg.fault.collective_timeout_s is not None,
+            )
             engine.train_step = functools.partial(clock.train_step, engine.train_step)
         return engine
 
