@@ -1,28 +1,107 @@
-"""Freed host memory goes back to the kernel, so a rank's resident size follows what it holds.
+"""The workers' host memory allocator (``launcher.allocator``), and freed memory handed back.
 
-glibc's malloc keeps freed memory for reuse. Two of its habits cost a training process on the CPU
-most of the memory that sharding saves: (1) its mmap threshold is dynamic, rising after each free
-of a large block up to 32 MiB, after which parameter-sized tensors come from the heap and their
-freed holes stay resident; ZeRO-3 gathers and frees every parameter twice per step, and a run's
-resident size grew by ~100 MiB per step (measured: +714 MiB after 3 steps of a 25M-parameter GPT
-at dp=4, against +403 MiB with the threshold fixed). (2) pages freed between kept blocks stay
-resident until ``malloc_trim``. Here the threshold is fixed at 128 KiB, glibc's own starting value
-without its rise: blocks of 128 KiB and more (activations, gathered parameters, buckets) are
-their own mappings, returned on free; smaller tensors stay on the fast heap. A 1 MiB threshold left
-the activations of a small micro-batch (128 KiB-1 MiB each) on the heap, where blocks kept between
-them held their freed pages: a 110M-parameter GPT under ZeRO-3 at dp=4 (micro-batch 4) kept
-~300 MiB per rank resident that ``malloc_trim`` could return and grew by ~40 MiB per step; at
-128 KiB its peak fell 956 -> 847 MiB above start and stayed flat. :func:`return_freed_memory`
-trims on demand. On other C libraries both do nothing.
+A training process on the CPU allocates and frees every activation of every step, and under
+ZeRO-3 or FSDP every gathered parameter too. glibc's malloc, the default, serves that fast from
+its heap but keeps what was freed: its mmap threshold rises after each free of a large block (up
+to 32 MiB), after which parameter-sized blocks come from the heap and the holes between kept
+blocks stay resident (issue 20: a ZeRO-3 rank grew ~100 MiB per step). Issue 20 fixed the
+threshold at 128 KiB, which returned every block of 128 KiB and more to the kernel on free; but
+then every activation is a mapping of its own, faulted in and zeroed on every step, and a DDP
+step on two CPU ranks took ~30% longer than a plain torch loop's (issue 32). Measured side by
+side (docs/benchmarks.md, "Host memory allocator"), jemalloc and tcmalloc (torch's CPU
+performance guide recommends either) kept the threshold's low resident memory at glibc's speed.
+So the choices are:
+
+==============  ====================================================================
+``auto``        jemalloc where it is installed, else tcmalloc, else glibc (the default)
+``jemalloc``    ``libjemalloc.so.2`` preloaded into the workers (Debian: libjemalloc2)
+``tcmalloc``    ``libtcmalloc_minimal.so.4`` preloaded (Debian: libtcmalloc-minimal4)
+``glibc``       glibc's malloc as it is: what a plain torch loop gets
+``glibc_mmap``  glibc with issue 20's fixed 128 KiB mmap threshold: the least resident memory
+                glibc gives, the slowest steps
+==============  ====================================================================
+
+A library is preloaded (``LD_PRELOAD``) into the workers that ``launcher=local`` starts on a
+CPU run (the forkserver and spawned workers alike); under ``torchrun`` or ``srun`` the process
+is already running, and its launcher's environment decides. ``glibc_mmap`` is set in the worker
+itself (``mallopt``). GPU runs keep their process's allocator. :func:`return_freed_memory`
+hands freed pages back on demand, whichever of the three allocators the process runs on (the
+meta-device build calls it after each module it cuts).
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import functools
+import os
 
+ALLOCATORS = ("auto", "jemalloc", "tcmalloc", "glibc", "glibc_mmap")
+# the shared library each preloaded allocator is, by the name ldconfig knows (Debian's packages)
+LIBRARIES = {"jemalloc": "jemalloc", "tcmalloc": "tcmalloc_minimal"}
+PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number; setting it turns the dynamic rise off
 MMAP_THRESHOLD_BYTES = 128 << 10
+JEMALLOC_ALL_ARENAS = 4096  # MALLCTL_ARENAS_ALL: "arena.4096.purge" purges every arena
+
+
+@functools.cache
+def library_of(allocator: str) -> str | None:
+    """The installed shared library of ``jemalloc`` or ``tcmalloc`` (its soname), or None."""
+    return ctypes.util.find_library(LIBRARIES[allocator])
+
+
+def resolve(choice: str) -> str:
+    """``auto`` made concrete on this machine: jemalloc, else tcmalloc, else glibc."""
+    if choice != "auto":
+        return choice
+    return next((name for name in LIBRARIES if library_of(name)), "glibc")
+
+
+def allocator_problems(choice: str) -> list[str]:
+    """Refusals of ``launcher.allocator`` before launch."""
+    if choice not in ALLOCATORS:
+        return [f"launcher.allocator={choice}: choose one of {', '.join(ALLOCATORS)}"]
+    if choice in LIBRARIES and library_of(choice) is None:
+        return [
+            f"launcher.allocator={choice}: lib{LIBRARIES[choice]} is not installed on this "
+            f"machine: install it (Debian: apt-get install {PACKAGES[choice]}), or set "
+            "launcher.allocator=auto (the best one found) or glibc"
+        ]
+    return []
+
+
+def preload(choice: str) -> str | None:
+    """The library to put in the workers' ``LD_PRELOAD`` for ``launcher.allocator=choice``."""
+    name = resolve(choice)
+    return library_of(name) if name in LIBRARIES else None
+
+
+def with_preload(environ: dict[str, str], library: str | None) -> dict[str, str]:
+    """``environ`` with ``library`` first in ``LD_PRELOAD`` (and nothing else changed)."""
+    if library is None:
+        return environ
+    kept = [p for p in environ.get("LD_PRELOAD", "").split() if p != library]
+    return {**environ, "LD_PRELOAD": " ".join([library, *kept])}
+
+
+def configure_worker(choice: str) -> None:
+    """In a CPU worker: ``glibc_mmap`` fixes glibc's mmap threshold at 128 KiB (unless
+    ``MALLOC_MMAP_THRESHOLD_`` in the environment says otherwise); the other choices were made
+    when the worker started."""
+    libc = _glibc()
+    if choice == "glibc_mmap" and libc is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+
+
+def running_allocator() -> str:
+    """Which allocator serves this process's ``malloc``: jemalloc, tcmalloc or glibc."""
+    process = ctypes.CDLL(None)
+    if hasattr(process, "mallctl"):
+        return "jemalloc"
+    if hasattr(process, "MallocExtension_ReleaseFreeMemory"):
+        return "tcmalloc"
+    return "glibc"
 
 
 @functools.cache
@@ -35,18 +114,21 @@ def _glibc() -> ctypes.CDLL | None:
         return None
 
 
-def fix_mmap_threshold() -> None:
-    """Blocks of 128 KiB and more are mmapped and go back to the kernel when freed (called once
-    per CPU worker; ``MALLOC_MMAP_THRESHOLD_`` in the environment takes precedence)."""
-    import os
-
+@functools.cache
+def _release():
+    """The call that hands freed pages back to the kernel in the running allocator."""
+    allocator = running_allocator()
+    process = ctypes.CDLL(None)
+    if allocator == "jemalloc":
+        purge = f"arena.{JEMALLOC_ALL_ARENAS}.purge".encode()
+        return lambda: process.mallctl(purge, None, None, None, ctypes.c_size_t(0))
+    if allocator == "tcmalloc":
+        return process.MallocExtension_ReleaseFreeMemory
     libc = _glibc()
-    if libc is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    return (lambda: libc.malloc_trim(0)) if libc is not None else (lambda: None)
 
 
 def return_freed_memory() -> None:
-    """Hand freed heap pages back to the kernel (glibc's ``malloc_trim``)."""
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
+    """Hand freed heap pages back to the kernel (glibc's ``malloc_trim``, jemalloc's arena
+    purge, tcmalloc's ``ReleaseFreeMemory``)."""
+    _release()()

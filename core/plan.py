@@ -37,6 +37,7 @@ from plait.config import (
     range_problems,
     store_core_schemas,
 )
+from plait.host_memory import allocator_problems
 from plait.plugin_manager import (
     PlaitPluginManager,
     broken_problems,
@@ -292,7 +293,9 @@ def core_problems(
     cfg: DictConfig, nodes: NodeRange | None, dims: ParallelDims | None, run_name_given: bool
 ) -> list[str]:
     """``nodes``: ``launcher.nnodes`` parsed (None: it is not a node count, reported already)."""
-    problems = device_problems(cfg)
+    problems = device_problems(cfg) + allocator_problems(
+        OmegaConf.select(cfg, "launcher.allocator", default="auto")
+    )
     if nodes is not None and nodes.max > 1 and not run_name_given and not job_id():
         problems.append(
             f"launcher.nnodes={cfg.launcher.nnodes} needs run.name=<name>, the same on every "

@@ -43,6 +43,10 @@ class PluginInfo:
     ``renamed`` maps the names this plugin's settings had before a release moved them to their
     names now (``{"fault.checkpoint_every": "checkpoint.every"}``): an override with an old name
     keeps working, with a ``FutureWarning`` (:mod:`plait.renames`).
+
+    ``preload`` names the libraries this plugin's hooks import in every worker (``"deepspeed"``):
+    a launcher that forks workers from a preloaded server imports them there once, and only for
+    runs in which the plugin is active.
     """
 
     name: str
@@ -55,6 +59,7 @@ class PluginInfo:
     requires: Mapping[str, frozenset[str]] = field(default_factory=dict)
     description: str = ""
     renamed: Mapping[str, str] = field(default_factory=dict)
+    preload: frozenset[str] = frozenset()
 
 
 @dataclass

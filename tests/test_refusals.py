@@ -97,6 +97,10 @@ CASES = [
         ],
     ),
     ("device=tpu", ["device=tpu: choose auto, cpu or cuda"]),
+    (
+        "launcher.allocator=mimalloc",
+        ["launcher.allocator=mimalloc: choose one of auto, jemalloc, tcmalloc, glibc, glibc_mmap"],
+    ),
     # adamw
     (
         "optimizer.lr=-1 optimizer.min_lr=-1e-4 optimizer.warmup_steps=-1 optimizer.decay_steps=0 "

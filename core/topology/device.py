@@ -6,10 +6,12 @@ import os
 
 import torch
 
-from plait.host_memory import fix_mmap_threshold
+from plait.host_memory import configure_worker
 
 
-def pick_device(requested: str) -> torch.device:
+def pick_device(requested: str, allocator: str = "auto") -> torch.device:
+    """The device this rank computes on; on the host, the allocator's in-process part
+    (``launcher.allocator``, :mod:`plait.host_memory`)."""
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda":
@@ -17,5 +19,5 @@ def pick_device(requested: str) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     if requested == "cpu":
-        fix_mmap_threshold()  # tensors on the host go back to the kernel when freed
+        configure_worker(allocator)
     return torch.device(requested)

@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from plait.topology.aliases import DeprecatedGroupNames
 from plait.topology.describe import describe_rank
@@ -76,7 +77,9 @@ class Topology(DeprecatedGroupNames):
         """Join the process group started by the launcher, learn the nodes, give each rank its
         role (``assign_roles(world_size)``, the strategy's answer), build the trainers' mesh."""
         node_rank, local_rank, local_world_size = launcher_node_env(dict(os.environ))
-        device = pick_device(cfg.device)
+        device = pick_device(
+            cfg.device, OmegaConf.select(cfg, "launcher.allocator", default="auto")
+        )
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             timeout = timedelta(seconds=cfg.launcher.timeout_s)

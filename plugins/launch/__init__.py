@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 
 from plait import hookimpl
 from plait.config import AT_LEAST_0, LauncherConfig, Range, range_problems, runs_on_cpu
+from plait.host_memory import preload, with_preload
 from plait.plugins.launch.forkserver import START_METHODS
 from plait.plugins.launch.slurm import in_srun_task, task_count_problems, torch_env_from_slurm
 from plait.types import PluginInfo
@@ -160,10 +161,16 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
     # The agent (this process), for a worker that makes its node leave an elastic job
     # (plait.plugins.fault.membership): a forkserver's worker is not the agent's child.
     os.environ["PLAIT_AGENT_PID"] = str(os.getpid())
+    # launcher.allocator: jemalloc or tcmalloc preloaded into CPU workers (plait.host_memory)
+    environ_before = dict(os.environ)
+    on_cpu = runs_on_cpu(cfg)
+    library = preload(launcher.allocator) if on_cpu else None
+    os.environ.update(with_preload(environ_before, library))
     if launcher.start_method == "forkserver":
         from plait.plugins.launch.forkserver import launcher_stdio, use_forkserver, worker_entry
 
-        use_forkserver(on_cpu=runs_on_cpu(cfg))
+        declared = {m for info in hook.plait_declare() for m in info.preload}
+        use_forkserver(declared, on_cpu=on_cpu, ld_preload=os.environ.get("LD_PRELOAD"))
         entrypoint, args = worker_entry, (entrypoint, dict(os.environ), launcher_stdio(), *args)
     launch = elastic_launch(launch_config(cfg, dims), entrypoint=entrypoint)
     expendable = expendable_ranks(cfg, dims, hook)
@@ -188,6 +195,10 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
     finally:
         if not threads_given:
             os.environ.pop("OMP_NUM_THREADS", None)
+        if "LD_PRELOAD" in environ_before:
+            os.environ["LD_PRELOAD"] = environ_before["LD_PRELOAD"]
+        else:
+            os.environ.pop("LD_PRELOAD", None)
 
 
 def launch_config(cfg, dims):

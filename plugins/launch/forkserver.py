@@ -21,35 +21,54 @@ What a fork of the server does not carry is mended by :func:`worker_entry`:
   current ones as file descriptors (:class:`PassedFd`, sent as ``multiprocessing`` sends a
   pipe), and the worker puts them in place of its own.
 
-DeepSpeed is preloaded only for CPU runs: importing it probes its accelerator, which on a GPU
-host initialises CUDA, and CUDA does not survive a fork.
+The server imports only what this run's workers import: torch, its compiler stack, plait's
+worker and plugin modules, and the libraries the run's active plugins declare
+(``PluginInfo.preload``: DeepSpeed for ``strategy=zero*``, wandb for ``tracker=wandb``), so a run
+pays at start-up for no library it does not use (issue 32). Declared libraries are preloaded on
+CPU runs only: importing DeepSpeed probes its accelerator, which on a GPU host initialises
+CUDA, and CUDA does not survive a fork. A later launch from the same process whose run needs a
+module the server lacks, or another ``LD_PRELOAD`` (``launcher.allocator``), starts a new server
+(with the modules of both, so a test session does not flip between two).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 from importlib.metadata import entry_points
 from multiprocessing import reduction
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 # The environment the server started with: a forked worker's variables that differ from it were
 # set for that worker by torch elastic.
 SERVER_ENV = dict(os.environ)
 SERVER_PID = os.getpid()  # another pid in a worker: this module was imported by the server
 START_METHODS = ("forkserver", "spawn")
-# What every worker imports before its first step; DeepSpeed on CPU runs only (see above).
-PRELOAD = ("torch", "torch._dynamo", "plait.worker", "wandb")
-PRELOAD_CPU = ("deepspeed",)
+# What every worker imports before its first step (a torch optimizer imports torch._dynamo).
+PRELOAD = ("torch", "torch._dynamo", "plait.worker")
+# The server this process started: its modules and LD_PRELOAD (None: not started yet).
+_server: dict[str, Any] = {"modules": None, "ld_preload": None}
 
 
-def use_forkserver(on_cpu: bool) -> None:
-    """Name the modules the server imports, the plugins of the ``plait`` entry-point group among
-    them (each worker's plugin manager loads them); takes effect when the server starts."""
+def use_forkserver(declared: Iterable[str], on_cpu: bool, ld_preload: str | None) -> None:
+    """Name the modules the server imports: ``PRELOAD``, the plugins of the ``plait``
+    entry-point group (each worker's plugin manager loads them) and, on CPU runs, the libraries
+    the active plugins ``declared``; takes effect when the server starts. A server already
+    running without them, or under another ``ld_preload``, is stopped first."""
     plugins = sorted({entry.module for entry in entry_points(group="plait")})
-    modules = [__name__, *PRELOAD, *(PRELOAD_CPU if on_cpu else ()), *plugins]
-    multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
+    modules = {__name__, *PRELOAD, *(declared if on_cpu else ()), *plugins}
+    server = multiprocessing.forkserver._forkserver
+    running = getattr(server, "_forkserver_pid", None) is not None
+    if running and (not modules <= _server["modules"] or ld_preload != _server["ld_preload"]):
+        if ld_preload == _server["ld_preload"]:
+            modules |= _server["modules"]
+        server._stop()
+    elif running:
+        return
+    _server.update(modules=modules, ld_preload=ld_preload)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(sorted(modules))
 
 
 class PassedFd:

@@ -39,6 +39,7 @@ class WandbTracker:
         return PluginInfo(
             name="wandb",
             selected_by={"tracker.name": "wandb"},
+            preload=frozenset({"wandb"}),
             description="Weights & Biases tracking (offline by default)",
         )
 

@@ -29,6 +29,7 @@ def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="zero",
         selected_by={"strategy.name": tuple(zero_config.STAGES)},
+        preload=frozenset({"deepspeed"}),
         provides=frozenset(
             {
                 "engine:tensor_parallel",

@@ -1,0 +1,104 @@
+"""What a run's workers start with: the allocator ``launcher.allocator`` chose, and none of the
+heavy libraries the run does not use (issue 32). Each case is a real ``plait train`` command in a
+fresh process (a test session's forkserver would carry an earlier launch's modules)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from plait import host_memory
+from plait.testing import TEST_OVERRIDES
+
+PROBE = """
+import json, os, sys
+from plait import hookimpl
+from plait.host_memory import running_allocator
+
+class Probe:
+    @hookimpl
+    def plait_on_run_start(self, cfg):
+        seen = {"allocator": running_allocator(),
+                "modules": [m for m in ("deepspeed", "wandb", "transformers") if m in sys.modules]}
+        with open(os.environ["PROBE_OUT"], "w") as f:
+            json.dump(seen, f)
+
+probe = Probe()
+"""
+
+
+def worker_sees(tmp_path, *overrides: str) -> dict:
+    (tmp_path / "allocator_probe.py").write_text(PROBE)
+    out = tmp_path / "seen.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+        "PROBE_OUT": str(out),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "plait",
+            "train",
+            *TEST_OVERRIDES,
+            "train.steps=1",
+            "launcher.nproc_per_node=1",
+            "checkpoint.save_final=false",
+            f"run.root={tmp_path}",
+            "+plugins=[allocator_probe:probe]",
+            *overrides,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_a_ddp_run_without_wandb_imports_neither_deepspeed_nor_wandb_and_gets_glibc(tmp_path):
+    seen = worker_sees(tmp_path, "launcher.allocator=glibc")
+    assert seen == {"allocator": "glibc", "modules": []}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("allocator", ["jemalloc", "tcmalloc"])
+def test_the_chosen_allocator_serves_the_workers(tmp_path, allocator):
+    if host_memory.library_of(allocator) is None:
+        pytest.skip(f"lib{host_memory.LIBRARIES[allocator]} is not installed here")
+    seen = worker_sees(tmp_path, f"launcher.allocator={allocator}", "strategy=zero1")
+    assert seen == {"allocator": allocator, "modules": ["deepspeed"]}
+
+
+def test_auto_takes_the_first_installed_allocator_else_glibc(monkeypatch):
+    found = {"jemalloc": None, "tcmalloc": "libtcmalloc_minimal.so.4"}
+    monkeypatch.setattr(host_memory, "library_of", found.get)
+    assert host_memory.resolve("auto") == "tcmalloc"
+    assert host_memory.preload("auto") == "libtcmalloc_minimal.so.4"
+    found["tcmalloc"] = None
+    assert host_memory.resolve("auto") == "glibc" and host_memory.preload("auto") is None
+    assert host_memory.preload("glibc_mmap") is None
+
+
+def test_an_allocator_that_is_not_installed_is_refused_with_its_package(monkeypatch):
+    monkeypatch.setattr(host_memory, "library_of", lambda name: None)
+    assert host_memory.allocator_problems("jemalloc") == [
+        "launcher.allocator=jemalloc: libjemalloc is not installed on this machine: install it "
+        "(Debian: apt-get install libjemalloc2), or set launcher.allocator=auto (the best one "
+        "found) or glibc"
+    ]
+    assert host_memory.allocator_problems("auto") == []
+
+
+def test_the_preload_goes_first_and_keeps_what_was_there():
+    env = {"LD_PRELOAD": "libfoo.so", "X": "1"}
+    assert host_memory.with_preload(env, "libjemalloc.so.2") == {
+        "LD_PRELOAD": "libjemalloc.so.2 libfoo.so",
+        "X": "1",
+    }
+    assert host_memory.with_preload(env, None) is env
