@@ -201,6 +201,10 @@ SMOKE = {
         ],
         ["plait ", "ratio "],
     ),
+    "bench_parity": (
+        ["--tiny", "--rows", "ddp", "fsdp", "--repeats", "1", "--steps", "3", "--warmup", "1"],
+        ["| ddp |", "| fsdp |", "speed plain/plait"],
+    ),
     "bench_pipeline": (
         [
             "--micro",

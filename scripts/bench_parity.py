@@ -1,0 +1,481 @@
+"""Every strategy against its own library's plain loop, in one table: steady step time, time from
+the command to the first finished step, and the whole job's peak memory, each as a ratio.
+
+    DS_ACCELERATOR=cpu python scripts/bench_parity.py                # every row, 2 CPU processes
+    DS_ACCELERATOR=cpu python scripts/bench_parity.py --rows ddp fsdp --repeats 5 --steps 30
+    DS_ACCELERATOR=cpu python scripts/bench_parity.py --check-losses --tiny   # losses only
+    python scripts/bench_parity.py --device cuda                     # one GPU: GPT-2 small, bf16
+
+Rows (``--rows``; plait's override | the plain loop, ``scripts/parity_loops.py``)::
+
+    ddp            strategy=ddp                     | torch DDP
+    ddp+defaults   the same with W&B offline and     | torch DDP
+                   the watchdog on (plait's defaults
+                   otherwise: metrics file, phase
+                   timing, straggler detector)
+    zero1..zero3   strategy=zero1..3                | deepspeed.initialize, plait's DeepSpeed JSON
+    fsdp           strategy=fsdp                    | fully_shard per block, then the root
+    tp2            parallel.tp=2                    | parallelize_module, Colwise/RowwiseParallel
+    pp2            parallel.pp=2, 1f1b              | torch.distributed.pipelining, Schedule1F1B
+    ep2            parallel.ep=2 (4 experts, top 2) | all_to_all_single dispatch written there
+    cp2            parallel.cp=2                    | DDP + plait's ring attention, zigzag chunks
+
+Both sides are the same GPT (plait's), batch, data (plait's default, the same sample order),
+precision, schedule, clipping, cores (``OMP_NUM_THREADS`` the same), process count and
+allocator (``--allocator``, plait's ``launcher.allocator``; the plain side gets the same
+``LD_PRELOAD``, so only the layer is compared). Each run is a fresh command: ``python -m plait
+train ...`` against ``python -m torch.distributed.run --standalone ... parity_loops.py``, in
+that order or the reverse, alternating, ``--repeats`` times each (interleaved). Per run:
+
+- steady step time: the median gap between consecutive step ends on rank 0's clock after
+  ``--warmup`` steps (plait: every hook, the loader and its metrics included);
+- time to first step: from the command's start to the end of its first step (wall clock);
+- peak memory: the whole job's (launcher, forkserver and workers) from a memory cgroup made for
+  the run when run as root (``memory.max_usage_in_bytes`` / ``memory.peak``), else the largest
+  sum of the job's processes' resident sizes, sampled every 20 ms; on CUDA also the largest
+  rank's ``torch.cuda.max_memory_allocated``.
+
+It prints one line per run, then the table of medians over the repeats with the ratios
+(plait / plain for time to first step and memory; plain / plait for step time, i.e. plait's
+speed relative to the plain loop: targets >= 0.97, <= 1.05 and <= 1.2 or within 3 s) and the
+load average (``uptime``) before each row's first run and after its last. ``--check-losses``
+runs 5 steps of each row, every step logged, and prints both sides' losses and their largest
+relative difference (exit 1 above ``--tolerance``); the suite runs it at ``--tiny`` sizes
+(tests/test_parity.py).
+
+On CUDA (``--device cuda``) the defaults are GPT-2 small (``model=gpt2_small``), bf16, batch 16
+x 1024, one process, rows ddp zero1 zero2 zero3 fsdp; a row whose library is not installed is
+skipped, with the reason printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+ROWS = {
+    "ddp": ("ddp", []),
+    "ddp+defaults": (
+        "ddp",
+        ["tracker=wandb", "tracker.mode=offline", "fault.collective_timeout_s=300"],
+    ),
+    "zero1": ("zero1", ["strategy=zero1"]),
+    "zero2": ("zero2", ["strategy=zero2"]),
+    "zero3": ("zero3", ["strategy=zero3"]),
+    "fsdp": ("fsdp", ["strategy=fsdp"]),
+    "tp2": ("tp2", ["parallel.tp=2"]),
+    "pp2": ("pp2", ["parallel.pp=2", "pipeline.schedule=1f1b"]),
+    "ep2": ("ep2", ["parallel.ep=2", "model.n_experts=4", "model.top_k=2"]),
+    "cp2": ("cp2", ["parallel.cp=2"]),
+}
+LIBRARY = {"zero1": "deepspeed", "zero2": "deepspeed", "zero3": "deepspeed"}
+GPU_ROWS = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+MIB = 2**20
+
+
+def plait_overrides(args, row: str, run_dir: Path) -> list[str]:
+    _, extra = ROWS[row]
+    model = (
+        ["model=gpt2_small", f"model.block_size={args.seq_len}"]
+        if args.model == "gpt2_small"
+        else [
+            "model=gpt_tiny",
+            f"model.n_layer={args.n_layer}",
+            f"model.n_embd={args.n_embd}",
+            f"model.n_head={args.n_head}",
+            f"model.block_size={args.seq_len}",
+        ]
+    )
+    return [
+        *model,
+        *(["tracker=none"] if not any(o.startswith("tracker=") for o in extra) else []),
+        f"device={args.device}",
+        f"precision={args.precision}",
+        f"launcher.nproc_per_node={args.nproc}",
+        f"launcher.allocator={args.allocator}",
+        f"train.steps={args.steps}",
+        f"train.batch_size={args.batch_size}",
+        f"train.seq_len={args.seq_len}",
+        f"pipeline.microbatches={args.microbatches}",
+        "checkpoint.save_final=false",
+        "resume=null",
+        f"run.root={run_dir.parent}",
+        f"run.name={run_dir.name}",
+        *extra,
+    ]
+
+
+def plain_spec(args, row: str, overrides: list[str]) -> dict:
+    """What the plain loop trains, read off plait's composed config for the same overrides."""
+    from omegaconf import OmegaConf
+
+    from plait.testing import compose
+
+    cfg = compose(overrides)
+    loop, _ = ROWS[row]
+    opt = cfg.optimizer
+    spec = {
+        "loop": loop,
+        "device": args.device,
+        "precision": cfg.precision,
+        "seed": cfg.seed,
+        "model": {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "_target_"},
+        "optimizer": {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps},
+        "schedule": {
+            "lr": opt.lr,
+            "min_lr": opt.min_lr,
+            "warmup": opt.warmup_steps,
+            "decay": opt.decay_steps or cfg.train.steps,
+        },
+        "steps": cfg.train.steps,
+        "batch_size": cfg.train.batch_size,
+        "seq_len": cfg.train.seq_len,
+        "grad_clip": cfg.train.grad_clip,
+        "microbatches": cfg.pipeline.microbatches,
+        "cache_dir": cfg.data.cache_dir,
+        "val_fraction": cfg.data.val_fraction,
+    }
+    spec["optimizer"]["weight_decay"] = opt.weight_decay
+    if loop.startswith("zero"):
+        spec["deepspeed"] = deepspeed_json(cfg, args.nproc)
+    return spec
+
+
+def deepspeed_json(cfg, world_size: int) -> dict:
+    """The DeepSpeed config plait's ZeRO engine is given for this run (``engine_config``)."""
+    import torch
+
+    from plait.meta import meta_model
+    from plait.plugin_manager import keep_selected, make_plugin_manager
+    from plait.plugins.optim import param_groups
+    from plait.plugins.zero.config import engine_config
+    from plait.topology import ParallelDims
+
+    pm = keep_selected(make_plugin_manager(cfg), cfg)
+    model = meta_model(pm.hook, cfg)
+    opt = cfg.optimizer
+    optimizer = torch.optim.AdamW(
+        param_groups(torch.nn.Linear(1, 1), opt.weight_decay),
+        lr=opt.lr,
+        betas=tuple(opt.betas),
+        eps=opt.eps,
+    )
+    dims = ParallelDims.from_config(cfg, world_size=world_size)
+    return engine_config(cfg, dims, optimizer, None, model)
+
+
+# -- running a command and measuring it ------------------------------------------------------------
+
+
+class JobMemory:
+    """The whole job's peak memory: a memory cgroup of its own when root (v1 or v2), else the
+    largest sum of its processes' resident sizes, sampled."""
+
+    def __init__(self, name: str):
+        self.group: Path | None = None
+        self.v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+        base = Path("/sys/fs/cgroup" if self.v2 else "/sys/fs/cgroup/memory")
+        if os.geteuid() == 0 and base.is_dir():
+            self.group = base / f"plait-parity-{os.getpid()}-{name}"
+            self.group.mkdir()
+        self.sampled = 0
+        self._stop = threading.Event()
+
+    def prefix(self) -> list[str]:
+        """Run the command inside the group (it joins before it execs)."""
+        if self.group is None:
+            return []
+        return ["sh", "-c", f'echo $$ > {self.group / "cgroup.procs"} && exec "$@"', "sh"]
+
+    def sample(self, pid: int) -> None:
+        if self.group is None:
+            threading.Thread(target=self._sample, args=(pid,), daemon=True).start()
+
+    def _sample(self, root: int) -> None:
+        while not self._stop.wait(0.02):
+            self.sampled = max(self.sampled, tree_rss(root))
+
+    def peak(self) -> float:
+        self._stop.set()
+        if self.group is None:
+            return float(self.sampled)
+        name = "memory.peak" if self.v2 else "memory.max_usage_in_bytes"
+        return float((self.group / name).read_text())
+
+    def close(self) -> None:
+        if self.group is not None:
+            while (self.group / "cgroup.procs").read_text().strip():
+                time.sleep(0.05)
+            self.group.rmdir()
+
+
+def tree_rss(root: int) -> int:
+    """Bytes resident in ``root`` and every process below it (Linux ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            rss[int(entry.name)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        todo += children.get(pid, [])
+    return total
+
+
+def run(command: list[str], env: dict, name: str, clock: Path) -> dict:
+    """One command: its step ends (rank 0's wall clock), time to first step, job peak."""
+    memory = JobMemory(name)
+    try:
+        started = time.time()
+        process = subprocess.Popen(
+            [*memory.prefix(), *command],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        memory.sample(process.pid)
+        output, _ = process.communicate()
+        peak = memory.peak()
+    finally:
+        memory.close()
+    if process.returncode != 0:
+        raise RuntimeError(f"{name} failed (exit {process.returncode}):\n{output[-4000:]}")
+    ends = json.loads(clock.read_text())
+    return {"ends": ends, "first": ends[0] - started, "peak": peak}
+
+
+def steady(ends: list[float], warmup: int) -> float:
+    gaps = [b - a for a, b in zip(ends[warmup:], ends[warmup + 1 :])]
+    return statistics.median(gaps)
+
+
+def run_plait(args, row: str, root: Path, name: str, env: dict) -> dict:
+    run_dir = root / name
+    clock = root / f"{name}.clock"
+    command = [
+        sys.executable,
+        "-m",
+        "plait",
+        "train",
+        *plait_overrides(args, row, run_dir),
+        "+plugins=[parity_loops:clock]",
+        *(["train.log_every=1"] if args.check_losses else []),
+    ]
+    got = run(command, {**env, "PARITY_CLOCK": str(clock)}, name, clock)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    got["losses"] = [m["loss"] for m in metrics]
+    got["device_peak"] = metrics[-1]["peak_memory_bytes/max"] if args.device == "cuda" else 0
+    return got
+
+
+def run_plain(args, row: str, root: Path, name: str, env: dict, spec: dict) -> dict:
+    spec = {
+        **spec,
+        "clock": str(root / f"{name}.clock"),
+        "losses": str(root / f"{name}.losses") if args.check_losses else None,
+    }
+    path = root / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        str(SCRIPTS / "parity_loops.py"),
+        str(path),
+    ]
+    got = run(command, env, name, Path(spec["clock"]))
+    if args.check_losses:
+        ranks = [
+            json.loads(Path(f"{spec['losses']}.rank{r}").read_text()) for r in range(args.nproc)
+        ]
+        got["losses"] = [statistics.fmean(v for v in step if v is not None) for step in zip(*ranks)]
+    peaks = [
+        float(Path(f"{spec['clock']}.device_peak.rank{r}").read_text()) for r in range(args.nproc)
+    ]
+    got["device_peak"] = max(peaks)
+    return got
+
+
+def environment(args) -> dict:
+    """Both sides' environment: the same intra-op threads and allocator."""
+    from plait.host_memory import preload, with_preload
+
+    threads = str(max(1, (os.cpu_count() or 1) // args.nproc))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": threads,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")])),
+        "WANDB_MODE": "offline",
+    }
+    plain = with_preload(env, preload(args.allocator) if args.device == "cpu" else None)
+    return {"plait": env, "plain": plain}
+
+
+def load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+# -- the table ------------------------------------------------------------------------------------
+
+
+def measure(args, rows: list[str], root: Path) -> dict[str, dict]:
+    envs = environment(args)
+    results: dict[str, dict] = {
+        row: {"plait": [], "plain": [], "load_before": load(), "load_after": ""} for row in rows
+    }
+    specs = {
+        row: plain_spec(args, row, plait_overrides(args, row, root / "compose")) for row in rows
+    }
+    for repeat in range(args.repeats):
+        for row in rows:
+            order = ("plait", "plain") if repeat % 2 == 0 else ("plain", "plait")
+            for side in order:
+                name = f"{row.replace('+', '_')}-{side}-{repeat}"
+                if side == "plait":
+                    got = run_plait(args, row, root, name, envs["plait"])
+                else:
+                    got = run_plain(args, row, root, name, envs["plain"], specs[row])
+                results[row][side].append(got)
+                if not args.check_losses:
+                    print(
+                        f"{row} {side} repeat {repeat}: step {steady(got['ends'], args.warmup):.4f} s, "
+                        f"first step after {got['first']:.2f} s, peak {got['peak'] / MIB:.0f} MiB "
+                        f"(load {load()})",
+                        flush=True,
+                    )
+            results[row]["load_after"] = load()
+    return results
+
+
+def print_table(args, results: dict[str, dict]) -> None:
+    print(
+        f"\n{args.device}, {args.nproc} process(es), {args.precision}, model "
+        f"{args.model if args.model == 'gpt2_small' else f'{args.n_layer}x{args.n_embd}'}, batch "
+        f"{args.batch_size} x {args.seq_len}, {args.steps} steps ({args.warmup} warm-up), allocator "
+        f"{args.allocator}; medians of {args.repeats} interleaved repeats\n"
+    )
+    print(
+        "| row | step s plait | step s plain | speed plain/plait | first step s plait | plain | "
+        "x | peak MiB plait | plain | x | load before / after |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for row, got in results.items():
+        med = {
+            side: {
+                "step": statistics.median(steady(r["ends"], args.warmup) for r in got[side]),
+                "first": statistics.median(r["first"] for r in got[side]),
+                "peak": statistics.median(
+                    r["device_peak"] if args.device == "cuda" else r["peak"] for r in got[side]
+                ),
+            }
+            for side in ("plait", "plain")
+        }
+        a, b = med["plait"], med["plain"]
+        print(
+            f"| {row} | {a['step']:.4f} | {b['step']:.4f} | {b['step'] / a['step']:.3f} "
+            f"| {a['first']:.2f} | {b['first']:.2f} | {a['first'] / b['first']:.2f} "
+            f"| {a['peak'] / MIB:.0f} | {b['peak'] / MIB:.0f} | {a['peak'] / b['peak']:.3f} "
+            f"| {got['load_before']} / {got['load_after']} |",
+            flush=True,
+        )
+
+
+def check_losses(args, results: dict[str, dict]) -> bool:
+    print("\n| row | step | plait loss | plain loss | relative difference |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    good = True
+    for row, got in results.items():
+        ours, theirs = got["plait"][0]["losses"], got["plain"][0]["losses"]
+        worst = 0.0
+        for step, (a, b) in enumerate(zip(ours, theirs), 1):
+            diff = abs(a - b) / abs(b)
+            worst = max(worst, diff)
+            print(f"| {row} | {step} | {a:.6f} | {b:.6f} | {diff:.2e} |")
+        same = len(ours) == len(theirs) == args.steps and worst <= args.tolerance
+        good &= same
+        print(f"{row}: {'same' if same else 'DIFFERENT'} losses (worst {worst:.2e})", flush=True)
+    return good
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS))
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--nproc", type=int)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", choices=["gpt", "gpt2_small"])
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--seq-len", type=int)
+    parser.add_argument("--microbatches", type=int, default=4, help="pp2's pipeline micro-batches")
+    parser.add_argument("--precision", choices=["fp32", "bf16"])
+    parser.add_argument("--allocator", default="auto", help="plait's launcher.allocator")
+    parser.add_argument("--check-losses", action="store_true")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest relative loss gap")
+    parser.add_argument("--tiny", action="store_true", help="1 layer x 32, batch 4 x 16")
+    args = parser.parse_args()
+    cuda = args.device == "cuda"
+    args.nproc = args.nproc or (1 if cuda else 2)
+    args.model = args.model or ("gpt2_small" if cuda else "gpt")
+    args.precision = args.precision or ("bf16" if cuda else "fp32")
+    args.batch_size = args.batch_size or 16
+    args.seq_len = args.seq_len or (1024 if cuda else 128)
+    if args.tiny:
+        args.n_layer, args.n_embd, args.n_head = 2, 32, 2
+        args.batch_size, args.seq_len, args.microbatches = 4, 16, 2
+    if args.check_losses:
+        args.steps, args.repeats, args.warmup = 5, 1, 0
+    rows = args.rows or (
+        GPU_ROWS if cuda else [r for r in ROWS if r != "ddp+defaults"] + ["ddp+defaults"]
+    )
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("bench_parity.py --device cuda: no CUDA device here", file=sys.stderr)
+            return 2
+    for row in list(rows):
+        library = LIBRARY.get(row)
+        if library and importlib.util.find_spec(library) is None:
+            print(f"{row}: skipped ({library} is not installed)", flush=True)
+            rows.remove(row)
+        elif cuda and row not in GPU_ROWS:
+            print(f"{row}: skipped (needs {2} processes; one GPU here)", flush=True)
+            rows.remove(row)
+    with tempfile.TemporaryDirectory(prefix="bench_parity-") as tmp:
+        results = measure(args, rows, Path(tmp))
+    if args.check_losses:
+        return 0 if check_losses(args, results) else 1
+    print_table(args, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
