@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plait.host_memory import fix_mmap_threshold
+from plait.host_memory import configure_worker
 from plait.plugins.context_parallel.apply import (
     SequenceShardLoss,
     apply_context_parallel,
@@ -148,7 +148,7 @@ def throughput(args, cp, backend, group, rank, device) -> tuple[float, int]:
 def _bench(rank: int, world: int, args, out: str) -> None:
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cpu":
-        fix_mmap_threshold()  # freed tensors go back to the kernel: the resident set is live
+        configure_worker("glibc_mmap")  # freed tensors go back to the kernel: the RSS is live
         torch.set_num_threads(args.threads)
     else:
         torch.cuda.set_device(device)
