@@ -24,6 +24,8 @@ wraps the model, reduces gradients and steps; the rest is here:
 ``state_by_name``     model and optimizer state by parameter name (DCP's ``get_state_dict``)
 ``tensor_shards``     a tensor-parallel shard cut from a full tensor, and shards joined again
 ``layout_free``       the layout-free checkpoint copy (DCP), which any layout loads
+``pieces``            a tensor as the pieces a rank holds of it, placed in the whole: what the
+                      layout-free copy writes and reads in place, nothing gathered
 ====================  ==========================================================================
 
 :class:`~plait.types.StepOutput` stays in :mod:`plait.types`, where the hook spec names it,

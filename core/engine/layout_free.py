@@ -16,7 +16,17 @@ scaler, keeps the loading engine's own value.)
 
 holding this rank's parameters under the unsplit model's names (a pipeline stage: its own
 names), full over data parallelism (ZeRO's partitions joined) but still this rank's
-tensor-parallel shard. This module turns tensor-parallel shards into full tensors and back,
+tensor-parallel shard. An engine may offer the same structure without joining anything
+(issue 32: gathering cost every rank the whole model's states at a save)::
+
+    layout_free_shards() -> the same, each tensor as this rank holds it: whole, a DTensor (its
+                            dp shards), or plait.engine.pieces.Pieces (ZeRO's flat partitions),
+                            every one a view of the engine's own memory
+    load_layout_free_shards(state)  # that structure after DCP filled it in place
+
+and is then saved and loaded from its pieces (:mod:`plait.engine.pieces`), each placed where it
+sits in the unsplit tensor, tensor-parallel shards too: no rank holds more than it trains with.
+A background save (``checkpoint.async_save``) still copies whole tensors. This module turns tensor-parallel shards into full tensors and back,
 using the placement every shard carries (Megatron's attributes ``partition_dim`` and
 ``partition_stride`` on the parameter), and hands the result to ``dcp.save`` / ``dcp.load``.
 Replicated entries (the same key on several ranks: dp replicas, tp-replicated parameters) are
@@ -32,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.engine.pieces import Pieces, load_planner, place_tensor_parallel, save_planner
 from plait.engine.tensor_shards import merge_tensors, split_tensor
 
 # torch.distributed.checkpoint is imported where it is used: it pulls in DTensor and sympy
@@ -100,14 +111,48 @@ def local_state(engine, topology, full: dict) -> dict:
     )
 
 
+def writes_pieces(engine) -> bool:
+    """The engine hands over its state as the pieces it holds (``layout_free_shards``)."""
+    return hasattr(engine, "layout_free_shards")
+
+
+def pieces_state(engine, topology, shards: dict) -> dict:
+    """``shards`` (an engine's ``layout_free_shards()``) with every sharded entry as
+    :class:`~plait.engine.pieces.Pieces` of the unsplit tensor: views of the engine's memory,
+    nothing gathered. Whole tensors without a tensor-parallel placement pass through."""
+    placements = tensor_parallel_placements(engine)
+    rank, size = topology.tp_rank, topology.dims.tp
+
+    def place(name: str, value):
+        if not isinstance(value, (torch.Tensor, Pieces)) or (
+            isinstance(value, torch.Tensor) and value.dim() == 0
+        ):
+            return value  # a scalar (Adam's step): the same on every rank
+        return place_tensor_parallel(value, placements.get(name), rank, size)
+
+    out: dict[str, Any] = {**shards}
+    out["model"] = {name: place(name, v) for name, v in shards["model"].items()}
+    out["optim"] = {
+        name: {key: place(name, v) for key, v in entries.items()}
+        for name, entries in shards["optim"].items()
+    }
+    return out
+
+
 def save(engine, topology, directory: Path, group, stager=None):
     """Write the layout-free state into ``directory/layout_free``. With ``stager`` the state is
     copied to CPU memory and written in the background (``dcp.async_save``): the result is the
-    future of the write; without, the write is done when this returns (None)."""
+    future of the write; without, the write is done when this returns (None). An engine that
+    hands over its pieces (:func:`writes_pieces`) is written from them in place, nothing
+    gathered; in the background its whole tensors are copied (the copy is the point)."""
     import torch.distributed.checkpoint as dcp
 
-    state = full_state(engine, topology)
     target = directory / DIRECTORY
+    if stager is None and writes_pieces(engine):
+        state = pieces_state(engine, topology, engine.layout_free_shards())
+        dcp.save(state, checkpoint_id=target, process_group=group, planner=save_planner())
+        return None
+    state = full_state(engine, topology)
     if stager is None:
         dcp.save(state, checkpoint_id=target, process_group=group)
         return None
@@ -120,16 +165,27 @@ def load(engine, topology, directory: Path, group) -> None:
     state (full tensors) is the template DCP fills in place."""
     import torch.distributed.checkpoint as dcp
 
-    template = full_state(engine, topology)
     reader = dcp.FileSystemReader(str(directory / DIRECTORY))
     stored = reader.read_metadata().state_dict_metadata
+    shards = engine.layout_free_shards() if writes_pieces(engine) else None
+    template = (
+        full_state(engine, topology) if shards is None else pieces_state(engine, topology, shards)
+    )
     scaler = {
         k: v for k, v in template.pop("loss_scale", {}).items() if f"loss_scale.{k}" in stored
     }  # what the saving run's scaler wrote, if any
     if scaler:
         template["loss_scale"] = scaler
-    dcp.load(template, storage_reader=reader, process_group=group)
-    engine.load_layout_free_state(local_state(engine, topology, template))
+    if shards is None:
+        dcp.load(template, storage_reader=reader, process_group=group)
+        engine.load_layout_free_state(local_state(engine, topology, template))
+        return
+    dcp.load(template, storage_reader=reader, process_group=group, planner=load_planner())
+    if scaler:  # read into fresh tensors; the rest was read into the engine's own, in place
+        shards["loss_scale"] = template["loss_scale"]
+    else:
+        shards.pop("loss_scale", None)
+    engine.load_layout_free_shards(shards)
 
 
 def saved_shapes(directory: Path) -> dict[str, tuple[int, ...]]:

@@ -169,11 +169,18 @@ class DDPEngine(TorchEngine):
             }
         return state
 
+    def layout_free_shards(self) -> dict:
+        """The same state: its tensors are the engine's own (DCP's ``get_state_dict`` returns
+        them, not copies), each rank's tensor-parallel shard placed by the layout-free copy."""
+        return self.layout_free_state()
+
     def load_layout_free_state(self, state: dict) -> None:
         load_state_by_name(self.model, self.optimizer, state)
         if "loss_scale" in state:
             load_grad_scaler_state(self.scaler, state["loss_scale"])
             self.skipped_steps = int(state["loss_scale"]["skipped_steps"])
+
+    load_layout_free_shards = load_layout_free_state  # its state was read in place
 
 
 @hookimpl

@@ -127,6 +127,27 @@ class FSDPEngine(TorchEngine):
         )
         return {"model": model_state, "optim": optim_state["state"]}
 
+    def layout_free_shards(self) -> dict:
+        """This rank's shards by the unsplit names, DTensors over the dp mesh, nothing gathered
+        (:mod:`plait.engine.layout_free` writes each where it sits in the whole tensor)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state["state"]}
+
+    def load_layout_free_shards(self, state: dict) -> None:
+        """The shards were read into this engine's own parameters and optimizer states in
+        place; the optimizer takes its state back as it is (no copy)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        _, current = get_state_dict(self.model, self.optimizer)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict={"state": state["optim"], "param_groups": current["param_groups"]},
+        )
+
     def load_layout_free_state(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

@@ -228,3 +228,12 @@ class PipelineEngine:
 
     def load_layout_free_state(self, state: dict) -> None:
         self.inner.load_layout_free_state(state)
+
+    def __getattr__(self, name: str):
+        """``layout_free_shards`` / ``load_layout_free_shards`` where the strategy engine has
+        them (:mod:`plait.engine.layout_free` asks with ``hasattr``)."""
+        if name in ("layout_free_shards", "load_layout_free_shards"):
+            inner = self.__dict__.get("inner")
+            if inner is not None:
+                return getattr(inner, name)
+        raise AttributeError(name)

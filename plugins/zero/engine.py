@@ -356,6 +356,78 @@ class ZeroEngine:
                 model[name] = model[self._first_name(param)]
         return {"model": model, "optim": optim}
 
+    def layout_free_shards(self) -> dict:
+        """The same state as :meth:`layout_free_state`, nothing gathered: each rank's fp32
+        partitions and Adam states as :class:`~plait.engine.pieces.Pieces` (flat ranges of each
+        parameter, views of DeepSpeed's own flat buffers): ZeRO-1/2's fragments
+        (``_hp_mapping``), ZeRO-3's partitions (``get_local_fp32_param``). Stage 0 holds whole
+        tensors already."""
+        if self.stage == 0:
+            return self.layout_free_state()
+        self._link_optimizer_states()
+        step = self._optimizer_step()
+        keys = self._optimizer_state_keys()
+        model, optim = {}, {}
+        for name, param in self.model.named_parameters():
+            model[name] = self._pieces(param)
+            optim[name] = {key: self._pieces(param, key) for key in keys} | {"step": step}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if name not in model:  # a tied parameter's other names
+                model[name] = model[self._first_name(param)]
+        state = {"model": model, "optim": optim}
+        from plait.plugins.zero.loss_scale import dynamic_loss_scaler, loss_scaler_state
+
+        loss_scaler = dynamic_loss_scaler(self.ds.optimizer)
+        if loss_scaler is not None:
+            state["loss_scale"] = {
+                **loss_scaler_state(loss_scaler),
+                "skipped_steps": torch.tensor(self.ds.skipped_steps),
+            }
+        return state
+
+    def _pieces(self, param: torch.nn.Parameter, key: str | None = None):
+        """This rank's part of ``param``'s fp32 master (or its optimizer state ``key``)."""
+        from plait.engine.pieces import Pieces, flat_pieces
+
+        shape = tuple(getattr(param, "ds_shape", param.shape))
+        if self.stage == 3:
+            zero = param._z3_optimizer
+            local = zero.get_local_fp32_param(param, key)
+            start = zero._get_param_partition_rank(param) * local.numel()
+            held = max(0, min(local.numel(), param.ds_numel - start))
+            return Pieces(shape, flat_pieces(shape, start, local.flatten()[:held]))
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is None:  # every element of it is in other ranks' partitions
+            return Pieces(shape, [])
+        address = mapping.lp_fragment_address
+        fragment = mapping.get_hp_fragment(key).flatten()
+        return Pieces(shape, flat_pieces(shape, address.start, fragment[: address.numel]))
+
+    def load_layout_free_shards(self, state: dict) -> None:
+        """The partitions were read into DeepSpeed's buffers in place; the working copies the
+        forward uses are refreshed from them (ZeRO-1/2: each rank's partition all-gathered into
+        the whole parameters, as after a step; ZeRO-3: this rank's partition), and the step
+        count and loss scale set."""
+        from plait.plugins.zero.loss_scale import dynamic_loss_scaler, load_loss_scaler_state
+
+        if self.stage == 0:
+            self.load_layout_free_state(state)
+            return
+        zero = self.ds.optimizer
+        with torch.no_grad():
+            if self.stage == 3:
+                for param in self.model.parameters():
+                    master = param._z3_optimizer.get_local_fp32_param(param)
+                    if master.data_ptr() != param.ds_tensor.data_ptr():
+                        param.ds_tensor.data.copy_(master.view_as(param.ds_tensor))
+            else:
+                zero.update_lp_params()
+        self._set_optimizer_step(next(iter(state["optim"].values()))["step"])
+        scaler = dynamic_loss_scaler(zero)
+        if scaler is not None and "loss_scale" in state:
+            load_loss_scaler_state(scaler, state["loss_scale"])
+            self.ds.skipped_steps = int(state["loss_scale"]["skipped_steps"])
+
     def _stage_0_masters(self) -> dict[str, torch.Tensor]:
         """Stage 0 in bf16/fp16: DeepSpeed's ``FP16_UnfusedOptimizer`` keeps an fp32 master
         copy of every 16-bit parameter (``fp32_groups``, in the order of ``fp16_groups``); its
