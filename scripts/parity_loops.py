@@ -443,14 +443,28 @@ LOOPS = {
 }
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
     device = setup(spec)
     LOOPS[spec["loop"]](spec, device)
     dist.destroy_process_group()
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)  # as plait's workers end (plait.testing.exit_without_teardown)
 
 
+def run_rank(rank: int, world_size: int, port: int, spec_path: str) -> None:
+    """One rank started by ``torch.multiprocessing`` instead of torchrun (tests/test_parity.py):
+    the variables torchrun would set, then the loop."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    main(spec_path)
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1])
