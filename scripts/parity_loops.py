@@ -383,6 +383,7 @@ def train_ep(spec: dict, device) -> None:
             if not rank * local <= int(key) < (rank + 1) * local:
                 del layer.experts[key]
         layer.dispatcher = AllToAllExperts(local)
+        layer.record_stats = False  # plait's routing figures: not what a plain loop keeps
         experts |= {id(p) for p in layer.experts.parameters()}
     model.to(device)
     ignored = [n for n, p in model.named_parameters() if id(p) in experts]

@@ -184,6 +184,38 @@ def test_a_rank_keeps_its_experts_initialised_by_their_global_names():
     assert isinstance(init, ParameterInit)
 
 
+def test_routing_figures_are_gathered_on_logged_steps_only(monkeypatch):
+    """Issue 32: no routing record, all-to-all timing or figure all-reduce on other steps."""
+    from plait.plugins.expert_parallel.dispatch import AllToAllMeter
+    from plait.plugins.expert_parallel.engine import MoEEngine
+    from plait.types import StepOutput
+
+    torch.manual_seed(0)
+    layer = MoE(16, 4, 2, lambda: MLP(16, 0.0, True))
+    layer.stats_row, layer.stats_rows = 0, 1
+    inner = SimpleNamespace(
+        train_step=lambda micro_batches, lr: StepOutput(
+            loss=float(layer(micro_batches[0]).sum()), grad_norm=0.0
+        )
+    )
+    topology = SimpleNamespace(tp_rank=0, step_group=None, trainer_ranks=[0])
+    meter = AllToAllMeter()
+    engine = MoEEngine(inner, [layer], topology, meter, logged=lambda step: step % 2 == 0)
+    gathered = []
+    monkeypatch.setattr(engine, "figures", lambda forwards: gathered.append(forwards) or {"f": 1})
+    seen = []
+    for _ in range(4):
+        out = engine.train_step([torch.randn(2, 3, 16)], lr=0.1)
+        seen.append((layer.record_stats, meter.on, len(layer.stats.rows), "f" in out.metrics))
+    assert seen == [
+        (False, False, 0, False),
+        (True, True, 1, True),
+        (False, False, 0, False),
+        (True, True, 1, True),
+    ]
+    assert gathered == [1, 1]
+
+
 def test_tensor_parallel_plan_splits_experts_and_keeps_the_router():
     model = GPT(n_experts=4, moe_every=2, shared_expert=True)
     plan = model.tensor_parallel_plan

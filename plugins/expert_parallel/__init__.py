@@ -99,15 +99,28 @@ def plait_apply_expert_parallel(cfg, model, topology) -> None:
 
 
 @hookimpl(wrapper=True, tryfirst=True)  # outermost: around a pipeline's engine too
-def plait_build_engine(model, topology):
+def plait_build_engine(cfg, model, topology):
     engine = yield
     layers = moe_layers(model)
     if not layers:
         return engine
+    from plait.config import job_last_step
     from plait.plugins.expert_parallel.engine import MoEEngine
 
+    every, last = cfg.train.log_every, job_last_step(cfg.train)
     meter = next((getattr(layer.dispatcher, "meter", None) for layer in layers), None)
-    return MoEEngine(engine, layers, topology, meter)
+    return MoEEngine(
+        engine, layers, topology, meter, logged=lambda step: step % every == 0 or step == last
+    )
+
+
+@hookimpl(wrapper=True)
+def plait_load_checkpoint(engine):
+    """A resumed engine counts its steps on from the checkpoint's (which steps are logged)."""
+    state = yield
+    if state is not None and hasattr(engine, "logged"):
+        engine.step = state.step
+    return state
 
 
 @hookimpl

@@ -1,6 +1,7 @@
 """Around the strategy's engine when the model has mixture-of-experts layers: each step sets the
-layers' auxiliary-loss scale for the engine's micro-batches, and afterwards sums their routing
-figures over every rank into the step's metrics (W&B, ``metrics.jsonl``).
+layers' auxiliary-loss scale for the engine's micro-batches, and after a logged step (every
+``train.log_every``-th and the last) sums their routing figures over every rank into its metrics
+(W&B, ``metrics.jsonl``); other steps record no routing and time no all-to-all (issue 32).
 
 Metrics (``T[l, e]``: tokens layer ``l`` computed on expert ``e`` in the step, global batch)::
 
@@ -25,8 +26,10 @@ class MoEEngine:
     """The strategy's engine, with the mixture-of-experts bookkeeping around ``train_step``;
     everything else is the strategy engine's."""
 
-    def __init__(self, engine, layers: list, topology, meter=None):
+    def __init__(self, engine, layers: list, topology, meter=None, logged=lambda step: True):
         self.engine, self.layers, self.meter = engine, layers, meter
+        self.logged = logged  # whether a step is logged: its figures are gathered then only
+        self.step = 0  # steps taken (the resumed step at the start: set by the plugin)
         self.counts_once = topology.tp_rank == 0  # tensor-parallel ranks route the same tokens
         self.group = topology.step_group
         self.world = len(topology.trainer_ranks)
@@ -37,13 +40,19 @@ class MoEEngine:
         # scales all gradients by 1 / m after its schedule instead.
         after = getattr(self.engine, "scales_grads_after_backward", False)
         scale = 1.0 if after else 1.0 / len(micro_batches)
+        logged = self.logged(self.step + 1)  # routing figures and all-to-all timing: then only
         for layer in self.layers:
             layer.aux_loss_scale = scale
+            layer.record_stats = logged
             layer.stats.reset()
         if self.meter is not None:
             self.meter.reset()
+            self.meter.on = logged
         out = self.engine.train_step(micro_batches, lr)
-        out.metrics.update(self.figures(len(micro_batches)))
+        if not out.skipped:
+            self.step += 1
+        if logged:
+            out.metrics.update(self.figures(len(micro_batches)))
         return out
 
     def figures(self, forwards: int) -> dict[str, float]:

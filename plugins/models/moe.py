@@ -209,6 +209,7 @@ class MoE(nn.Module):
         self.dispatcher: Callable = LocalDispatcher()
         self.stats = MoEStats()
         self.aux_loss_scale = 1.0  # the engine's backward scale of one micro-batch's loss
+        self.record_stats = True  # record the routing in stats (the engine: on logged steps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
@@ -247,8 +248,8 @@ def router_losses_and_stats(
         if layer.aux_loss_coeff or layer.z_loss_coeff:
             weighted = layer.aux_loss_coeff * aux + layer.z_loss_coeff * z
             out = AuxLossScaler.apply(out, weighted, layer.aux_loss_scale)
-        if not in_backward():
-            layer.stats.add(routing, aux, z)
+        if not in_backward() and getattr(layer, "record_stats", True):
+            layer.stats.add(routing, aux, z)  # reads the losses: a device sync on a GPU
     return out
 
 
