@@ -18,6 +18,32 @@ from netns_cluster import can_make_namespaces  # noqa: E402
 
 # script -> (arguments of a smoke run, lines its output must hold)
 SMOKE = {
+    "bench_allocator": (
+        [
+            "--layouts",
+            "ddp",
+            "--allocators",
+            "glibc_mmap",
+            "glibc",
+            "--repeats",
+            "1",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--n-layer",
+            "1",
+            "--n-embd",
+            "32",
+            "--n-head",
+            "2",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "4",
+        ],
+        ["| ddp | glibc_mmap |", "| ddp | glibc |"],
+    ),
     "bench_checkpoint": (
         [
             "--layers",
