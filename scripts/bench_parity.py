@@ -29,6 +29,9 @@ that order or the reverse, alternating, ``--repeats`` times each (interleaved). 
 
 - steady step time: the median gap between consecutive step ends on rank 0's clock after
   ``--warmup`` steps (plait: every hook, the loader and its metrics included);
+- CPU seconds per step: the same on rank 0's process CPU time (all its threads): what each
+  side computes per step, which other work on a shared machine changes far less than the wall
+  clock (it cannot show time lost waiting for a descheduled peer);
 - time to first step: from the command's start to the end of its first step (wall clock);
 - peak memory: the whole job's (launcher, forkserver and workers) from a memory cgroup made for
   the run when run as root (``memory.max_usage_in_bytes`` / ``memory.peak``), else the largest
@@ -114,6 +117,7 @@ def plait_overrides(args, row: str, run_dir: Path) -> list[str]:
         f"run.root={run_dir.parent}",
         f"run.name={run_dir.name}",
         *extra,
+        *args.plait_overrides,
     ]
 
 
@@ -261,11 +265,13 @@ def run(command: list[str], env: dict, name: str, clock: Path) -> dict:
         memory.close()
     if process.returncode != 0:
         raise RuntimeError(f"{name} failed (exit {process.returncode}):\n{output[-4000:]}")
-    ends = json.loads(clock.read_text())
-    return {"ends": ends, "first": ends[0] - started, "peak": peak}
+    stamps = json.loads(clock.read_text())
+    ends, cpu = [w for w, _ in stamps], [c for _, c in stamps]
+    return {"ends": ends, "cpu": cpu, "first": ends[0] - started, "peak": peak}
 
 
 def steady(ends: list[float], warmup: int) -> float:
+    """The median gap between consecutive step ends after ``warmup`` steps."""
     gaps = [b - a for a, b in zip(ends[warmup:], ends[warmup + 1 :])]
     return statistics.median(gaps)
 
@@ -378,14 +384,15 @@ def print_table(args, results: dict[str, dict]) -> None:
         f"{args.allocator}; medians of {args.repeats} interleaved repeats\n"
     )
     print(
-        "| row | step s plait | step s plain | speed plain/plait | first step s plait | plain | "
-        "x | peak MiB plait | plain | x | load before / after |"
+        "| row | step s plait | step s plain | speed plain/plait | CPU s/step plait | plain | x "
+        "| first step s plait | plain | x | peak MiB plait | plain | x | load before / after |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| --- |" + " ---: |" * 12 + " --- |")
     for row, got in results.items():
         med = {
             side: {
                 "step": statistics.median(steady(r["ends"], args.warmup) for r in got[side]),
+                "cpu": statistics.median(steady(r["cpu"], args.warmup) for r in got[side]),
                 "first": statistics.median(r["first"] for r in got[side]),
                 "peak": statistics.median(
                     r["device_peak"] if args.device == "cuda" else r["peak"] for r in got[side]
@@ -396,6 +403,7 @@ def print_table(args, results: dict[str, dict]) -> None:
         a, b = med["plait"], med["plain"]
         print(
             f"| {row} | {a['step']:.4f} | {b['step']:.4f} | {b['step'] / a['step']:.3f} "
+            f"| {a['cpu']:.4f} | {b['cpu']:.4f} | {a['cpu'] / b['cpu']:.3f} "
             f"| {a['first']:.2f} | {b['first']:.2f} | {a['first'] / b['first']:.2f} "
             f"| {a['peak'] / MIB:.0f} | {b['peak'] / MIB:.0f} | {a['peak'] / b['peak']:.3f} "
             f"| {got['load_before']} / {got['load_after']} |",
@@ -437,6 +445,12 @@ def main() -> int:
     parser.add_argument("--microbatches", type=int, default=4, help="pp2's pipeline micro-batches")
     parser.add_argument("--precision", choices=["fp32", "bf16"])
     parser.add_argument("--allocator", default="auto", help="plait's launcher.allocator")
+    parser.add_argument(
+        "--plait-overrides",
+        nargs="*",
+        default=[],
+        help="more overrides for plait's side of every row (e.g. train.log_every=10)",
+    )
     parser.add_argument("--check-losses", action="store_true")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest relative loss gap")
     parser.add_argument("--tiny", action="store_true", help="1 layer x 32, batch 4 x 16")

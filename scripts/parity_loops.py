@@ -6,8 +6,8 @@ user would write directly on the library plait wraps, on plait's GPT and plait's
 
 ``SPEC.json`` (written by ``bench_parity.py`` from plait's composed config, so both sides train
 the same thing) names the row and holds the model, the optimizer's and schedule's settings, the
-batch, the steps and, for ZeRO, the DeepSpeed JSON plait generates. Every rank appends rank 0's
-wall clock at the end of each step to ``SPEC["clock"]`` and, with ``SPEC["losses"]``, writes its
+batch, the steps and, for ZeRO, the DeepSpeed JSON plait generates. Rank 0 writes its wall clock
+and CPU time at the end of each step to ``SPEC["clock"]`` and, with ``SPEC["losses"]``, writes its
 own per-step losses (``None`` on a pipeline stage without the loss) for the loss check.
 
 Each loop is written as its library's documentation teaches it:
@@ -46,15 +46,15 @@ from plait import hookimpl
 
 
 class ParityClock:
-    """plait's side of the record: rank 0's wall clock at the end of each step, written at the
-    end of the run to ``$PARITY_CLOCK`` (nothing is written during the steps)."""
+    """plait's side of the record: rank 0's wall clock and its process's CPU time at the end of
+    each step, written at the end of the run to ``$PARITY_CLOCK`` (nothing during the steps)."""
 
     def __init__(self) -> None:
         self.ends: list[float] = []
 
     @hookimpl
     def plait_on_step_end(self, step) -> None:
-        self.ends.append(time.time())
+        self.ends.append((time.time(), time.process_time()))
 
     @hookimpl
     def plait_on_run_end(self) -> None:
@@ -151,7 +151,7 @@ class Record:
         self.rank = dist.get_rank()
 
     def step(self, loss: float | None) -> None:
-        self.ends.append(time.time())
+        self.ends.append((time.time(), time.process_time()))
         self.losses.append(loss)
 
     def close(self) -> None:

@@ -39,6 +39,7 @@ def tiny_args() -> argparse.Namespace:
         precision="fp32",
         nproc=2,
         allocator="auto",
+        plait_overrides=[],
     )
 
 
