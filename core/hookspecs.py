@@ -13,6 +13,7 @@ Order of a run (``plait.train.train`` reads as this list)::
     plait_validate, plait_backend_config, plait_launch, plait_objective
     plait_strategy_cost (asked by ``plait estimate`` and ``plait plan --search``),
     plait_axis_cost (asked by ``plait plan --search``)
+    plait_replica_groups (asked by a plugin that runs replica groups as independent jobs)
     plait_build_topology
     a rank whose role is not "trainer": plait_run_role, and nothing below
     plait_build_dataset, plait_shard_data
@@ -21,10 +22,10 @@ Order of a run (``plait.train.train`` reads as this list)::
     plait_apply_activation_checkpointing, plait_split_pipeline, plait_materialize_model,
     plait_build_loss
     plait_build_optimizer, plait_build_lr_schedule, plait_grad_reducer, plait_build_engine
-    plait_load_checkpoint, plait_on_run_start
-    per step:  plait_check_step (in the engine's step, every rank), plait_evaluate (every
-               rank), plait_on_step_end, plait_log_metrics (logged steps), plait_save_checkpoint
-               (and, asked by the checkpoint plugin, plait_save_model_copy)
+    plait_sync_replicas (state None), else plait_load_checkpoint; plait_on_run_start
+    per step:  plait_sync_replicas, plait_check_step (in the engine's step, every rank),
+               plait_evaluate (every rank), plait_on_step_end, plait_log_metrics (logged steps),
+               plait_save_checkpoint (and, asked by the checkpoint plugin, plait_save_model_copy)
     plait_on_failure (on an exception), plait_on_run_end
     plait export: plait_find_checkpoint, plait_read_model_shards, plait_merge_tensor_parallel_shards,
                   plait_export_model (format=...)
@@ -221,6 +222,24 @@ def plait_axis_cost(
     :param microbatches: micro-batches per optimizer step (the pipeline's under ``pp > 1``).
     :param recompute: ``train.activation_checkpointing`` of the layout (none, full, selective).
     :return: a :class:`plait.types.AxisCost`.
+    """
+
+
+@hookspec(firstresult=True)
+def plait_replica_groups(cfg: DictConfig, dims: ParallelDims) -> int | None:
+    """How many replica groups this strategy's data-parallel ranks form: groups of whole model
+    replicas (each group's tensor, pipeline, context- and expert-parallel ranks together) that a
+    fault-tolerance plugin may run as independent torch jobs, averaging their gradients per step
+    over the groups its quorum admits (since hook spec 1.5).
+
+    Stops at the first non-None result; the strategy answers, for its own ``strategy.name``
+    only. Asked before launch (``dims``: every rank's layout) by a plugin that declares
+    ``fault:replica_groups`` (``fault=torchft``), and by the launcher, which then starts each
+    group with its own agent. A strategy that answers provides ``engine:replica_groups``.
+
+    :return: the number of groups (it divides ``dims.dp``); None: the strategy cannot run as
+        independent replica groups (its engine shares state across data-parallel ranks, e.g.
+        partitioned optimizer states, or its replicas do not step together).
     """
 
 
@@ -521,6 +540,28 @@ def plait_check_step(
 
     :param loss: this rank's mean loss over its micro-batches (a 0-d tensor).
     :param grad_norm: the global gradient norm before clipping (a 0-d tensor).
+    """
+
+
+@hookspec(firstresult=True)
+def plait_sync_replicas(
+    cfg: DictConfig, engine: Engine, state: TrainState | None, topology: Topology
+) -> TrainState | None:
+    """Join the replica groups' quorum for the next step (since hook spec 1.5); called on every
+    rank once before the checkpoint is loaded (``state`` None: the quorum of the run's first
+    step) and at the top of every step, before its learning rate and batch.
+
+    Stops at the first non-None result; a fault-tolerance plugin answers (``fault=torchft``),
+    only in a job whose replica groups run as independent torch jobs
+    (``topology.dims.replica_groups > 1``). When this rank's group was behind the quorum (a
+    group restarted by its agent, or one that missed a step), it has received a healthy peer's
+    state over the network and loaded model and optimizer into ``engine``; it returns the
+    peer's :class:`plait.types.TrainState` (step, data position), and the loop continues from
+    it: before the first step no checkpoint is read, in a step the loader is moved to the
+    peer's data position.
+
+    :param state: the loop's state (None before a checkpoint is loaded).
+    :return: the state received from a peer, or None to go on with this group's own.
     """
 
 

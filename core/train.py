@@ -78,8 +78,10 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
         hook,
     )  # has the surfaces its plugins declared
 
+    # a replica group that rejoins takes a live peer's state instead of reading a checkpoint
     state = (
-        hook.plait_load_checkpoint(cfg=cfg, engine=engine, topology=topology, hook=hook)
+        hook.plait_sync_replicas(cfg=cfg, engine=engine, state=None, topology=topology)
+        or hook.plait_load_checkpoint(cfg=cfg, engine=engine, topology=topology, hook=hook)
         or TrainState()
     )
     if state.data:
@@ -93,6 +95,11 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
         if logging:
             hook.plait_on_run_start(cfg=cfg, state=state, topology=topology)
         while state.step < last_step:
+            received = hook.plait_sync_replicas(
+                cfg=cfg, engine=engine, state=state, topology=topology
+            )
+            if received is not None:  # this group was behind: it continues from a peer's state
+                state, batches = received, restart_batches(loader, batches, received)
             lr = lr_at(state.step)
             meter.start()
             micro_batches = next(batches)
@@ -145,6 +152,13 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
     return {"metrics": state.metrics, "checkpoint": str(checkpoint) if checkpoint else None}
 
 
+def restart_batches(loader, batches, state: TrainState):
+    """The loader's batches from ``state``'s data position on (the old ones stopped)."""
+    batches.close()
+    loader.load_state_dict(state.data)
+    return iter(loader)
+
+
 def run_role(cfg: DictConfig, pm: PlaitPluginManager, topology: Topology) -> None:
     """A rank that is not a trainer runs its plugin's loop (e.g. a parameter server)."""
     if not pm.hook.plait_run_role(cfg=cfg, topology=topology, hook=pm.hook):
@@ -156,10 +170,10 @@ def run_role(cfg: DictConfig, pm: PlaitPluginManager, topology: Topology) -> Non
 
 def evaluate(cfg: DictConfig, engine: Engine, data: TokenDataset, topology: Topology) -> float:
     """Mean loss over the first ``train.eval_batches`` global batches of the validation split."""
-    dims = topology.dims
-    micro = cfg.train.batch_size // dims.dp
+    ranks, rank = topology.dims.data_parallel, topology.data_parallel_rank
+    micro = cfg.train.batch_size // ranks
     losses = []
     for k in range(cfg.train.eval_batches):
-        start = ((k * dims.dp + topology.dp_rank) * micro) % max(len(data) - micro, 1)
+        start = ((k * ranks + rank) * micro) % max(len(data) - micro, 1)
         losses.append(engine.eval_loss(data.batch(list(range(start, start + micro)))))
     return sum(losses) / len(losses)

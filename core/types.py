@@ -325,7 +325,42 @@ class LossScaledEngine(Protocol):
     skipped_steps: int
 
 
-ENGINE_SURFACES: dict[str, type] = {"engine:layout_free_state": LayoutFreeStateEngine}
+class ReplicaSync(Protocol):
+    """What an engine asks, inside its step, of the layer that runs its replica groups as
+    independent torch jobs (``fault=torchft``): gradients averaged over the groups the step's
+    quorum admits, and whether the step is taken. Set on the engine as ``engine.replicas``."""
+
+    def average(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Average ``tensor`` in place over the same rank of every group in the step's quorum
+        (the sum divided by their number); returns it."""
+
+    def commit(self, ok: bool) -> bool:
+        """Whether this group takes the step: ``ok`` is this rank's verdict (no guard skipped
+        it), agreed over the group's ranks and with the quorum's health (a group whose
+        collectives failed in this step does not take it)."""
+
+
+@runtime_checkable
+class ReplicaGroupEngine(Protocol):
+    """``engine:replica_groups``: an engine whose replica groups can run as independent torch
+    jobs. It averages its gradients over the groups through ``replicas`` (a
+    :class:`ReplicaSync`, None when the job runs as one) and commits its step through it, and it
+    hands over and takes back this rank's own state as plain tensors, with no collective, so a
+    peer at the same place in another group can continue from it bit for bit."""
+
+    replicas: ReplicaSync | None
+
+    def local_state(self) -> dict[str, Any]:
+        """This rank's model and optimizer state (and loss scaler), as its own files hold it."""
+
+    def load_local_state(self, state: dict[str, Any]) -> None:
+        """Take back what a peer's :meth:`local_state` returned."""
+
+
+ENGINE_SURFACES: dict[str, type] = {
+    "engine:layout_free_state": LayoutFreeStateEngine,
+    "engine:replica_groups": ReplicaGroupEngine,
+}
 """The capabilities that promise methods on the engine the train loop gets, and their surface.
 (``engine:pipeline``'s surfaces are those of the engine a pipeline wraps; the pipeline plugin
 checks them.)"""

@@ -5,7 +5,7 @@
 # ops. No system package: what only the tests need is scripts/test.sh's set-up.
 #
 #     ./scripts/setup.sh                       # what ./scripts/train.sh runs
-#     PLAIT_EXTRAS=test,hf,ray,kubernetes,eval ./scripts/setup.sh  # what ./scripts/test.sh runs
+#     PLAIT_EXTRAS=test,hf,ray,kubernetes,eval,torchft ./scripts/setup.sh  # what ./scripts/test.sh runs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -10,7 +10,7 @@
 # localhost), Debian's chromium for tests/test_report.py (the report opened headless).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PLAIT_EXTRAS=test,hf,ray,kubernetes,eval ./scripts/setup.sh
+PLAIT_EXTRAS=test,hf,ray,kubernetes,eval,torchft ./scripts/setup.sh
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   wanted=()
   [ -x /usr/sbin/slurmd ] || wanted+=(slurm-wlm munge)

@@ -367,7 +367,7 @@ class Rank0:
     is_logging_rank = True
     roles = Roles({"trainer": (0,)})
     trainer_group = None
-    local_rank = local_trainer_rank = node_rank = 0
+    local_rank = local_trainer_rank = node_rank = quorum_rank = 0
     dims = SimpleNamespace(dp=1, cp=1, tp=1, pp=1, ep=1)
 
 
@@ -1266,3 +1266,100 @@ class LayerListLM(torch.nn.Module):
         for layer in self.layers:
             x = x + layer(x)
         return self.head(self.norm(x))
+
+
+class ReplicaGroupProbe:
+    """For ``fault=torchft``: what each rank of each replica group did, in ``run.dir/probe``.
+
+    Per group ``g`` and rank ``r`` (its rank in the group's torch job), ``g<g>r<r>.jsonl`` gets a
+    line per step taken (``step``, ``pid``, ``attempt``: torch elastic's restart count) and one
+    per call of the checkpoint loader (``load``: the attempt); after the last step
+    ``g<g>r<r>.pt`` holds the rank's own state (``engine.local_state()``: model, optimizer).
+    The first attempt of every group waits before its first quorum until every group is there
+    (the groups start together). With ``kill_at``: rank ``kill_rank`` of group ``kill_group``
+    SIGKILLs itself as its step ``kill_at`` starts (after the step's quorum, before its forward,
+    so the survivors' collectives of that step fail), once. With ``hold_at``: group 0 waits
+    after step ``hold_at`` until the killed group's restart asks for its first quorum (so it
+    surely rejoins before the run ends)."""
+
+    def __init__(self, groups: int, kill_at=None, kill_group=1, kill_rank=1, hold_at=None):
+        self.groups, self.kill_at, self.hold_at = groups, kill_at, hold_at
+        self.kill_group, self.kill_rank = kill_group, kill_rank
+        self.engine = None
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="replica_group_probe")
+
+    @staticmethod
+    def _directory(cfg) -> Path:
+        directory = Path(cfg.run.dir) / "probe"
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory
+
+    def _record(self, cfg, topology, line: dict) -> None:
+        name = f"g{topology.replica_group_id}r{topology.rank}.jsonl"
+        with open(self._directory(cfg) / name, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    @staticmethod
+    def _wait_for(path: Path, seconds: float = 120.0) -> None:
+        import time
+
+        deadline = time.monotonic() + seconds
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} did not appear within {seconds} s")
+            time.sleep(0.05)
+
+    @hookimpl(wrapper=True)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+        self.engine = engine
+        killing = (
+            self.kill_at is not None
+            and topology.replica_group_id == self.kill_group
+            and topology.rank == self.kill_rank
+            and attempt() == 0
+        )
+        if killing:
+            step, calls = engine.train_step, itertools.count(1)
+
+            def train_step(micro_batches, lr):
+                if next(calls) == self.kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return step(micro_batches, lr=lr)
+
+            engine.train_step = train_step
+        return engine
+
+    @hookimpl(wrapper=True)
+    def plait_sync_replicas(self, cfg, state, topology):
+        directory, group = self._directory(cfg), topology.replica_group_id
+        if state is None:  # the attempt's first quorum
+            (directory / f"at_first_quorum_g{group}_a{attempt()}").touch()
+            if attempt() == 0:
+                for other in range(self.groups):
+                    self._wait_for(directory / f"at_first_quorum_g{other}_a0")
+        elif group == 0 and state.step == self.hold_at:
+            self._wait_for(directory / f"at_first_quorum_g{self.kill_group}_a1")
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def plait_load_checkpoint(self, cfg, topology):
+        self._record(cfg, topology, {"load": attempt()})
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def plait_save_checkpoint(self, cfg, state, topology, final):
+        written = yield
+        self._record(cfg, topology, {"step": state.step, "pid": os.getpid(), "attempt": attempt()})
+        if final:
+            name = f"g{topology.replica_group_id}r{topology.rank}.pt"
+            torch.save(self.engine.local_state(), self._directory(cfg) / name)
+        return written
+
+
+def read_probe(run_dir, group: int, rank: int) -> list[dict]:
+    path = Path(run_dir) / "probe" / f"g{group}r{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]

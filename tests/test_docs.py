@@ -71,7 +71,7 @@ def documented_capabilities() -> dict[str, set[str]]:
     import re
 
     text = (ROOT / "docs" / "architecture.md").read_text()
-    rows = re.findall(r"^\| `((?:engine|model):\w+)` \| .+? \| (.+?) \| .*\|$", text, re.M)
+    rows = re.findall(r"^\| `((?:engine|model|fault):\w+)` \| .+? \| (.+?) \| .*\|$", text, re.M)
     documented = {}
     for capability, providers in rows:
         while re.search(r"\([^()]*\)", providers):

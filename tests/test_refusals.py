@@ -436,6 +436,48 @@ CASES = [
             "(Input should be greater than 0)"
         ],
     ),
+    # fault=torchft: a strategy that cannot take part, a lighthouse that does not answer, fewer
+    # replica groups than the quorum minimum, a lighthouse other nodes cannot reach, groups that
+    # do not fit on a node, an elastic node range, the quorum settings out of range
+    ("fault=torchft strategy=zero2", ["fault=torchft: strategy=zero2 cannot take part"]),
+    ("fault=torchft strategy=local_sgd", ["fault=torchft: strategy=local_sgd cannot take part"]),
+    (
+        "fault=torchft fault.lighthouse=http://127.0.0.1:9",
+        ["fault.lighthouse=http://127.0.0.1:9 does not answer: no answer within 3 s"],
+    ),
+    (
+        "fault=torchft fault.min_replicas=3",
+        [
+            "fault.min_replicas=3, but strategy=ddp forms 2 replica group(s) here (dp=2): no "
+            "quorum could ever form; set fault.min_replicas <= 2"
+        ],
+    ),
+    (
+        "fault=torchft launcher.nnodes=2 launcher.nproc_per_node=3 parallel.tp=2 "
+        "launcher.master_port=29500",
+        [
+            "fault=torchft with launcher.nnodes=2 needs fault.lighthouse_port=<port>",
+            "launcher.nproc_per_node=3 does not hold whole replica groups of 2 processes",
+        ],
+    ),
+    (
+        "fault=torchft launcher.nnodes=1:2 launcher.master_port=29500 launcher.max_restarts=1",
+        ["fault=torchft with launcher.nnodes=1:2: replica groups leave and rejoin each step"],
+    ),
+    (
+        "fault=torchft fault.min_replicas=0 fault.join_timeout_ms=-1 fault.quorum_tick_ms=0 "
+        "fault.heartbeat_timeout_ms=0 fault.manager_timeout_s=0 fault.quorum_timeout_s=0 "
+        "fault.lighthouse_port=70000",
+        [
+            "fault.min_replicas=0 is out of range: set fault.min_replicas >= 1",
+            "set fault.join_timeout_ms >= 0",
+            "set fault.quorum_tick_ms >= 1",
+            "set fault.heartbeat_timeout_ms >= 1",
+            "set fault.manager_timeout_s > 0",
+            "set fault.quorum_timeout_s > 0",
+            "set fault.lighthouse_port in [0, 65535] (0: a free port, one node only)",
+        ],
+    ),
     # data
     (
         "data.val_fraction=1",

@@ -453,7 +453,12 @@ def test_export_of_zero3_checkpoint_loads_into_the_plain_model(runs, tmp_path):
     )
     engine, dp = PlainEngine(model), 2
     per_rank = [
-        evaluate(cfg, engine, val, SimpleNamespace(dims=SimpleNamespace(dp=dp), dp_rank=r))
+        evaluate(
+            cfg,
+            engine,
+            val,
+            SimpleNamespace(dims=SimpleNamespace(data_parallel=dp), data_parallel_rank=r),
+        )
         for r in range(dp)
     ]
     logged = read_metrics(runs["zero3"])[-1]["eval/loss"]

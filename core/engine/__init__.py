@@ -26,6 +26,8 @@ wraps the model, reduces gradients and steps; the rest is here:
 ``layout_free``       the layout-free checkpoint copy (DCP), which any layout loads
 ``pieces``            a tensor as the pieces a rank holds of it, placed in the whole: what the
                       layout-free copy writes and reads in place, nothing gathered
+``replicas``          gradients averaged over replica groups that run as independent torch jobs
+``rng``               every random generator a rank draws from, saved and put back
 ====================  ==========================================================================
 
 :class:`~plait.types.StepOutput` stays in :mod:`plait.types`, where the hook spec names it,

@@ -8,9 +8,11 @@ Every strategy's step does the same around what is its own::
         backward(loss / n)                         # the mean loss's gradients, accumulated
     loss = mean of the local losses over dp x cp   # started now, read at the end
     reduce_gradients()                             # the strategy's (experts, dp averages)
+    replica groups: average over the quorum        # plait.engine.replicas (fault=torchft)
     unscale; norm over the shards; clip            # plait.engine.norm
     guard: plait_check_step(loss, norm)            # every rank, same answer
-    optimizer_step() unless the guard skipped      # the strategy's
+    replica groups: commit (the group's and the quorum's verdict)
+    optimizer_step() unless skipped                # the strategy's
     zero_grad
 
 :class:`TorchEngine` is that step for engines that run a torch optimizer themselves (DDP, FSDP,
@@ -31,7 +33,8 @@ import torch.distributed as dist
 from plait.engine.hyperparameters import set_lr
 from plait.engine.norm import ShardGroups, clip_grad_norm_
 from plait.engine.precision import autocast, grad_scaler
-from plait.types import Batch, StepOutput, model_inputs
+from plait.engine.replicas import average_over_replicas, average_value
+from plait.types import Batch, ReplicaSync, StepOutput, model_inputs
 
 
 def accumulate(
@@ -93,7 +96,11 @@ class TorchEngine:
     ``autocast_forward`` the forward runs as the model's parameters are (FSDP casts per module).
     ``hook``: the run's hook relay, whose ``plait_check_step`` guards each step; None for an
     engine whose replicas step on their own, without a collective per step (local SGD).
+    ``replicas``: where the job's replica groups run as independent torch jobs
+    (``engine:replica_groups``), the layer that averages over them and commits the step.
     """
+
+    replicas: ReplicaSync | None = None
 
     def __init__(
         self,
@@ -153,16 +160,25 @@ class TorchEngine:
         local_loss = accumulate(micro_batches, self.loss_of, self.backward, self.sync)
         loss = mean_over(local_loss.clone(), self.loss_group, self.loss_size)
         grad_norm, skipped, metrics = self.finish_step(local_loss)
-        return StepOutput(loss=loss(), grad_norm=float(grad_norm), skipped=skipped, metrics=metrics)
+        return StepOutput(
+            loss=average_value(self.replicas, loss(), self.device),
+            grad_norm=float(grad_norm),
+            skipped=skipped,
+            metrics=metrics,
+        )
 
     def finish_step(self, local_loss: torch.Tensor) -> tuple[torch.Tensor, bool, dict]:
         """After the backward: reduce, unscale, clip by the global norm, ask the guard, step.
         ``local_loss``: this rank's mean loss (what the guard judges). Returns the norm before
         clipping, whether the step was skipped, and the loss scaler's metrics."""
         self.reduce_gradients()
+        if self.replicas is not None:
+            average_over_replicas(self.replicas, self.model.parameters())
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, self.shard_groups)
         skipped = ask_guard(self.check_step, local_loss, grad_norm, self.scaler.is_enabled())
+        if self.replicas is not None:
+            skipped = not self.replicas.commit(not skipped)
         if not skipped:
             self.optimizer_step()
         metrics = self.update_loss_scale() if self.scaler.is_enabled() else {}

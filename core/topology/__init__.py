@@ -41,8 +41,8 @@ The package holds one module per job, and re-exports what plugins import from
                    accumulation
 ``elastic``        the accumulation that keeps an elastic job's global batch at its present size
 ``device``         which device this process computes on
-``launcher_env``   what the launcher tells a worker (its node, local rank), and the restart's
-                   rendezvous store
+``launcher_env``   what the launcher tells a worker (its node, local rank, replica group), and
+                   the restart's rendezvous store
 ``enumeration``    every group's global ranks without processes: mesh axes, experts, nodes
 ``roles``          which ranks play which role
 ``mesh``           ``Topology``: this rank's mesh and process groups, named ``group(name)``
@@ -63,13 +63,20 @@ from plait.topology.enumeration import (
     node_enumeration,
     split_by_node,
 )
-from plait.topology.launcher_env import LAUNCHER_ENV, launcher_node_env, restart_safe_store
+from plait.topology.launcher_env import (
+    LAUNCHER_ENV,
+    REPLICA_GROUP_ENV,
+    launcher_node_env,
+    replica_group_env,
+    restart_safe_store,
+)
 from plait.topology.mesh import NodeGroups, Topology, gather_node_ranks
 from plait.topology.roles import TRAINER, Roles
 
 __all__ = [
     "LAUNCHER_ENV",
     "MESH_AXES",
+    "REPLICA_GROUP_ENV",
     "TRAINER",
     "NodeGroups",
     "ParallelDims",
@@ -87,6 +94,7 @@ __all__ = [
     "mesh_shape",
     "node_enumeration",
     "pick_device",
+    "replica_group_env",
     "restart_safe_store",
     "split_by_node",
 ]

@@ -63,4 +63,9 @@ def describe_rank(topology: Topology) -> str:
         + f"tp={topology.tp_rank}/{d.tp}"
         + (f" ep={topology.ep_rank}/{d.ep}" if d.ep > 1 else "")
         + f" on {topology.device}"
+        + (
+            f" in replica group {topology.replica_group_id}/{d.replica_groups}"
+            if d.replica_groups > 1
+            else ""
+        )
     )

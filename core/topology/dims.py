@@ -4,7 +4,7 @@ per optimizer step as configured."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from omegaconf import OmegaConf
 
@@ -23,6 +23,12 @@ class ParallelDims:
     default ``nnodes:nnodes``. ``grad_accum_steps``: micro-batches per rank per optimizer step,
     ``train.grad_accum_steps`` at MAX nodes and, in a running elastic job, what keeps the global
     batch at its size (:func:`elastic_grad_accum_steps`); read it here, not from the config.
+
+    ``replica_groups``: in a worker of a job whose data-parallel replicas run as independent
+    torch jobs (a fault-tolerance plugin's replica groups, e.g. ``fault=torchft``), how many such
+    groups there are; every other size here is then this group's own (``world_size``, ``dp``),
+    and :attr:`data_parallel` counts the ranks that split the global batch over every group. A
+    plan before launch describes all ranks as one layout (1).
     """
 
     dp: int
@@ -34,11 +40,22 @@ class ParallelDims:
     nodes: NodeRange = None  # type: ignore[assignment]  # nnodes:nnodes (__post_init__)
     grad_accum_steps: int = 1
     ep: int = 1  # expert parallelism, within dp: dp = edp x ep
+    replica_groups: int = 1  # independent torch jobs the dp replicas run as (dp: one group's)
 
     def __post_init__(self) -> None:
         if self.nodes is None:
             object.__setattr__(self, "nodes", NodeRange(self.nnodes, self.nnodes))
-        for axis in ("dp", "cp", "tp", "pp", "world_size", "nnodes", "grad_accum_steps", "ep"):
+        for axis in (
+            "dp",
+            "cp",
+            "tp",
+            "pp",
+            "world_size",
+            "nnodes",
+            "grad_accum_steps",
+            "ep",
+            "replica_groups",
+        ):
             if getattr(self, axis) < 1:
                 raise ValueError(f"{axis}={getattr(self, axis)} must be at least 1")
         if self.dp * self.cp * self.tp * self.pp != self.world_size:
@@ -100,6 +117,25 @@ class ParallelDims:
             grad_accum_steps=configured_grad_accum_steps(cfg),
             ep=getattr(cfg.parallel, "ep", 1),
         )
+
+    def one_replica_group(self, groups: int) -> ParallelDims:
+        """This layout (of every rank) cut into ``groups`` replica groups of whole model
+        replicas: one group's layout, ``dp`` and ``world_size`` divided by ``groups``."""
+        if groups == 1:
+            return self
+        if self.dp % groups:
+            raise ValueError(
+                f"{groups} replica groups do not divide dp={self.dp}: each group holds whole "
+                "model replicas (its tensor, pipeline and context-parallel ranks)"
+            )
+        return replace(
+            self, dp=self.dp // groups, world_size=self.world_size // groups, replica_groups=groups
+        )
+
+    @property
+    def data_parallel(self) -> int:
+        """The ranks that split the global batch: ``dp`` of every replica group."""
+        return self.dp * self.replica_groups
 
     @property
     def edp(self) -> int:

@@ -1,5 +1,6 @@
 """What the launcher tells a worker: which node it runs on and where (torch elastic's
-variables), and the rendezvous store of this restart."""
+variables), which replica group it belongs to (plait's launcher, for a job whose replica groups
+run as independent torch jobs), and the rendezvous store of this restart."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 LAUNCHER_ENV = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+# Set by plait's launchers for each replica group's workers: ``<group> <groups>``.
+REPLICA_GROUP_ENV = "PLAIT_REPLICA_GROUP"
 
 
 def launcher_node_env(environ: dict[str, str]) -> tuple[int, int, int]:
@@ -28,6 +31,17 @@ def launcher_node_env(environ: dict[str, str]) -> tuple[int, int, int]:
         int(environ["LOCAL_RANK"]),
         int(environ["LOCAL_WORLD_SIZE"]),
     )
+
+
+def replica_group_env(environ: dict[str, str]) -> tuple[int, int]:
+    """``(group, groups)``: which of the job's replica groups this worker's torch job is, and how
+    many there are (``PLAIT_REPLICA_GROUP``, ``"<group> <groups>"``); ``(0, 1)`` for a job that
+    runs as one torch job."""
+    value = environ.get(REPLICA_GROUP_ENV)
+    if not value:
+        return 0, 1
+    group, groups = (int(part) for part in value.split())
+    return group, groups
 
 
 def restart_safe_store(timeout: timedelta) -> dist.Store | None:

@@ -24,7 +24,7 @@ from plait.topology.enumeration import (
     node_enumeration,
     split_by_node,
 )
-from plait.topology.launcher_env import launcher_node_env, restart_safe_store
+from plait.topology.launcher_env import launcher_node_env, replica_group_env, restart_safe_store
 from plait.topology.roles import Roles
 
 
@@ -50,6 +50,11 @@ class Topology(DeprecatedGroupNames):
     Every group is named one way, ``group(name)`` (the mesh axes, ``dp_cp``, ``ep``, ``edp``,
     ``replica``), beside the groups made for a purpose (``node_groups``, ``side_group``,
     ``role_group``); a rank's place on an axis is ``<axis>_rank``.
+
+    In a job whose replica groups run as independent torch jobs (``dims.replica_groups > 1``),
+    the process group, the mesh and every size are this group's; ``replica_group_id`` says which
+    group it is, :attr:`data_parallel_rank` where this rank's share of the global batch is, and
+    ``quorum_rank`` the group's place in the step's quorum.
     """
 
     dims: ParallelDims
@@ -68,6 +73,11 @@ class Topology(DeprecatedGroupNames):
     # parallel.ep > 1: this rank's expert-parallel and expert-data-parallel groups
     ep_group: dist.ProcessGroup | None = None
     edp_group: dist.ProcessGroup | None = None
+    replica_group_id: int = 0  # which replica group this torch job is (dims.replica_groups)
+    # This group's place among the groups of the step's quorum (None: not in it), set each
+    # step by the fault-tolerance plugin that runs the replica groups; the first writes the
+    # run's checkpoints. 0 for a job that runs as one.
+    quorum_rank: int | None = 0
     _node_groups: dict[str, NodeGroups] = field(default_factory=dict, repr=False)
     _dp_cp_mesh: dist.DeviceMesh | None = field(default=None, repr=False)
     _groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict, repr=False)
@@ -77,6 +87,7 @@ class Topology(DeprecatedGroupNames):
         """Join the process group started by the launcher, learn the nodes, give each rank its
         role (``assign_roles(world_size)``, the strategy's answer), build the trainers' mesh."""
         node_rank, local_rank, local_world_size = launcher_node_env(dict(os.environ))
+        replica_group, replica_groups = replica_group_env(dict(os.environ))
         device = pick_device(
             cfg.device, OmegaConf.select(cfg, "launcher.allocator", default="auto")
         )
@@ -98,7 +109,10 @@ class Topology(DeprecatedGroupNames):
         roles = Roles.resolve(assign_roles(world_size) if assign_roles else None, world_size)
         trainers = roles.trainers
         node_of = gather_node_ranks(node_rank, device)
-        dims = ParallelDims.from_config(cfg, world_size=len(trainers))
+        # the layout of every rank of the job, cut to this replica group's (1: the whole job)
+        dims = ParallelDims.from_config(
+            cfg, world_size=len(trainers) * replica_groups
+        ).one_replica_group(replica_groups)
         # an elastic job keeps train.batch_size at this size by accumulating more or less
         dims = replace(
             dims,
@@ -131,6 +145,7 @@ class Topology(DeprecatedGroupNames):
             local_world_size=local_world_size,
             node_of=node_of,
             roles=roles,
+            replica_group_id=replica_group,
             **groups,
         )
 
@@ -234,6 +249,12 @@ class Topology(DeprecatedGroupNames):
     @property
     def dp_rank(self) -> int:
         return self.axis_rank("dp")
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which share of the global batch this rank takes, of ``dims.data_parallel``: its
+        ``dp_rank``, after the dp ranks of the replica groups before its own."""
+        return self.replica_group_id * self.dims.dp + self.dp_rank
 
     @property
     def ep_rank(self) -> int:

@@ -152,6 +152,10 @@ def save_if_due(cfg, engine, state, topology, final: bool, reshardable: bool) ->
     steps, and the final one); its directory, or None."""
     if not (topology.roles.lockstep or topology.is_logging_rank):
         return None  # at its own pace: the first trainer's engine saves the run's state
+    if topology.quorum_rank != 0:  # replica groups as jobs: the step's first group writes
+        if final:
+            background.wait()
+        return None
     every = cfg.checkpoint.every
     due = (final and cfg.checkpoint.save_final) or (every > 0 and state.step % every == 0)
     complete = save(cfg, engine, state, topology, reshardable) if due else None

@@ -133,8 +133,9 @@ def plait_shard_data(cfg, dataset, topology) -> StepLoader:
         epoch_order=epoch_order_of(dataset, cfg.seed, setting(cfg, "shuffle", True)),
         global_batch_size=cfg.train.batch_size,
         grad_accum_steps=topology.dims.grad_accum_steps,
-        dp_rank=topology.dp_rank,
-        dp_size=topology.dims.dp,
+        # every replica group's dp ranks split the global batch (one job: its dp ranks)
+        dp_rank=topology.data_parallel_rank,
+        dp_size=topology.dims.data_parallel,
     )
     return StepLoader(
         dataset,

@@ -136,20 +136,26 @@ class DDPEngine(TorchEngine):
 
     def save_state(self, directory: Path) -> None:
         if self.saves_checkpoint:
-            torch.save(
-                {
-                    "model": self.model.state_dict(),
-                    "optimizer": self.optimizer.state_dict(),
-                    "scaler": self.scaler.state_dict(),
-                    "skipped_steps": self.skipped_steps,
-                },
-                directory / self.checkpoint_name,
-            )
+            torch.save(self.local_state(), directory / self.checkpoint_name)
 
     def load_state(self, directory: Path) -> None:
-        state = torch.load(
-            directory / self.checkpoint_name, map_location=self.device, weights_only=True
+        self.load_local_state(
+            torch.load(
+                directory / self.checkpoint_name, map_location=self.device, weights_only=True
+            )
         )
+
+    def local_state(self) -> dict:
+        """This rank's model, optimizer and loss scaler (what its checkpoint file holds; the
+        state a recovering replica group takes from this rank, ``engine:replica_groups``)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_local_state(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         with keep_hyperparameters(self.optimizer):
             self.optimizer.load_state_dict(state["optimizer"])
@@ -199,6 +205,7 @@ def plait_declare() -> PluginInfo:
                 "engine:comm_hook",
                 "engine:expert_parallel",
                 "engine:context_parallel",
+                "engine:replica_groups",
             }
         ),
         description="torch DistributedDataParallel",
@@ -220,6 +227,14 @@ def plait_validate(cfg, dims) -> list[str]:
             "across ranks)"
         ]
     return []
+
+
+@hookimpl
+def plait_replica_groups(cfg, dims) -> int | None:
+    """Each dp rank is a whole model replica: a replica group of its tensor, pipeline and
+    context-parallel ranks; under expert parallelism the ``ep`` dp ranks that hold the experts
+    between them are one."""
+    return dims.dp // dims.ep if cfg.strategy.name == "ddp" else None
 
 
 @hookimpl

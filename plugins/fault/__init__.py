@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from plait import hookimpl
 from plait.config import AT_LEAST_1, Range, range_problems
-from plait.plugins.fault.config import FaultToleranceConfig
+from plait.plugins.fault.config import GUARDED, FaultToleranceConfig
 from plait.types import PluginInfo
 
 RANGES = {"max_bad_steps": AT_LEAST_1, "spike_factor": Range(0, meaning="0: off")}
@@ -61,7 +61,7 @@ class StepGuard:
     def plait_declare(self) -> PluginInfo:
         return PluginInfo(
             name="step_guard",
-            selected_by={"fault.name": "checkpoint"},
+            selected_by={"fault.name": GUARDED},
             description="skip non-finite steps and loss spikes on every rank, roll "
             "back after fault.max_bad_steps, count restarts",
         )

@@ -48,6 +48,7 @@ import torch
 
 from plait import hookimpl
 from plait.config import job_last_step
+from plait.plugins.fault.config import GUARDED
 from plait.types import PluginInfo
 
 PHASES = ("before forward", "forward", "backward", "optimizer", "after the step")
@@ -286,7 +287,7 @@ class StepTiming:
     def plait_declare(self) -> PluginInfo:
         return PluginInfo(
             name="step_timing",
-            selected_by={"fault.name": "checkpoint"},
+            selected_by={"fault.name": GUARDED},
             description="per-rank forward, backward compute, optimizer and "
             "collective-wait times of every step",
         )

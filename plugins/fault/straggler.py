@@ -38,6 +38,7 @@ from omegaconf import OmegaConf
 
 from plait import hookimpl
 from plait.config import AT_LEAST_1, Range, range_problems
+from plait.plugins.fault.config import GUARDED
 from plait.plugins.fault.membership import NodeExcluded, leave_job
 from plait.types import PluginInfo
 
@@ -79,7 +80,7 @@ class StragglerDetector:
     def plait_declare(self) -> PluginInfo:
         return PluginInfo(
             name="straggler",
-            selected_by={"fault.name": "checkpoint"},
+            selected_by={"fault.name": GUARDED},
             description="name the rank whose compute holds the job back "
             "(fault.straggler_factor); warn, or exclude its node",
         )

@@ -51,6 +51,7 @@ from torch.distributed import distributed_c10d
 
 from plait import hookimpl
 from plait.config import Range, range_problems
+from plait.plugins.fault.config import GUARDED
 from plait.plugins.fault.membership import leave_job
 from plait.plugins.fault.phases import progress
 from plait.types import PluginInfo
@@ -292,7 +293,7 @@ class CollectiveWatchdog:
     def plait_declare(self) -> PluginInfo:
         return PluginInfo(
             name="collective_watchdog",
-            selected_by={"fault.name": "checkpoint"},
+            selected_by={"fault.name": GUARDED},
             description="fault.collective_timeout_s: every process group's "
             "timeout, and a heartbeat that names who did not arrive",
         )

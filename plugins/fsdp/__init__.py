@@ -68,6 +68,7 @@ def plait_declare() -> PluginInfo:
                 "engine:context_parallel",
                 "engine:pipeline",
                 "engine:pipeline_step",
+                "engine:replica_groups",
             }
         ),
         description="torch FSDP2 (fully_shard), HSDP with strategy.replicate",
@@ -144,6 +145,13 @@ def plait_validate(cfg, dims, hook) -> list[str]:
             f"{offered_by('engine:grad_reducer')}"
         )
     return problems
+
+
+@hookimpl
+def plait_replica_groups(cfg, dims) -> int | None:
+    """HSDP's replica groups (``strategy.replicate``): each group's dp ranks shard one whole
+    model replica; run as independent jobs, each group shards over its own ranks only."""
+    return cfg.strategy.replicate if cfg.strategy.name == "fsdp" else None
 
 
 @hookimpl

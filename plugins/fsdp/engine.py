@@ -84,24 +84,29 @@ class FSDPEngine(TorchEngine):
         return StepOutput(loss=loss, grad_norm=float(grad_norm), skipped=skipped)
 
     def save_state(self, directory: Path) -> None:
-        """Each rank's own shards (DTensors' local parts) with the optimizer's."""
+        torch.save(self.local_state(), directory / self.checkpoint_name)
+
+    def load_state(self, directory: Path) -> None:
+        self.load_local_state(
+            torch.load(
+                directory / self.checkpoint_name, map_location=self.device, weights_only=True
+            )
+        )
+
+    def local_state(self) -> dict:
+        """Each rank's own shards (DTensors' local parts) with the optimizer's: what its file
+        holds, and what a recovering replica group takes from this rank."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        torch.save(
-            {
-                "model": {k: v.to_local() for k, v in model_state.items()},
-                "optimizer": _local(optim_state),
-            },
-            directory / self.checkpoint_name,
-        )
+        return {
+            "model": {k: v.to_local() for k, v in model_state.items()},
+            "optimizer": _local(optim_state),
+        }
 
-    def load_state(self, directory: Path) -> None:
+    def load_local_state(self, saved: dict) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        saved = torch.load(
-            directory / self.checkpoint_name, map_location=self.device, weights_only=True
-        )
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         with torch.no_grad():
             for name, value in model_state.items():

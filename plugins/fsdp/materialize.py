@@ -41,8 +41,10 @@ def dp_mesh(cfg, topology):
     """The data-parallel mesh: 1-D, or under ``strategy.replicate=R`` 2-D ``(replicate, shard)``
     with the shard groups of ``dp/R`` consecutive dp ranks (HSDP). With context parallelism the
     1-D mesh is the ``dp x cp`` ranks (torchtitan's ``dp_shard_cp``): they hold the same
-    parameters and average their gradients."""
-    replicate = cfg.strategy.replicate
+    parameters and average their gradients. Where the replica groups run as independent torch
+    jobs (``topology.dims.replica_groups > 1``) this group's ranks are one replica: no
+    replicate dimension (the groups' own layer averages across them)."""
+    replicate = cfg.strategy.replicate if topology.dims.replica_groups == 1 else 1
     if replicate == 1:
         return topology.dp_cp_mesh()
     dims = topology.dims

@@ -33,7 +33,13 @@ from omegaconf import OmegaConf
 from plait import hookimpl
 from plait.config import AT_LEAST_0, LauncherConfig, Range, range_problems, runs_on_cpu
 from plait.host_memory import preload, with_preload
+from plait.plugin_manager import provided
 from plait.plugins.launch.forkserver import START_METHODS
+from plait.plugins.launch.replica_groups import (
+    FAULT_REPLICA_GROUPS,
+    launch_replica_groups,
+    placement_problems,
+)
 from plait.plugins.launch.slurm import in_srun_task, task_count_problems, torch_env_from_slurm
 from plait.types import PluginInfo
 
@@ -82,7 +88,7 @@ def plait_register_configs(config_store) -> None:
 
 
 @hookimpl
-def plait_validate(cfg, dims) -> list[str]:
+def plait_validate(cfg, dims, hook) -> list[str]:
     launcher = cfg.launcher
     problems = range_problems("launcher", launcher, RANGES)
     if launcher.start_method not in START_METHODS:
@@ -109,7 +115,24 @@ def plait_validate(cfg, dims) -> list[str]:
                 "restarting the group at the smaller size, which spends a restart: "
                 "set launcher.max_restarts >= 1 (one per node that may leave)"
             )
-    return problems + gpu_problems(cfg) + task_count_problems(cfg, dims, os.environ)
+    return problems + group_problems(cfg, dims, hook) + gpu_problems(cfg)
+
+
+def group_problems(cfg, dims, hook) -> list[str]:
+    """Replica groups run as jobs of their own (``fault:replica_groups``) by plait's launcher:
+    whole groups on every node, and no ``torchrun`` or ``srun`` around (each group needs its own
+    agent); otherwise the task-count check of a job started under ``srun``."""
+    groups = replica_groups(cfg, dims, hook)
+    if groups == 1:
+        return task_count_problems(cfg, dims, os.environ)
+    if started_externally():
+        return [
+            f"fault={cfg.fault.name} runs each of the {groups} replica groups as its own torch "
+            "job with its own agent, which plait's launcher starts: run `plait train` itself "
+            "(one per node), not under torchrun or srun (launcher=slurm starts the groups in a "
+            "SLURM allocation)"
+        ]
+    return placement_problems(cfg, dims, groups)
 
 
 def gpu_problems(cfg) -> list[str]:
@@ -174,7 +197,12 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
         entrypoint, args = worker_entry, (entrypoint, dict(os.environ), launcher_stdio(), *args)
     launch = elastic_launch(launch_config(cfg, dims), entrypoint=entrypoint)
     expendable = expendable_ranks(cfg, dims, hook)
+    groups = replica_groups(cfg, dims, hook)
     try:
+        if groups > 1:  # each replica group its own torch job, with its own agent
+            return launch_replica_groups(cfg, dims, groups, entrypoint, args, wrap)
+        entrypoint, args = wrap(entrypoint, args)
+        launch = elastic_launch(launch_config(cfg, dims), entrypoint=entrypoint)
         if expendable is None:
             return launch(*args)
         from plait.plugins.launch.departures import agent_class
@@ -227,6 +255,14 @@ def launch_config(cfg, dims):
         monitor_interval=0.1,
         local_addr=launcher.local_addr,
     )
+
+
+def replica_groups(cfg, dims, hook) -> int:
+    """How many independent torch jobs the ranks run as: the strategy's replica groups where an
+    active plugin runs them so (``fault:replica_groups``, e.g. ``fault=torchft``), else 1."""
+    if FAULT_REPLICA_GROUPS not in provided(hook):
+        return 1
+    return hook.plait_replica_groups(cfg=cfg, dims=dims) or 1
 
 
 def expendable_ranks(cfg, dims, hook) -> Callable[[int], frozenset[int]] | None:

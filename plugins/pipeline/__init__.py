@@ -294,7 +294,7 @@ def plait_split_pipeline(cfg, model, topology) -> PipelineStageModules | None:
     plan = model_plan(model, cfg.pipeline.layers)
     part_times = None
     if balance == "time":
-        sample = profile_sample(cfg, model, topology.dims.dp)
+        sample = profile_sample(cfg, model, topology.dims.data_parallel)
         times = torch.tensor(measure_part_times(model, sample, plan=plan), dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # every rank must cut the same way
         part_times = times.tolist()

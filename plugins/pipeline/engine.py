@@ -15,10 +15,11 @@ from plait.engine.experts import average_expert_gradients, is_expert
 from plait.engine.hyperparameters import set_lr
 from plait.engine.norm import ShardGroups, clip_grad_norm_
 from plait.engine.precision import autocast
+from plait.engine.replicas import average_over_replicas, average_value
 from plait.engine.stages import PipelineStageModules
 from plait.engine.step import ask_guard
 from plait.plugins.pipeline.schedules import SCHEDULES, make_schedule, stage_to_rank
-from plait.types import Batch, PipelineDrivenEngine, StepOutput, model_inputs
+from plait.types import Batch, PipelineDrivenEngine, ReplicaSync, StepOutput, model_inputs
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 MAX_DIMS = 6
@@ -86,6 +87,7 @@ class PipelineEngine:
 
         self.inner = inner
         self.inner_steps = inner_steps
+        self._replicas: ReplicaSync | None = None
         self.check_step = functools.partial(hook.plait_check_step, cfg=cfg, topology=topology)
         self.model: PipelineStageModules = inner.model
         self.optimizer = inner.optimizer
@@ -158,14 +160,17 @@ class PipelineEngine:
                 **kwargs,
             )
         local_loss = torch.stack(losses).mean() / scale if self.has_last else torch.zeros(())
-        loss = self._reduce_loss(local_loss.clone())  # reduced in place
-        if self.inner_steps:  # the strategy reduces and steps (ZeRO)
+        # reduced in place; averaged over the replica groups where they run as jobs of their own
+        loss = average_value(self.replicas, self._reduce_loss(local_loss.clone()), self.device)
+        if self.inner_steps:  # the strategy reduces and steps (ZeRO, FSDP)
             return self.inner.step_after_backward(loss, local_loss.detach())
         if self.dp_size > 1:
             dense = [p for p in self.model.parameters() if not is_expert(p)]
             average_gradients(dense, self.grad_reducer, self.dp_group)
             if self.ep > 1:
                 average_expert_gradients(self.model.parameters(), self.edp_group, self.dp_size)
+        if self.replicas is not None:
+            average_over_replicas(self.replicas, self.model.parameters())
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, self.shard_groups)
@@ -174,6 +179,8 @@ class PipelineEngine:
         skipped = ask_guard(
             self.check_step, local_loss.detach(), grad_norm, self.scaler is not None
         )
+        if self.replicas is not None:
+            skipped = not self.replicas.commit(not skipped)
         if not (skipped or overflow):
             self.optimizer.step()
         metrics = self._update_loss_scale(scale, overflow) if self.scaler else {}
@@ -215,6 +222,24 @@ class PipelineEngine:
 
     def _peer(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.pp_group, pp_rank)
+
+    @property
+    def replicas(self) -> ReplicaSync | None:
+        """The replica groups' layer (``engine:replica_groups``); an engine that steps itself
+        after the schedule (FSDP) averages over them and commits in its own step."""
+        return self._replicas
+
+    @replicas.setter
+    def replicas(self, replicas: ReplicaSync | None) -> None:
+        self._replicas = replicas
+        if self.inner_steps:
+            self.inner.replicas = replicas
+
+    def local_state(self) -> dict:
+        return self.inner.local_state()
+
+    def load_local_state(self, state: dict) -> None:
+        self.inner.load_local_state(state)
 
     def save_state(self, directory: Path) -> None:
         self.inner.save_state(directory)

@@ -5,11 +5,15 @@ the resolved plait config. The run id is kept in the trainer state, so every che
 it and a resumed job continues the same W&B run. A run started from another run's checkpoint
 (``TrainState.parent``) is a new W&B run whose config and notes name its parent. The jobs of a
 sweep (``plait train -m``) are grouped by the sweep (``group``), with ``job_type`` "trial".
+Where the replica groups run as torch jobs of their own (``fault=torchft``), replica group 0
+tracks the run (the others log to their own metrics files).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from omegaconf import OmegaConf
@@ -28,6 +32,16 @@ class WandbConfig(TrackerConfig):
     group: Optional[str] = None  # None: the sweep this run is a job of (run.sweep)
     job_type: Optional[str] = None  # None: "trial" in a sweep
     tags: list[str] = field(default_factory=list)
+
+
+def replica_run_id(cfg, topology) -> str | None:
+    """Where the replica groups run as torch jobs of their own (``fault=torchft``), the W&B run
+    of group 0 has an id derived from the run directory: a group 0 that restarts and recovers
+    from a peer (which never tracked, so carries no id) continues the same W&B run. None
+    otherwise (W&B picks one, kept in the checkpoints)."""
+    if topology.dims.replica_groups == 1:
+        return None
+    return hashlib.sha1(str(Path(cfg.run.dir).resolve()).encode()).hexdigest()[:16]
 
 
 class WandbTracker:
@@ -54,7 +68,9 @@ class WandbTracker:
         return []
 
     @hookimpl
-    def plait_on_run_start(self, cfg, state) -> None:
+    def plait_on_run_start(self, cfg, state, topology) -> None:
+        if topology.replica_group_id != 0:
+            return  # replica groups as jobs of their own: group 0 tracks the run
         import wandb
 
         t = cfg.tracker
@@ -77,7 +93,7 @@ class WandbTracker:
             dir=cfg.run.dir,
             name=cfg.run.name,
             notes=notes,
-            id=state.tracker_run_id,
+            id=state.tracker_run_id or replica_run_id(cfg, topology),
             resume="allow",
             config=config,
         )
@@ -85,7 +101,8 @@ class WandbTracker:
 
     @hookimpl
     def plait_log_metrics(self, step, metrics) -> None:
-        self.run.log(metrics, step=step)
+        if self.run is not None:
+            self.run.log(metrics, step=step)
 
     @hookimpl
     def plait_on_run_end(self, status) -> None:
