@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import inhouse
@@ -19,12 +20,12 @@ import torch
 
 from plait.plan import make_plan
 from plait.plugins.data.sharding import GlobalOrderSampler
-from plait.testing import read_metrics, run_training
+from plait.plugins.report import report
+from plait.testing import read_metrics, read_wandb_run, run_training
 from plait.topology import ParallelDims
 
-if (
-    importlib.util.find_spec("torchft") is None
-):  # not imported here: its Rust logger reads RUST_LOG once
+# not imported here: torchft's Rust logger reads RUST_LOG once, when plait's launcher sets it
+if importlib.util.find_spec("torchft") is None:
     pytest.skip("fault=torchft needs the torchft extra (scripts/test.sh)", allow_module_level=True)
 
 STEPS = 6
@@ -43,6 +44,15 @@ def group_metrics(run_dir: Path, group: int) -> list[dict]:
         return read_metrics(run_dir)
     path = run_dir / "replica_groups" / str(group) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def embedded(html: str) -> dict[str, dict]:
+    """The data a report embeds beside each figure, by figure."""
+    pattern = r'<script type="application/json" id="data-([\w]+)">(.*?)</script>'
+    return {
+        m.group(1): json.loads(m.group(2).replace("<\\/", "</"))
+        for m in re.finditer(pattern, html, re.S)
+    }
 
 
 # -- without processes -------------------------------------------------------------------------
@@ -144,6 +154,7 @@ def test_a_killed_group_recovers_live_from_a_peer_while_the_other_goes_on(tmp_pa
             *FT,
             "launcher.max_restarts=1",
             "checkpoint.every=2",  # checkpoints are written, and group 1 does not read them
+            "tracker=wandb",  # offline; group 0 tracks the run
         ],
         plugins=[probe],
     )
@@ -163,6 +174,15 @@ def test_a_killed_group_recovers_live_from_a_peer_while_the_other_goes_on(tmp_pa
     assert participants[-1] == 2.0
     alone = [m["step"] for m in survivor if m["quorum/participants"] == 1.0]
     assert alone == list(range(kill_at, alone[-1] + 1))  # one stretch, from the killed step on
+    # ... in W&B too, and plait report marks where the quorum changed
+    history = read_wandb_run(run)["history"]
+    assert [h["quorum/participants"] for h in history] == participants
+    html = report([str(run)], str(run / "report.html"))[0].read_text()
+    [marks] = embedded(html)["loss_by_step"]["markers"].values()
+    assert [(m["kind"], m["step"]) for m in marks] == [
+        ("quorum", kill_at),
+        ("quorum", alone[-1] + 1),
+    ]
     # group 1: restarted by its own agent, recovered from group 0 without asking for a checkpoint
     rejoined = group_metrics(run, 1)
     restarted = [m for m in rejoined if m["restarts"] == 1.0]

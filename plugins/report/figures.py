@@ -13,8 +13,9 @@ Every figure that plots a metric shows every run given (a sweep: every job), one
     phases                         each rank's mean forward / backward / optimizer / collective
                                    wait / data wait per step over the run, one panel per run
 
-Restarts, skipped steps, elastic membership changes and named stragglers are drawn as markers
-(vertical lines) on the step figures.
+Restarts, skipped steps, elastic membership changes, changes of a ``fault=torchft`` quorum (the
+replica groups a step was taken by) and named stragglers are drawn as markers (vertical lines) on
+the step figures.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ MARKER_STYLE = {
     "skipped step": ("tab:orange", ":"),
     "membership": ("tab:purple", "--"),
     "straggler": ("tab:brown", "-."),
+    "quorum": ("tab:green", "--"),
 }
 
 
@@ -45,13 +47,15 @@ class Figure:
 
 
 def markers(run: Run) -> list[dict[str, Any]]:
-    """Steps where the run restarted, skipped steps, changed size, or named a straggler."""
+    """Steps where the run restarted, skipped steps, changed size, its quorum of replica groups
+    changed, or it named a straggler."""
     found, previous = [], {}
     for m in run.steps:
         for key, kind in (
             ("restarts", "restart"),
             ("skipped_steps", "skipped step"),
             ("world_size", "membership"),
+            ("quorum/participants", "quorum"),  # fault=torchft: replica groups in the step
         ):
             if key in m and key in previous and m[key] != previous[key]:
                 found.append(

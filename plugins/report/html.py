@@ -70,7 +70,7 @@ def runs_table(runs: list[Run]) -> str:
 def markers_table(runs: list[Run]) -> str:
     rows = [(run.label, m) for run in runs for m in markers(run)]
     if not rows:
-        return "<p class=note>No restarts, skipped steps, membership changes or stragglers.</p>"
+        return "<p class=note>No restarts, skipped steps, membership or quorum changes, or stragglers.</p>"
     body = "".join(
         f"<tr><td>{html.escape(label)}</td><td>{m['step']}</td>"
         f"<td>{html.escape(m['kind'])}</td><td>{html.escape(m['label'])}</td></tr>"
