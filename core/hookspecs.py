@@ -759,8 +759,10 @@ def plait_log_metrics(step: int, metrics: dict[str, float], state: TrainState) -
 
 @hookspec
 def plait_on_run_end(state: TrainState, status: str, cfg: DictConfig) -> None:
-    """The run ended with ``status`` "finished" or "failed"; trackers close their run. Called
-    whenever ``plait_on_run_start`` was, even if that failed part-way.
+    """The run ended with ``status`` "finished", "failed", or "left" (this worker left the job
+    on purpose, e.g. a replica group excluded as a straggler, while the others go on: since hook
+    spec 1.5); trackers close their run. Called whenever ``plait_on_run_start`` was, even if
+    that failed part-way.
 
     :param cfg: the run's config (since hook spec 1.3), so that a plugin needs no state of its
         own kept from ``plait_on_run_start``.

@@ -140,6 +140,11 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
                 or checkpoint
             )
         status = "finished"
+    except SystemExit as leaving:  # code 0: this worker leaves the job on purpose
+        if leaving.code:
+            hook.plait_on_failure(cfg=cfg, error=leaving, state=state)
+        status = "failed" if leaving.code else "left"
+        raise
     except BaseException as error:
         hook.plait_on_failure(cfg=cfg, error=error, state=state)
         raise

@@ -131,3 +131,15 @@ class PauseAfter:
 
 
 pause_after_step_4 = PauseAfter(4)  # +plugins=[stragglers:pause_after_step_4]
+
+
+class DoubleComputeGroup(DoubleCompute):
+    """Every rank of replica group ``group`` (``fault=torchft``) computes every forward twice."""
+
+    def __init__(self, group: int):
+        self.group = group
+
+    @hookimpl
+    def plait_apply_tensor_parallel(self, model, topology):
+        if topology.replica_group_id == self.group:
+            model.register_forward_hook(self._again)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import inhouse
 import pytest
+import stragglers
 import torch
 
 from plait.plan import make_plan
@@ -136,6 +137,7 @@ def test_two_replica_groups_equal_one_job_step_for_step_while_nobody_fails(tmp_p
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
         assert two["quorum/participants"] == two["quorum/replica_groups"] == 2
+        assert "straggler/group" not in two  # nobody is slow
     assert group_metrics(tmp_path / "ft", 1)[-1]["loss"] == groups[-1]["loss"]
 
 
@@ -199,3 +201,36 @@ def test_a_killed_group_recovers_live_from_a_peer_while_the_other_goes_on(tmp_pa
         theirs = torch.load(run / "probe" / f"g1r{rank}.pt", weights_only=False)
         assert flat(mine["model"]) and flat(mine["optimizer"]["state"])
         assert equal_bit_for_bit(mine, theirs) == []
+
+
+@pytest.mark.slow
+def test_exclude_drops_the_slow_group_from_the_quorum_and_the_others_go_on(tmp_path):
+    """Replica group 1 computes every forward twice: it is named within the window, leaves the
+    quorum (its agent does not restart it: it ends with exit code 0) and group 0 finishes."""
+    steps = 14
+    run = run_training(
+        tmp_path / "ft",
+        [
+            f"train.steps={steps}",
+            f"optimizer.decay_steps={steps}",
+            "launcher.nproc_per_node=2",  # two groups of one process
+            *FT,
+            "fault.straggler_factor=1.3",
+            "fault.straggler_window=4",
+            "fault.straggler_action=exclude",
+            "launcher.max_restarts=1",
+        ],
+        plugins=[stragglers.DoubleComputeGroup(1), inhouse.ReplicaGroupProbe(2)],  # together
+    )
+    survivor = group_metrics(run, 0)
+    assert [m["step"] for m in survivor] == list(range(1, steps + 1))
+    named = [m for m in survivor if "straggler/group" in m]
+    assert named and {m["straggler/group"] for m in named} == {1.0}
+    # twice the forward and backward, the same optimizer step: between the factor and 2
+    assert 1.3 <= named[0]["straggler/slowdown"] <= 2.2
+    assert named[0]["step"] <= 1 + 1 + 4  # the first logged step left out, then the window
+    left = group_metrics(run, 1)
+    assert {m["restarts"] for m in left} == {0.0}  # not restarted
+    assert left[-1]["step"] < steps
+    after = [m["quorum/participants"] for m in survivor if m["step"] > left[-1]["step"]]
+    assert after and set(after) == {1.0}

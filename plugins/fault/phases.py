@@ -67,6 +67,7 @@ class Progress:
     grads: int = 0  # gradients accumulated since the last forward
     total_grads: int = 1
     changed_at: float = 0.0  # time.monotonic() of the last change
+    compute_s: float | None = None  # the last step's compute (None: not measured, a pipeline)
 
     def mark(self, phase: int) -> None:
         self.phase, self.changed_at = phase, time.monotonic()
@@ -212,6 +213,7 @@ class PhaseClock:
         out.timings.update(self.sums, comm_wait_s=max(total - compute, 0.0))
         if self.forwards:  # a pipeline's schedule calls the stages' parts: no compute to judge
             out.timings["compute_s"] = sum(self.work.seconds(a, b) for a, b in self.intervals)
+        progress.compute_s = out.timings.get("compute_s")
         return out
 
     def _close_backward(self) -> None:

@@ -17,6 +17,9 @@ largest slowdown is named when the window is full and its slowdown is at least
 median over the others (not over everyone) makes a 2x rank read 2x also on two ranks; the
 median over the window makes one noisy step name no one.
 
+Under ``fault=torchft`` the ranks judged here are one replica group's, and ``exclude`` drops the
+slow *group* from the quorum instead (``plait.plugins.fault.torchft.stragglers``).
+
 ``exclude`` (an elastic job, ``launcher.nnodes=MIN:MAX``): the logging rank's verdict is
 broadcast to every trainer on logged steps; after the next checkpoint every rank of the
 straggler's node leaves (``membership.leave_job``: its agent is stopped) and every other rank
@@ -95,6 +98,8 @@ class StragglerDetector:
             problems.append(
                 f"fault.straggler_action={fault.straggler_action}: choose warn or exclude"
             )
+        elif fault.straggler_action == "exclude" and fault.name == "torchft":
+            pass  # the slow replica group leaves the quorum (plait.plugins.fault.torchft)
         elif fault.straggler_action == "exclude":
             if not dims.elastic:
                 problems.append(
@@ -166,7 +171,8 @@ class StragglerDetector:
         """On every rank, with ``exclude``: agree on the verdict on logged steps; after the
         next checkpoint the straggler's node leaves and the others re-form without it."""
         written = yield
-        if cfg.fault.straggler_action != "exclude" or final:
+        # under fault=torchft the slow replica group leaves the quorum instead (torchft plugin)
+        if cfg.fault.straggler_action != "exclude" or final or cfg.fault.name == "torchft":
             return written
         if state.step % cfg.train.log_every == 0:
             self.pending = self._agree(topology)

@@ -107,7 +107,7 @@ class WandbTracker:
     @hookimpl
     def plait_on_run_end(self, status) -> None:
         if self.run is not None:
-            self.run.finish(exit_code=0 if status == "finished" else 1)
+            self.run.finish(exit_code=0 if status in ("finished", "left") else 1)
             self.run = None
 
 

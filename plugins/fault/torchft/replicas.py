@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from plait.engine.rng import rng_state, set_rng_state
 from plait.plugins.fault.torchft.lighthouse import LIGHTHOUSE_ENV, quiet_rust_logs
+from plait.plugins.fault.torchft.stragglers import GroupStragglers, ReplicaGroupLeaves
 from plait.types import TrainState
 
 STATE_KEY = "plait"
@@ -106,6 +107,10 @@ class ReplicaGroups:
         self.received: TrainState | None = None
         self.joined_before_load = False
         self.record = QuorumRecord()
+        self.stragglers = GroupStragglers(
+            cfg, self.groups, topology.replica_group_id, topology.device
+        )
+        self.straggler: tuple[int, float] | None = None  # (group, slowdown) while one is named
         timeout = timedelta(seconds=fault.manager_timeout_s)
         host = cfg.launcher.get("local_addr") or socket.gethostname()
         self.store, store_port = group_store(host)
@@ -155,6 +160,8 @@ class ReplicaGroups:
         if state is not None and self.joined_before_load:
             self.joined_before_load = False
             return None
+        if state is not None:
+            self.straggler = self.judge_stragglers(state.step)
         self.joined_before_load = state is None
         self.state, self.received = state, None
         started = time.perf_counter()
@@ -162,6 +169,17 @@ class ReplicaGroups:
         self.record.waited_s = time.perf_counter() - started
         self._note_quorum(state)
         return self.received
+
+    def judge_stragglers(self, step: int) -> tuple[int, float] | None:
+        """The straggler among the groups after ``step``; an excluded group leaves here, its
+        manager shut down first (its heartbeats stop, so the others' quorum forms sooner)."""
+        try:
+            return self.stragglers.judge(self.manager, step, self.topology.is_logging_rank)
+        except ReplicaGroupLeaves as leaving:
+            if self.topology.is_logging_rank:
+                print(leaving.message, file=sys.stderr, flush=True)
+            self.manager.shutdown(wait=False)
+            raise
 
     def loaded(self, state: TrainState) -> None:
         """A checkpoint was loaded after the first quorum: torchft's step is the run's."""
@@ -211,6 +229,9 @@ class ReplicaGroups:
             "quorum/recovered": float(record.recovered_at is not None),
             "quorum_s": record.waited_s,
         }
+        if self.straggler is not None:
+            group, slowdown = self.straggler
+            figures["straggler/group"], figures["straggler/slowdown"] = float(group), slowdown
         record.changes, record.recovered_at = 0, None
         return figures
 
