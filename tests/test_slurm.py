@@ -78,3 +78,33 @@ def test_plait_in_an_sbatch_batch_step_starts_its_own_workers(slurm, reference, 
     assert done.returncode == 0, done.stderr + output[-3000:]
     losses = [m["loss"] for m in read_metrics(tmp_path / "batch")]
     assert losses == pytest.approx(reference, rel=1e-6)
+
+
+def test_fault_torchft_runs_its_replica_groups_and_lighthouse_in_the_allocation(
+    slurm, reference, tmp_path
+):
+    """``launcher=slurm fault=torchft``: the two tasks are two replica groups of one task each,
+    torch jobs of their own; task 0 runs the lighthouse; every step's quorum holds both, and the
+    losses are the local 2-process run's."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "plait",
+        "train",
+        "launcher=slurm",
+        "launcher.tasks_per_node=2",
+        "launcher.time=10",
+        "fault=torchft",
+        "fault.min_replicas=2",  # both in the first quorum
+        *TEST_OVERRIDES,
+        *STEPS,
+        f"run.root={tmp_path}",
+        "run.name=ft",
+    ]
+    done = subprocess.run(cmd, env=slurm, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "ft" / "0")
+    assert [m["quorum/participants"] for m in metrics] == [2.0] * len(reference)
+    assert [m["loss"] for m in metrics] == pytest.approx(reference, rel=1e-5)
+    other = (tmp_path / "ft" / "0" / "replica_groups" / "1" / "metrics.jsonl").read_text()
+    assert len(other.splitlines()) == len(reference)

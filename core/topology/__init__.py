@@ -66,9 +66,12 @@ from plait.topology.enumeration import (
 from plait.topology.launcher_env import (
     LAUNCHER_ENV,
     REPLICA_GROUP_ENV,
+    first_host,
+    in_srun_task,
     launcher_node_env,
     replica_group_env,
     restart_safe_store,
+    slurm_job_port,
 )
 from plait.topology.mesh import NodeGroups, Topology, gather_node_ranks
 from plait.topology.roles import TRAINER, Roles
@@ -88,6 +91,8 @@ __all__ = [
     "describe_rank",
     "elastic_grad_accum_steps",
     "expert_groups",
+    "first_host",
+    "in_srun_task",
     "gather_node_ranks",
     "launcher_node_env",
     "mesh_groups",
@@ -96,5 +101,6 @@ __all__ = [
     "pick_device",
     "replica_group_env",
     "restart_safe_store",
+    "slurm_job_port",
     "split_by_node",
 ]

@@ -5,7 +5,9 @@ run as independent torch jobs), and the rendezvous store of this restart."""
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
+from typing import Mapping
 
 import torch.distributed as dist
 
@@ -31,6 +33,30 @@ def launcher_node_env(environ: dict[str, str]) -> tuple[int, int, int]:
         int(environ["LOCAL_RANK"]),
         int(environ["LOCAL_WORLD_SIZE"]),
     )
+
+
+def in_srun_task(environ: Mapping[str, str]) -> bool:
+    """True in a task ``srun`` started (``SLURM_STEP_ID`` is set); False in the batch step of
+    an ``sbatch`` script, which has ``SLURM_PROCID=0`` and ``SLURM_NTASKS`` of the whole job but
+    is one process, not a task of a job step."""
+    return "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ
+
+
+def slurm_job_port(environ: Mapping[str, str], given: int = 0) -> int:
+    """The port every task of a SLURM job agrees on: ``given`` (``launcher.master_port``), else
+    derived from the job id, ``20000 + id % 40000``; plugins that need more ports take the next
+    ones (``fault=torchft``: its lighthouse + 1, replica group ``g`` + 2 + g)."""
+    job_id = int(re.sub(r"\D", "", environ.get("SLURM_JOB_ID", "0")) or 0)
+    return given or 20000 + job_id % 40000
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM host list (``SLURM_JOB_NODELIST``), where its task 0 runs: ``gpu[003-004,010],cpu1`` -> ``gpu003``."""
+    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\](.*?))?(?:,|$)", nodelist)
+    prefix, ranges, suffix = match.group(1), match.group(2), match.group(3) or ""
+    if ranges is None:
+        return prefix
+    return prefix + re.split(r"[,-]", ranges)[0] + suffix
 
 
 def replica_group_env(environ: dict[str, str]) -> tuple[int, int]:

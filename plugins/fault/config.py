@@ -41,7 +41,9 @@ class TorchftConfig(FaultToleranceConfig):
     name: str = "torchft"
     # A lighthouse you run (http://host:port); None: plait starts one on node 0
     lighthouse: Optional[str] = None
-    lighthouse_port: int = 0  # of the one plait starts; 0: a free port (one node only)
+    # of the one plait starts; 0: a free port on one node, launcher.master_port + 1 on several
+    # (under launcher=slurm the job's port + 1)
+    lighthouse_port: int = 0
     # The lighthouse's quorum settings, named as torchft_lighthouse's flags
     min_replicas: int = 1  # groups a quorum needs (and a step, to be taken)
     join_timeout_ms: int = 60000  # how long a quorum waits for healthy groups still to join

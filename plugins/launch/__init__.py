@@ -33,12 +33,11 @@ from omegaconf import OmegaConf
 from plait import hookimpl
 from plait.config import AT_LEAST_0, LauncherConfig, Range, range_problems, runs_on_cpu
 from plait.host_memory import preload, with_preload
-from plait.plugin_manager import provided
 from plait.plugins.launch.forkserver import START_METHODS
 from plait.plugins.launch.replica_groups import (
-    FAULT_REPLICA_GROUPS,
     launch_replica_groups,
     placement_problems,
+    replica_groups,
 )
 from plait.plugins.launch.slurm import in_srun_task, task_count_problems, torch_env_from_slurm
 from plait.types import PluginInfo
@@ -189,13 +188,17 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
     on_cpu = runs_on_cpu(cfg)
     library = preload(launcher.allocator) if on_cpu else None
     os.environ.update(with_preload(environ_before, library))
-    if launcher.start_method == "forkserver":
+
+    def wrap(entrypoint, args):
+        """A worker as this launcher starts it: forked from the forkserver, or spawned."""
+        if launcher.start_method != "forkserver":
+            return entrypoint, args
         from plait.plugins.launch.forkserver import launcher_stdio, use_forkserver, worker_entry
 
         declared = {m for info in hook.plait_declare() for m in info.preload}
         use_forkserver(declared, on_cpu=on_cpu, ld_preload=os.environ.get("LD_PRELOAD"))
-        entrypoint, args = worker_entry, (entrypoint, dict(os.environ), launcher_stdio(), *args)
-    launch = elastic_launch(launch_config(cfg, dims), entrypoint=entrypoint)
+        return worker_entry, (entrypoint, dict(os.environ), launcher_stdio(), *args)
+
     expendable = expendable_ranks(cfg, dims, hook)
     groups = replica_groups(cfg, dims, hook)
     try:
@@ -255,14 +258,6 @@ def launch_config(cfg, dims):
         monitor_interval=0.1,
         local_addr=launcher.local_addr,
     )
-
-
-def replica_groups(cfg, dims, hook) -> int:
-    """How many independent torch jobs the ranks run as: the strategy's replica groups where an
-    active plugin runs them so (``fault:replica_groups``, e.g. ``fault=torchft``), else 1."""
-    if FAULT_REPLICA_GROUPS not in provided(hook):
-        return 1
-    return hook.plait_replica_groups(cfg=cfg, dims=dims) or 1
 
 
 def expendable_ranks(cfg, dims, hook) -> Callable[[int], frozenset[int]] | None:

@@ -31,20 +31,33 @@ from plait.topology import REPLICA_GROUP_ENV
 FAULT_REPLICA_GROUPS = "fault:replica_groups"  # a plugin runs the replica groups as jobs
 
 
+def replica_groups(cfg, dims, hook) -> int:
+    """How many independent torch jobs the ranks run as: the strategy's replica groups where an
+    active plugin runs them so (``fault:replica_groups``, e.g. ``fault=torchft``), else 1."""
+    from plait.plugin_manager import provided
+
+    if FAULT_REPLICA_GROUPS not in provided(hook):
+        return 1
+    return hook.plait_replica_groups(cfg=cfg, dims=dims) or 1
+
+
 def group_size(dims, groups: int) -> int:
     """Processes per replica group (``dims``: the plan's layout of every rank)."""
     return dims.world_size // groups
 
 
-def placement_problems(cfg, dims, groups: int) -> list[str]:
-    """Every group must lie on one node, and every node hold whole groups."""
+def placement_problems(
+    cfg, dims, groups: int, setting: str = "launcher.nproc_per_node"
+) -> list[str]:
+    """Every group must lie on one node, and every node hold whole groups (``setting``: the
+    processes per node, as the launcher names them)."""
     size, per_node = group_size(dims, groups), cfg.launcher.nproc_per_node
     if per_node % size == 0:
         return []
     return [
-        f"launcher.nproc_per_node={per_node} does not hold whole replica groups of {size} "
-        f"processes (strategy={cfg.strategy.name} forms {groups} groups): each group runs on "
-        f"one node as its own torch job; set launcher.nproc_per_node to a multiple of {size}"
+        f"{setting}={per_node} does not hold whole replica groups of {size} processes "
+        f"(strategy={cfg.strategy.name} forms {groups} groups): each group runs on one node as "
+        f"its own torch job; set {setting} to a multiple of {size}"
     ]
 
 

@@ -14,6 +14,12 @@ place with the ``env://`` variables taken from SLURM's (:func:`torch_env_from_sl
 Any other setting of Hydra's submitit launcher is set directly, e.g.
 ``hydra.launcher.setup='[module load cuda]'`` or ``hydra.launcher.additional_parameters``.
 
+With ``fault=torchft`` each replica group is a torch job of its own: task ``p`` is rank ``p % S``
+of group ``p // S`` (``S`` tasks a group; whole groups on every node), and task 0's process also
+runs torchft's lighthouse (``plait.plugins.fault.torchft``). A group whose task dies is not
+restarted (there is no agent in an allocation, only SLURM's requeue of the whole job); the other
+groups go on without it.
+
 Taken from submitit and its Hydra launcher: the sbatch script, the job array, pickling the job,
 waiting, requeue on timeout. Written here: the settings a plait user gives (their names are
 ``sbatch``'s), the mapping of SLURM's variables to torch's, and the checks.
@@ -22,12 +28,14 @@ waiting, requeue on timeout. Written here: the settings a plait user gives (thei
 from __future__ import annotations
 
 import os
-import re
+import socket
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from plait import hookimpl
 from plait.config import AT_LEAST_1, LauncherConfig, Range, range_problems
+from plait.plugins.launch.replica_groups import group_env, placement_problems, replica_groups
+from plait.topology import first_host, in_srun_task, slurm_job_port
 from plait.types import PluginInfo
 
 
@@ -58,22 +66,6 @@ RANGES = {
 }
 
 
-def in_srun_task(environ: Mapping[str, str]) -> bool:
-    """True in a task ``srun`` started (``SLURM_STEP_ID`` is set); False in the batch step of
-    an ``sbatch`` script, which has ``SLURM_PROCID=0`` and ``SLURM_NTASKS`` of the whole job but
-    is one process, not a task of a job step."""
-    return "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM host list: ``gpu[003-004,010],cpu1`` -> ``gpu003``."""
-    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\](.*?))?(?:,|$)", nodelist)
-    prefix, ranges, suffix = match.group(1), match.group(2), match.group(3) or ""
-    if ranges is None:
-        return prefix
-    return prefix + re.split(r"[,-]", ranges)[0] + suffix
-
-
 def tasks_on_node(environ: Mapping[str, str]) -> str:
     """Tasks on this node: this node's entry of the step's ``SLURM_STEP_TASKS_PER_NODE`` (an
     ``srun`` inside an allocation may lay out fewer tasks than the job), else
@@ -101,8 +93,7 @@ def torch_env_from_slurm(environ: Mapping[str, str], master_port: int) -> dict[s
     """
     if "RANK" in environ or not in_srun_task(environ):
         return {}
-    job_id = int(re.sub(r"\D", "", environ.get("SLURM_JOB_ID", "0")) or 0)
-    port = master_port or 20000 + job_id % 40000
+    port = slurm_job_port(environ, master_port)
     return {
         "RANK": environ["SLURM_PROCID"],
         "WORLD_SIZE": environ["SLURM_NTASKS"],
@@ -111,6 +102,25 @@ def torch_env_from_slurm(environ: Mapping[str, str], master_port: int) -> dict[s
         "GROUP_RANK": environ.get("SLURM_NODEID", "0"),
         "MASTER_ADDR": environ.get("MASTER_ADDR") or first_host(environ["SLURM_JOB_NODELIST"]),
         "MASTER_PORT": environ.get("MASTER_PORT") or str(port),
+    }
+
+
+def group_env_from_slurm(cfg, environ: Mapping[str, str], groups: int) -> dict[str, str]:
+    """Each replica group its own torch job (``fault=torchft``): task ``p`` is rank ``p % S``
+    of group ``p // S`` (``S`` tasks a group, whole groups on every node), which meets on its
+    node at the job's port + 2 + its group (+ 1 is the lighthouse's)."""
+    size = int(environ["SLURM_NTASKS"]) // groups
+    group, rank = divmod(int(environ["SLURM_PROCID"]), size)
+    port = slurm_job_port(environ, cfg.launcher.master_port) + 2 + group
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(size),
+        "GROUP_RANK": "0",  # a group's job lies on one node
+        "MASTER_ADDR": environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        "MASTER_PORT": str(port),
+        **group_env(cfg, group, groups, size),
     }
 
 
@@ -145,7 +155,7 @@ def plait_register_configs(config_store) -> None:
 
 
 @hookimpl
-def plait_validate(cfg, dims) -> list[str]:
+def plait_validate(cfg, dims, hook) -> list[str]:
     launcher = cfg.launcher
     problems = range_problems("launcher", launcher, RANGES)
     if (launcher.nnodes, launcher.nproc_per_node) != (launcher.nodes, launcher.tasks_per_node):
@@ -154,16 +164,23 @@ def plait_validate(cfg, dims) -> list[str]:
             f"launcher.tasks_per_node={launcher.tasks_per_node}; do not set launcher.nnodes="
             f"{launcher.nnodes} or launcher.nproc_per_node={launcher.nproc_per_node}"
         )
+    groups = replica_groups(cfg, dims, hook)
+    if groups > 1:
+        problems += placement_problems(cfg, dims, groups, setting="launcher.tasks_per_node")
     return problems + task_count_problems(cfg, dims, os.environ)
 
 
 @hookimpl
-def plait_launch(cfg, entrypoint, args) -> dict[int, Any]:
+def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
     if not in_srun_task(os.environ):  # plait.api.train(["launcher=slurm"]) from Python
         raise ValueError(
             "launcher=slurm runs its workers as the tasks of a SLURM job, which `plait train "
             "launcher=slurm ...` submits through Hydra's submitit launcher; this process is not "
             "such a task (inside an sbatch script use `srun plait train launcher=local ...`)"
         )
+    groups = replica_groups(cfg, dims, hook)
+    if groups > 1:  # each replica group its own torch job, the tasks its workers (no agent)
+        os.environ.update(group_env_from_slurm(cfg, os.environ, groups))
+        return {int(os.environ["SLURM_PROCID"]): entrypoint(*args)}
     os.environ.update(torch_env_from_slurm(os.environ, cfg.launcher.master_port))
     return {int(os.environ["RANK"]): entrypoint(*args)}

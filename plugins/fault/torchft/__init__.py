@@ -42,7 +42,7 @@ RANGES = {
     "heartbeat_timeout_ms": AT_LEAST_1,
     "manager_timeout_s": POSITIVE,
     "quorum_timeout_s": POSITIVE,
-    "lighthouse_port": Range(0, 65535, meaning="0: a free port, one node only"),
+    "lighthouse_port": Range(0, 65535, meaning="0: chosen, docs/fault.md"),
 }
 
 
@@ -103,13 +103,6 @@ class Torchft:
                     "torchft_lighthouse there first, or leave fault.lighthouse unset and "
                     "plait starts one on node 0"
                 )
-        elif dims.nodes.max > 1 and fault.lighthouse_port == 0:
-            problems.append(
-                f"fault=torchft with launcher.nnodes={cfg.launcher.nnodes} needs "
-                "fault.lighthouse_port=<port>: node 0 starts the lighthouse there and the other "
-                "nodes reach it at launcher.master_addr (e.g. 29510, torchft's own); or give "
-                "fault.lighthouse=http://host:port"
-            )
         return problems
 
     @hookimpl
@@ -122,7 +115,8 @@ class Torchft:
             "torchft (fault=torchft)": {
                 "replica groups": groups,
                 "processes per group": dims.world_size // groups,
-                "lighthouse": fault.lighthouse or f"started on node 0, {cfg.launcher.master_addr}",
+                "lighthouse": fault.lighthouse
+                or "started by plait on node 0 (task 0 of a SLURM job)",
                 "min_replicas": fault.min_replicas,
                 "join_timeout_ms": fault.join_timeout_ms,
                 "quorum_tick_ms": fault.quorum_tick_ms,
