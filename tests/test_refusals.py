@@ -458,6 +458,11 @@ CASES = [
         ["launcher.nproc_per_node=3 does not hold whole replica groups of 2 processes"],
     ),
     (
+        "fault=torchft parallel.pp=2 pipeline.balance=time pipeline.microbatches=2 "
+        "train.grad_accum_steps=2 launcher.nproc_per_node=4",
+        ["pipeline.balance=time with fault=torchft: each replica group runs as a torch job"],
+    ),
+    (
         "fault=torchft launcher.nnodes=1:2 launcher.master_port=29500 launcher.max_restarts=1",
         ["fault=torchft with launcher.nnodes=1:2: replica groups leave and rejoin each step"],
     ),

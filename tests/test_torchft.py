@@ -124,8 +124,15 @@ def equal_bit_for_bit(a: dict, b: dict) -> list[str]:
     [
         TWO_GROUPS_OF_TWO,  # ddp: each dp rank (a tp pair) a group
         ["strategy=fsdp", "strategy.replicate=2", "launcher.nproc_per_node=4"],  # HSDP
+        # pipeline stages inside each group (a pp pair)
+        [
+            "parallel.pp=2",
+            "pipeline.microbatches=2",
+            "train.grad_accum_steps=2",
+            "launcher.nproc_per_node=4",
+        ],
     ],
-    ids=["ddp_tp2", "hsdp"],
+    ids=["ddp_tp2", "hsdp", "ddp_pp2"],
 )
 def test_two_replica_groups_equal_one_job_step_for_step_while_nobody_fails(tmp_path, layout):
     common = [f"train.steps={STEPS}", f"optimizer.decay_steps={STEPS}", *layout]

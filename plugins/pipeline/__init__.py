@@ -229,6 +229,12 @@ def plait_validate(cfg, dims, hook) -> list[str]:
             "times each part alone, which context-parallel attention (an exchange "
             "among ranks) cannot do: use pipeline.balance=layers or params"
         )
+    if settings.balance == "time" and "fault:replica_groups" in provided(hook):
+        problems.append(
+            f"pipeline.balance=time with fault={cfg.fault.name}: each replica group runs as a "
+            "torch job of its own and would time, and cut, its stages on its own, so groups "
+            "could hold different layers; use pipeline.balance=layers or params"
+        )
     per_dp = cfg.train.batch_size // dims.dp
     if per_dp % settings.microbatches:
         problems.append(
