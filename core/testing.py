@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -199,6 +200,76 @@ class StepClock:
     def plait_on_step_end(self, step):
         with open(self.path, "a") as f:
             f.write(f"{time.perf_counter()}\n")
+
+
+class StepLog:
+    """A plugin for benchmarks of failures: every step rank 0 of replica group 0 (rank 0 of a
+    job that runs as one) attempts, the time it ended (``time.monotonic``, comparable across
+    processes) and whether it was taken, one JSON line each; a restarted process appends."""
+
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+
+    @hookimpl(wrapper=True)
+    def plait_build_engine(self, topology):
+        engine = yield
+        if topology.rank == 0 and topology.replica_group_id == 0:
+            step = engine.train_step
+
+            def logged(micro_batches, lr):
+                out = step(micro_batches, lr=lr)
+                with open(self.path, "a") as f:
+                    f.write(json.dumps({"t": time.monotonic(), "taken": not out.skipped}) + "\n")
+                return out
+
+            engine.train_step = logged
+        return engine
+
+
+class KillRank:
+    """A plugin for benchmarks of failures: SIGKILLs rank ``rank`` of replica group ``group``
+    (group 0: a job that runs as one) as its ``step``-th step starts, once per run directory
+    (a marker file ``killed`` there)."""
+
+    def __init__(self, step: int, rank: int, group: int = 0):
+        self.step, self.rank, self.group = step, rank, group
+
+    @hookimpl(wrapper=True)
+    def plait_build_engine(self, cfg, topology):
+        engine = yield
+        marker = Path(cfg.run.dir) / "killed"
+        if (topology.rank, topology.replica_group_id) == (self.rank, self.group):
+            step, calls = engine.train_step, iter(range(1, 1 << 30))
+
+            def killing(micro_batches, lr):
+                if next(calls) == self.step and not marker.exists():
+                    marker.write_text(f"rank {self.rank} of group {self.group}")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return step(micro_batches, lr=lr)
+
+            engine.train_step = killing
+        return engine
+
+
+class GroupsStartTogether:
+    """A plugin for runs whose replica groups are torch jobs of their own (``fault=torchft``), on
+    one machine: each group's first attempt waits before its first quorum until all ``groups``
+    are there (files in ``run.dir``), so the run starts with every group in its first quorum
+    instead of the first ones stepping while a later one recovers from them."""
+
+    def __init__(self, groups: int, timeout_s: float = 300.0):
+        self.groups, self.timeout_s = groups, timeout_s
+
+    @hookimpl(wrapper=True)
+    def plait_sync_replicas(self, cfg, state, topology):
+        if state is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+            here = Path(cfg.run.dir) / "groups_started"
+            here.mkdir(parents=True, exist_ok=True)
+            (here / str(topology.replica_group_id)).touch()
+            deadline = time.monotonic() + self.timeout_s
+            while len(list(here.iterdir())) < self.groups and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return (yield)
 
 
 class MemoryProbe:
