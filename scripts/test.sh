@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh with the test extra, and the system packages only tests use) and run
-# the whole test suite; extra arguments go to pytest.
+# Set up (scripts/setup.sh with the test, hf and torchft extras, and the system packages only
+# tests use) and run the whole test suite; extra arguments go to pytest.
 #
 #     ./scripts/test.sh                      # what .ci/run runs
 #     ./scripts/test.sh tests/test_ddp.py    # one file

@@ -441,6 +441,7 @@ CASES = [
     # range, the quorum settings out of range
     ("fault=torchft strategy=zero2", ["fault=torchft: strategy=zero2 cannot take part"]),
     ("fault=torchft strategy=local_sgd", ["fault=torchft: strategy=local_sgd cannot take part"]),
+    ("fault=torchft strategy=diloco", ["fault=torchft: strategy=diloco cannot take part"]),
     (
         "fault=torchft fault.lighthouse=http://127.0.0.1:9",
         ["fault.lighthouse=http://127.0.0.1:9 does not answer: no answer within 3 s"],
