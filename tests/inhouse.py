@@ -1275,15 +1275,14 @@ class ReplicaGroupProbe:
     line per step taken (``step``, ``pid``, ``attempt``: torch elastic's restart count) and one
     per call of the checkpoint loader (``load``: the attempt); after the last step
     ``g<g>r<r>.pt`` holds the rank's own state (``engine.local_state()``: model, optimizer).
-    The first attempt of every group waits before its first quorum until every group is there
-    (the groups start together). With ``kill_at``: rank ``kill_rank`` of group ``kill_group``
+    With ``kill_at``: rank ``kill_rank`` of group ``kill_group``
     SIGKILLs itself as its step ``kill_at`` starts (after the step's quorum, before its forward,
     so the survivors' collectives of that step fail), once. With ``hold_at``: group 0 waits
     after step ``hold_at`` until the killed group's restart asks for its first quorum (so it
     surely rejoins before the run ends)."""
 
-    def __init__(self, groups: int, kill_at=None, kill_group=1, kill_rank=1, hold_at=None):
-        self.groups, self.kill_at, self.hold_at = groups, kill_at, hold_at
+    def __init__(self, kill_at=None, kill_group=1, kill_rank=1, hold_at=None):
+        self.kill_at, self.hold_at = kill_at, hold_at
         self.kill_group, self.kill_rank = kill_group, kill_rank
         self.engine = None
 
@@ -1338,9 +1337,6 @@ class ReplicaGroupProbe:
         directory, group = self._directory(cfg), topology.replica_group_id
         if state is None:  # the attempt's first quorum
             (directory / f"at_first_quorum_g{group}_a{attempt()}").touch()
-            if attempt() == 0:
-                for other in range(self.groups):
-                    self._wait_for(directory / f"at_first_quorum_g{other}_a0")
         elif group == 0 and state.step == self.hold_at:
             self._wait_for(directory / f"at_first_quorum_g{self.kill_group}_a1")
         return (yield)

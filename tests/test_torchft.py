@@ -21,8 +21,15 @@ import torch
 
 from plait.plan import make_plan
 from plait.plugins.data.sharding import GlobalOrderSampler
+from plait.plugins.fault.torchft.lighthouse import placement
 from plait.plugins.report import report
-from plait.testing import read_metrics, read_wandb_run, run_training
+from plait.testing import (
+    GroupsStartTogether,
+    compose,
+    read_metrics,
+    read_wandb_run,
+    run_training,
+)
 from plait.topology import ParallelDims
 
 # not imported here: torchft's Rust logger reads RUST_LOG once, when plait's launcher sets it
@@ -85,6 +92,24 @@ def test_ddp_and_hsdp_form_replica_groups_and_zero_does_not():
     assert groups(["launcher.nproc_per_node=4"]) == 4
     assert groups(["strategy=fsdp", "strategy.replicate=2", "launcher.nproc_per_node=4"]) == 2
     assert groups(["strategy=zero2"]) is None
+
+
+def test_the_lighthouse_runs_on_node_0_or_task_0_and_every_worker_reaches_it_there():
+    one = compose(["fault=torchft"])
+    assert placement(one, {}) == ("127.0.0.1", 0, True)  # a free port on this machine
+    nodes = ["launcher.nnodes=2", "launcher.master_addr=10.0.0.1", "launcher.master_port=29500"]
+    nodes += ["run.name=lh"]
+    assert placement(compose(["fault=torchft", *nodes]), {}) == ("10.0.0.1", 29501, True)
+    second = compose(["fault=torchft", *nodes, "launcher.node_rank=1", "fault.lighthouse_port=7"])
+    assert placement(second, {}) == ("10.0.0.1", 7, False)
+    task = {
+        "SLURM_PROCID": "3",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_ID": "41",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+    }
+    assert placement(one, task) == ("gpu07", 20000 + 41 + 1, False)
+    assert placement(one, {**task, "SLURM_PROCID": "0"})[2]
 
 
 def flat(state, prefix: str = "") -> dict:
@@ -151,9 +176,7 @@ def test_two_replica_groups_equal_one_job_step_for_step_while_nobody_fails(tmp_p
 @pytest.mark.slow
 def test_a_killed_group_recovers_live_from_a_peer_while_the_other_goes_on(tmp_path):
     steps, kill_at, hold_at = 12, 4, 6
-    probe = inhouse.ReplicaGroupProbe(
-        2, kill_at=kill_at, kill_group=1, kill_rank=1, hold_at=hold_at
-    )
+    probe = inhouse.ReplicaGroupProbe(kill_at=kill_at, kill_group=1, kill_rank=1, hold_at=hold_at)
     run = run_training(
         tmp_path / "ft",
         [
@@ -165,7 +188,7 @@ def test_a_killed_group_recovers_live_from_a_peer_while_the_other_goes_on(tmp_pa
             "checkpoint.every=2",  # checkpoints are written, and group 1 does not read them
             "tracker=wandb",  # offline; group 0 tracks the run
         ],
-        plugins=[probe],
+        plugins=[probe, GroupsStartTogether(2)],
     )
     # group 0 logged every step once, never restarted, with the same processes throughout
     survivor = group_metrics(run, 0)
@@ -227,7 +250,7 @@ def test_exclude_drops_the_slow_group_from_the_quorum_and_the_others_go_on(tmp_p
             "fault.straggler_action=exclude",
             "launcher.max_restarts=1",
         ],
-        plugins=[stragglers.DoubleComputeGroup(1), inhouse.ReplicaGroupProbe(2)],  # together
+        plugins=[stragglers.DoubleComputeGroup(1), GroupsStartTogether(2)],
     )
     survivor = group_metrics(run, 0)
     assert [m["step"] for m in survivor] == list(range(1, steps + 1))
