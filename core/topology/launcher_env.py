@@ -51,8 +51,10 @@ def slurm_job_port(environ: Mapping[str, str], given: int = 0) -> int:
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a SLURM host list (``SLURM_JOB_NODELIST``), where its task 0 runs: ``gpu[003-004,010],cpu1`` -> ``gpu003``."""
+    """The first host of a SLURM host list (``SLURM_JOB_NODELIST``), where its task 0 runs:
+    ``gpu[003-004,010],cpu1`` -> ``gpu003``."""
     match = re.match(r"([^,\[]*)(?:\[([^\]]*)\](.*?))?(?:,|$)", nodelist)
+    assert match is not None  # the pattern matches any string (each part may be empty)
     prefix, ranges, suffix = match.group(1), match.group(2), match.group(3) or ""
     if ranges is None:
         return prefix
