@@ -77,15 +77,16 @@ class StepGuard:
 
     @hookimpl
     def plait_check_step(self, cfg, loss, grad_norm, topology) -> bool:
-        finite = bool(torch.isfinite(loss))
-        # one MAX reduction: either flag on any rank, and the highest rank's loss
-        figures = torch.tensor(
+        # one MAX reduction: either flag on any rank, and the highest rank's loss; built on the
+        # device, so that the step waits for its gradients once (at tolist), not at each figure
+        loss = loss.detach().float().reshape(())
+        finite = torch.isfinite(loss)
+        figures = torch.stack(
             [
-                0.0 if finite else 1.0,
-                0.0 if torch.isfinite(grad_norm) else 1.0,
-                float(loss) if finite else 0.0,
-            ],
-            device=loss.device,
+                (~finite).float(),
+                (~torch.isfinite(grad_norm.detach().float().reshape(()))).float().to(loss.device),
+                torch.where(finite, loss, torch.zeros_like(loss)),
+            ]
         )
         group = topology.trainer_group  # None: every rank trains
         if dist.is_initialized() and dist.get_world_size(group) > 1:
