@@ -228,8 +228,8 @@ SMOKE = {
         ["plait ", "ratio "],
     ),
     "bench_parity": (
-        ["--tiny", "--rows", "ddp", "fsdp", "--repeats", "1", "--steps", "3", "--warmup", "1"],
-        ["| ddp |", "| fsdp |", "speed plain/plait"],
+        ["--tiny", "--rows", "fsdp", "--repeats", "1", "--steps", "3", "--warmup", "1"],
+        ["| fsdp |", "speed plain/plait"],
     ),
     "bench_pipeline": (
         [

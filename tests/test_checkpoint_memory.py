@@ -7,7 +7,8 @@ GPT of ~7M parameters (model states ~112 MB in fp32 with AdamW, a fair part of a
 resident memory) shows the same at test size: gathered, a save's peak read ~1.2-1.4x training's.
 
 Peaks are the kernel's (``VmHWM``), reset where each phase starts (``/proc/self/clear_refs``):
-training's runs from the start (or from the end of the load) to the final save; the save's from
+training's runs from the start (or from the end of the load: a resumed run trains 2 steps, so
+that its figure is a steady step's, not the first one's after a load) to the final save; the save's from
 there to its end; the load's over ``plait_load_checkpoint``.
 """
 
@@ -87,7 +88,7 @@ def test_saving_and_loading_cost_no_more_than_training(case, tmp_path):
     first = run_training(tmp_path / "first", [*overrides, "train.steps=2"], [PhasePeaks()])
     resumed = run_training(
         tmp_path / "resumed",
-        [*overrides, "train.steps=3", f"resume={first / 'checkpoints' / 'step_00000002'}"],
+        [*overrides, "train.steps=4", f"resume={first / 'checkpoints' / 'step_00000002'}"],
         [PhasePeaks()],
     )
     for run, phases in ((first, ["save"]), (resumed, ["load", "save"])):

@@ -54,9 +54,9 @@ RUN = [
     "checkpoint.keep_last=0",
 ]
 # torch's rendezvous timings, shortened: a lost node is declared dead after 3 missed 2-second
-# heartbeats; a round with fewer than 2 nodes closes 10 s after it reached 1 (both nodes start
+# heartbeats; a round with fewer than 2 nodes closes 5 s after it reached 1 (both nodes start
 # well within that).
-RDZV = "launcher.rdzv_conf={last_call_timeout:10,keep_alive_interval:2,keep_alive_max_attempt:3}"
+RDZV = "launcher.rdzv_conf={last_call_timeout:5,keep_alive_interval:2,keep_alive_max_attempt:3}"
 
 
 def test_nnodes_min_max_hands_torch_elastic_the_range_and_the_rendezvous_settings():

@@ -331,8 +331,9 @@ LAYOUTS = {
         "launcher.nproc_per_node=2",
     ],
 }
-# every family under these; Llama under every layout of LAYOUTS
-FAMILY_LAYOUTS = ("ddp_dp2", "zero3_dp2", "tp2", "pp2", "pp2_tp2")
+# every family under these (pp2 x tp2 cuts by both of its plans, zero3 materializes it by name
+# from its shards); Llama under every layout of LAYOUTS, ddp, tp2 and pp2 alone included
+FAMILY_LAYOUTS = ("zero3_dp2", "pp2_tp2")
 EXPORTED = ("pp2_tp2", "fsdp_dp2", "fsdp_dp2_tp2")  # Llama's runs exported with format=hf
 ONE = ["launcher.nproc_per_node=1", "train.grad_accum_steps=2"]
 UNREAD = ["checkpoint.save_final=false"]  # no test reads these runs' checkpoints: none is written

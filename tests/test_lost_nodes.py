@@ -103,7 +103,14 @@ class Job:
             command = netns_cluster.train_command(cluster, node, 1, overrides, nnodes=nnodes)
             with open(self.logs[node.rank], "w") as log:
                 self.procs[node.rank] = cluster.popen(
-                    node, command, env={"PYTHONPATH": TESTS}, stdout=log, stderr=subprocess.STDOUT
+                    node,
+                    command,
+                    # the two "nodes" share this host's cores: one intra-op thread each, as a
+                    # node's launcher gives a worker its own cores (2 each here would put 4
+                    # threads on 2 cores, whose spinning blurs the CPU time the detector reads)
+                    env={"PYTHONPATH": TESTS, "OMP_NUM_THREADS": "1"},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                 )
 
     def wait_until(self, done, seconds: float) -> None:

@@ -71,8 +71,13 @@ def test_a_compiled_model_is_timed_at_every_timed_step():
     clock = PhaseClock(model, optimizer, torch.device("cpu"))
     step = engine_step(torch.compile(model, backend="aot_eager", dynamic=False), optimizer)
     small, large = [torch.randn(8, 64)], [torch.randn(4096, 64)]
-    steps(clock, step, 2, small) + steps(clock, step, 2, large)  # compiled for both shapes
-    small, large = steps(clock, step, 3, small), steps(clock, step, 3, large)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # all the work on the thread whose CPU clock is read
+    try:
+        steps(clock, step, 2, small) + steps(clock, step, 2, large)  # compiled for both shapes
+        small, large = steps(clock, step, 3, small), steps(clock, step, 3, large)
+    finally:
+        torch.set_num_threads(threads)
     # every forward was seen (the hooks ran, once per micro-batch) and its work counted: a
     # step on 512x the rows costs more CPU time than the small one
     assert clock.forwards == 1
