@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh with the test, hf and torchft extras, and the system packages only
-# tests use) and run the whole test suite; extra arguments go to pytest.
+# Set up (scripts/setup.sh with the test, hf, ray, kubernetes, eval and torchft extras, and the
+# system packages only tests use) and run the whole test suite; extra arguments go to pytest.
 #
 #     ./scripts/test.sh                      # what .ci/run runs
 #     ./scripts/test.sh tests/test_ddp.py    # one file
 #
 # System packages, where this runs as root with apt-get (elsewhere the tests that need them skip,
 # saying why): SLURM and munge for tests/test_slurm.py (a controller and a node daemon on
-# localhost), Debian's chromium for tests/test_report.py (the report opened headless).
+# localhost), Debian's chromium for tests/test_report.py (the report opened headless), jemalloc
+# and tcmalloc for tests/test_host_memory.py (launcher.allocator; auto then takes jemalloc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PLAIT_EXTRAS=test,hf,ray,kubernetes,eval,torchft ./scripts/setup.sh
@@ -15,6 +16,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   wanted=()
   [ -x /usr/sbin/slurmd ] || wanted+=(slurm-wlm munge)
   command -v chromium >/dev/null 2>&1 || wanted+=(chromium)
+  ldconfig -p | grep -q libjemalloc.so.2 || wanted+=(libjemalloc2)
+  ldconfig -p | grep -q libtcmalloc_minimal.so.4 || wanted+=(libtcmalloc-minimal4)
   if [ ${#wanted[@]} -gt 0 ]; then
     { DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
       DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${wanted[@]}" >/dev/null; } ||
