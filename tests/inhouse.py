@@ -1277,11 +1277,12 @@ class ReplicaGroupProbe:
     ``g<g>r<r>.pt`` holds the rank's own state (``engine.local_state()``: model, optimizer).
     With ``kill_at``: rank ``kill_rank`` of group ``kill_group``
     SIGKILLs itself as its step ``kill_at`` starts (after the step's quorum, before its forward,
-    so the survivors' collectives of that step fail), once; its restart asks for its first quorum
-    only once group 0 has finished that step (without it, then: a restart quicker than the
-    quorum's join timeout would otherwise be back in the step's retried quorum, and group 0
-    never alone). With ``hold_at``: group 0 waits after step ``hold_at`` until the killed
-    group's restart asks for its first quorum (so it surely rejoins before the run ends)."""
+    so the survivors' collectives of that step fail), once; its restart builds its engine (and
+    its torchft manager, whose heartbeats make the lighthouse wait for it) only once group 0 has
+    finished that step, without it: a restart quicker than the quorum's join timeout would
+    otherwise be back in the step's retried quorum, and group 0 never alone. With ``hold_at``:
+    group 0 waits after step ``hold_at`` until the killed group's restart asks for its first
+    quorum (so it surely rejoins before the run ends)."""
 
     def __init__(self, kill_at=None, kill_group=1, kill_rank=1, hold_at=None):
         self.kill_at, self.hold_at = kill_at, hold_at
@@ -1315,6 +1316,9 @@ class ReplicaGroupProbe:
 
     @hookimpl(wrapper=True)
     def plait_build_engine(self, cfg, topology):
+        restarted = self.kill_at is not None and topology.replica_group_id == self.kill_group
+        if restarted and attempt() > 0:  # before its manager exists: no heartbeat, no quorum
+            self._wait_for(self._directory(cfg) / "g0_finished_the_killed_step")
         engine = yield
         self.engine = engine
         killing = (
@@ -1339,8 +1343,6 @@ class ReplicaGroupProbe:
         directory, group = self._directory(cfg), topology.replica_group_id
         if state is None:  # the attempt's first quorum
             (directory / f"at_first_quorum_g{group}_a{attempt()}").touch()
-            if self.kill_at is not None and group == self.kill_group and attempt() > 0:
-                self._wait_for(directory / "g0_finished_the_killed_step")
         elif group == 0 and state.step == self.hold_at:
             self._wait_for(directory / f"at_first_quorum_g{self.kill_group}_a1")
         return (yield)
