@@ -6,6 +6,7 @@ command.
     DS_ACCELERATOR=cpu python scripts/bench_hf_load.py --repeats 3 --dir /tmp/hfload
     DS_ACCELERATOR=cpu python scripts/bench_hf_load.py --hidden 64 --layers 2 --vocab 512 \\
         --repeats 1                                                       # a smoke run
+    DS_ACCELERATOR=cpu python scripts/bench_hf_load.py --cases tp2_pp2    # the baseline and one
 
 It writes a random ``LlamaForCausalLM`` with ``save_pretrained`` (fp32; default hidden 768,
 MLP 2048, 8 layers, 12 heads / 4 KV heads, vocabulary 16384: 75M parameters, 300 MB), then on
@@ -177,6 +178,13 @@ def main() -> int:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--saves", action="store_true", help="also time the saves (see above)")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        choices=[name.removeprefix("plait ") for name in LAYOUTS],
+        default=[name.removeprefix("plait ") for name in LAYOUTS],
+        help="plait's cases beside the baseline (default: all)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_hf_load_"))
@@ -186,7 +194,7 @@ def main() -> int:
     shards = prepare_shards(checkpoint, root)
     results: dict[str, list[tuple[float, float]]] = {
         "from_pretrained + DDP": [],
-        **{name: [] for name in LAYOUTS},
+        **{name: [] for name in LAYOUTS if name.removeprefix("plait ") in args.cases},
     }
     for repeat in range(args.repeats):
         for name in results:  # alternating, so a change of load hits every case alike
