@@ -22,7 +22,7 @@ Prints, from one command:
    (target: within 10%), with the same task size for both;
 3. with ``--slurm`` (root, slurm-wlm and munge installed): tokens/s of ``launcher=slurm`` with
    1 and 2 array tasks of one core each, on a controller and node daemon started on localhost as
-   ``tests/test_slurm.py``'s fixture starts them (the same code).
+   ``tests/slurm_cluster.py`` starts them for the tests (the same code).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def section_memory(args, root: Path, tokenizer: Path, workers: int) -> None:
 
 
 class TempDirs:
-    """What tests/test_slurm.py's fixture asks of pytest's tmp_path_factory."""
+    """What tests/slurm_cluster.py asks of pytest's tmp_path_factory."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -201,14 +201,14 @@ class TempDirs:
 
 
 def section_slurm(args, root: Path, docs: list[str], tokenizer: Path) -> None:
-    import test_slurm
+    from slurm_cluster import running_slurm
 
     from plait.plugins.data.launchers import PrepareLauncherConfig
 
     print("\n3. launcher=slurm on localhost, array tasks of 1 core (1 worker) each")
-    start = getattr(test_slurm.slurm, "__wrapped__", test_slurm.slurm)(TempDirs(root))
+    cluster = running_slurm(TempDirs(root))  # the tests' cluster (tests/slurm_cluster.py)
     try:
-        env = next(start)
+        env = cluster.__enter__()
     except BaseException as e:  # pytest.skip's exception: SLURM cannot run here
         print(f"   not run: {e}")
         return
@@ -232,7 +232,7 @@ def section_slurm(args, root: Path, docs: list[str], tokenizer: Path) -> None:
             )
         print(f"   2 / 1: {rates[2] / rates[1]:.2f}x")
     finally:
-        next(start, None)  # the fixture's teardown: daemons stopped
+        cluster.__exit__(None, None, None)  # daemons stopped
 
 
 def main() -> None:
