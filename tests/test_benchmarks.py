@@ -268,6 +268,10 @@ SMOKE = {
         ],
         ["| async PS |"],
     ),
+    "bench_save_peak": (
+        ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--nproc", "2", "--steps", "2"],
+        ["| rank | training peak GiB", "save / training", "step_00000002"],
+    ),
     "bench_sharded": (
         [
             "--layers",
