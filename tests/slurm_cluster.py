@@ -139,10 +139,11 @@ def _node_idle(env) -> bool:
     return False
 
 
-def final_state(env, job_id: str) -> str:
+def final_state(env, job_id: str, timeout: float = 120) -> str:
     """The job's state once it has left the queue's running states (submitit returns as soon as
-    the tasks wrote their results, while SLURM is still ending the job)."""
-    deadline = time.time() + 120
+    the tasks wrote their results, while SLURM is still ending the job). Polled every second:
+    ``sbatch --wait`` polls at growing intervals up to 10 s, which cost a test ~20 s idle."""
+    deadline = time.time() + timeout
     while True:
         shown = subprocess.run(
             ["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True

@@ -68,14 +68,16 @@ def test_plait_in_an_sbatch_batch_step_starts_its_own_workers(slurm, reference, 
         ]
     )
     done = subprocess.run(
-        ["sbatch", "--wait", "--ntasks=2", f"--output={tmp_path}/batch.out", f"--wrap={train}"],
+        ["sbatch", "--parsable", "--ntasks=2", f"--output={tmp_path}/batch.out", f"--wrap={train}"],
         env=slurm,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=60,
     )
+    assert done.returncode == 0, done.stderr
+    state = final_state(slurm, done.stdout.strip().split(";")[0], timeout=600)
     output = (tmp_path / "batch.out").read_text() if (tmp_path / "batch.out").exists() else ""
-    assert done.returncode == 0, done.stderr + output[-3000:]
+    assert state == "COMPLETED", state + output[-3000:]
     losses = [m["loss"] for m in read_metrics(tmp_path / "batch")]
     assert losses == pytest.approx(reference, rel=1e-6)
 
