@@ -29,6 +29,7 @@ import gzip
 import io
 import json
 import lzma
+import os
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
@@ -145,10 +146,11 @@ def open_file(path: str):
     return raw
 
 
-def skip(f, n: int) -> None:
-    """Move a stream ``n`` bytes on: a seek where it can, else read and drop (compressed)."""
+def skip(f, n: int, relative: bool = False) -> None:
+    """Move a stream from its start (or, ``relative``, from where it is) ``n`` bytes on: a seek
+    where it can, else read and drop (compressed)."""
     if f.seekable() and not isinstance(f, (gzip.GzipFile, bz2.BZ2File, lzma.LZMAFile)):
-        f.seek(n)
+        f.seek(n, os.SEEK_CUR if relative else os.SEEK_SET)
         return
     while n > 0:
         n -= len(f.read(min(n, READ_CHUNK)))
@@ -354,9 +356,9 @@ def read_text(source: Source, start: int, end: int) -> Iterator[tuple[bytes, boo
 
 
 def read_json_lines(source: Source, start: int, end: int, text_field: str) -> Iterator[str]:
-    with open_file(source.path) as f:
-        skip(f, start)
-        position = start
+    f = stream_at(source, start)
+    position = start
+    try:
         while position < end:
             line = f.readline()
             if not line:
@@ -368,6 +370,41 @@ def read_json_lines(source: Source, start: int, end: int, text_field: str) -> It
                 if text:
                     yield text
             position += len(line)
+    except BaseException:  # an error, or the reader stopped early (GeneratorExit)
+        f.close()
+        raise
+    if source.compression:
+        _kept[source.path] = (f, position)
+    else:
+        f.close()
+
+
+# A compressed stream left open where its last piece ended: a worker takes its tasks in order,
+# so the next piece it reads of that file usually lies further on, and only the bytes between
+# are decompressed again (a task of a compressed file that no worker left open decompresses
+# from the file's start: there is no index to seek by).
+_kept: dict[str, tuple] = {}
+
+
+def stream_at(source: Source, start: int):
+    """A binary stream of ``source``, decompressed, at byte ``start``."""
+    for path, (f, position) in list(_kept.items()):
+        if path == source.path and position <= start:
+            del _kept[path]
+            skip(f, start - position, relative=True)
+            return f
+        del _kept[path]
+        f.close()
+    f = open_file(source.path)
+    skip(f, start)
+    return f
+
+
+def close_streams() -> None:
+    """Close the stream :func:`read_json_lines` kept open (a prepare's end, a forked worker)."""
+    for f, _ in _kept.values():
+        f.close()
+    _kept.clear()
 
 
 def read_parquet(source: Source, start: int, end: int, text_field: str) -> Iterator[str]:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from plait.plugins.data import index as fmt
-from plait.plugins.data.formats import Source, read_documents
+from plait.plugins.data.formats import Source, close_streams, read_documents
 
 WORK = "work"
 PLAN = "plan.json"
@@ -111,6 +111,7 @@ def forget() -> None:
     """Drop what this process loaded: a new prepare (or a forked worker) starts afresh."""
     _loaded.clear()
     _counts.clear()
+    close_streams()
 
 
 def loaded(out: str) -> tuple[Work, Any, list[Source]]:
@@ -269,10 +270,13 @@ def run_units(
     function = partial(UNITS[phase], str(out))
     workers = min(workers or len(os.sched_getaffinity(0)), len(ids))
     if workers <= 1:
-        for i in ids:
-            done = function(i)
-            if progress:
-                progress(done)
+        try:
+            for i in ids:
+                done = function(i)
+                if progress:
+                    progress(done)
+        finally:
+            close_streams()
         return
     # fork: workers start at once with the modules loaded (spawn would import torch in each);
     # HF tokenizers disables its thread pool in forked children, and _init_worker says so too
