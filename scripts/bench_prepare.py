@@ -6,6 +6,8 @@ memory for a corpus and four times it; 1 against 2 SLURM array tasks.
     DS_ACCELERATOR=cpu python scripts/bench_prepare.py --slurm          # + 1 and 2 array tasks
     DS_ACCELERATOR=cpu python scripts/bench_prepare.py --mb 0.3 --vocab 300 --repeats 1 \\
         --rss-mb 0.2                                                    # a smoke run
+    DS_ACCELERATOR=cpu python scripts/bench_prepare.py --mb 8 --repeats 1 \\
+        --formats .jsonl parquet                                        # some rows only
 
 The corpus is the running Python's standard library source (one document per file), the
 tokenizer a byte-level BPE of ``--vocab`` ids trained on its first 2 MB and given as a file.
@@ -13,10 +15,11 @@ Prints, from one command:
 
 1. tokens/s of ``plait prepare`` (``data.num_workers`` = the cores) and of
    ``Tokenizer.encode_batch`` over the same documents already in memory (its own thread pool on
-   every core), the median of ``--repeats`` interleaved runs each, and their ratio (target
-   >= 0.9x), for: many small text files, one large text file (the library's baseline: the
-   file as one document, ``encode_batch([text])``), ``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``,
-   parquet (row groups of ~1 MB) and a ``save_to_disk`` directory;
+   every core; a fresh process each time, see ``time_library``), the median of ``--repeats``
+   interleaved runs each, and their ratio (target >= 0.9x), for: many small text files, one
+   large text file (the library's baseline: the file as one document, ``encode_batch([text])``),
+   ``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``, parquet (row groups of ~1 MB) and a
+   ``save_to_disk`` directory (``--formats``: only those rows);
 2. the peak resident memory of ``plait prepare`` in a fresh process (the command's own and its
    largest worker's, ``getrusage``) for ``--rss-mb`` of JSON lines and for four times that
    (target: within 10%), with the same task size for both;
@@ -79,15 +82,20 @@ def write_formats(root: Path, docs: list[str]) -> dict[str, Path]:
     pq.write_table(pa.table({"text": docs}), root / "corpus.parquet", row_group_size=rows_per_group)
     datasets.disable_progress_bars()
     datasets.Dataset.from_dict({"text": docs}).save_to_disk(root / "saved")
-    return {
-        "many small text files": root / "files",
-        "one large text file": root / "one.txt",
-        ".jsonl": root / "corpus.jsonl",
-        ".jsonl.gz": root / "corpus.jsonl.gz",
-        ".jsonl.zst": root / "corpus.jsonl.zst",
-        "parquet": root / "corpus.parquet",
-        "save_to_disk": root / "saved",
-    }
+    names = ("files", "one.txt", "corpus.jsonl", "corpus.jsonl.gz", "corpus.jsonl.zst")
+    names += ("corpus.parquet", "saved")
+    return {label: root / name for label, name in zip(FORMATS, names)}
+
+
+FORMATS = (
+    "many small text files",
+    "one large text file",
+    ".jsonl",
+    ".jsonl.gz",
+    ".jsonl.zst",
+    "parquet",
+    "save_to_disk",
+)
 
 
 def time_prepare(
@@ -105,13 +113,29 @@ def time_prepare(
     return elapsed, tokens
 
 
-def time_library(tokenizer: Path, docs: list[str]) -> float:
-    from tokenizers import Tokenizer
+LIBRARY_SCRIPT = """
+import json, sys, time
+from tokenizers import Tokenizer
+docs = json.loads(open(sys.argv[2]).read())
+library = Tokenizer.from_file(sys.argv[1])
+started = time.perf_counter()
+library.encode_batch(docs)
+print(time.perf_counter() - started)
+"""
 
-    library = Tokenizer.from_file(str(tokenizer))
-    started = time.perf_counter()
-    library.encode_batch(docs)
-    return time.perf_counter() - started
+
+def time_library(tokenizer: Path, docs_file: Path) -> float:
+    """``encode_batch`` of the documents in ``docs_file`` (a JSON list), timed in a fresh
+    process. Not in this one: the library's output for the one large file of 22 MB (offsets and
+    token strings of every token) left this process 1.6 GB larger once freed, and the prepare
+    workers it forked afterwards spent 50% more CPU on the same .jsonl (7.3 -> 11.2 s)."""
+    done = subprocess.run(
+        [sys.executable, "-c", LIBRARY_SCRIPT, str(tokenizer), str(docs_file)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def section_speed(args, root: Path, docs: list[str], tokenizer: Path, workers: int) -> None:
@@ -122,14 +146,18 @@ def section_speed(args, root: Path, docs: list[str], tokenizer: Path, workers: i
     )
     print("| input | plait prepare tokens/s | encode_batch tokens/s | ratio |")
     print("| --- | ---: | ---: | ---: |")
-    whole = ["\n".join(docs)]
+    documents, whole = root / "documents.json", root / "whole.json"
+    documents.write_text(json.dumps(docs))
+    whole.write_text(json.dumps(["\n".join(docs)]))
     for label, path in formats.items():
+        if args.formats and label not in args.formats:
+            continue
         ours, theirs, tokens = [], [], 0
         for _ in range(args.repeats):  # interleaved: a slow spell hits both
             elapsed, tokens = time_prepare(path, tokenizer, root / "out", workers)
             ours.append(elapsed)
             theirs.append(
-                time_library(tokenizer, whole if label == "one large text file" else docs)
+                time_library(tokenizer, whole if label == "one large text file" else documents)
             )
         a, b = statistics.median(ours), statistics.median(theirs)
         print(f"| {label} | {tokens / a:,.0f} | {tokens / b:,.0f} | {b / a:.2f}x |", flush=True)
@@ -242,6 +270,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rss-mb", type=float, default=10.0, help="the 1x corpus of section 2")
     parser.add_argument("--slurm", action="store_true", help="section 3 (needs root, SLURM)")
+    parser.add_argument(
+        "--formats",
+        nargs="+",
+        choices=FORMATS,
+        help="section 1's rows to run (default: all)",
+    )
     args = parser.parse_args()
     workers = os.cpu_count() or 1
     root = Path(tempfile.mkdtemp(prefix="plait-bench-prepare-"))
