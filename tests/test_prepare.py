@@ -25,11 +25,12 @@ import pytest
 import slowfs  # noqa: F401  (the slow:// remote of the cache tests)
 from omegaconf import OmegaConf
 
-from plait.plugins.data import stdlib_sources
+from plait.plugins.data import formats, stdlib_sources
 from plait.plugins.data.cache import NodeCache
 from plait.plugins.data.cutting import text_cuts
+from plait.plugins.data.formats import Piece, Source, open_file
 from plait.plugins.data.index import ShardChecksumError, read_index, shard_name
-from plait.plugins.data.prepare import PrepareDataConfig, prepare
+from plait.plugins.data.prepare import PrepareDataConfig, make_plan, prepare
 from plait.plugins.data.shard_dataset import CachedShards, LocalShards, ShardDataset
 from plait.plugins.data.tokenizer import (
     EOT,
@@ -352,6 +353,48 @@ def test_one_large_file_cut_into_tasks_gives_the_tokens_of_the_file_encoded_whol
     stream, documents_at = stream_of(many)
     assert np.array_equal(stream, expected) and documents_at.tolist() == [0, len(expected)]
     assert shard_files(many) == shard_files(one)
+
+
+# ---------------------------------------------------------------------------------------------
+# tasks sized for speed: guided sizes, a compressed file decompressed once per worker
+# ---------------------------------------------------------------------------------------------
+
+
+def test_tasks_shrink_as_the_text_left_does_so_the_workers_finish_together():
+    """data.task_mb=null, 22 pieces of 1 MiB of JSON lines, 2 workers: each task takes a
+    quarter of what is left (whole pieces, at least 1 MiB), large first, 1 MiB ones last --
+    not 8 tasks of 3 MiB, where one worker does 4 and the other 3 (22 against 18 MiB of work)."""
+    mb = 1 << 20
+    source = Source("corpus.jsonl", "jsonl", None, "key", 22 * mb)
+    pieces = [[Piece(0, i * mb, (i + 1) * mb, mb) for i in range(22)]]
+    data = OmegaConf.structured(PrepareDataConfig(path="corpus.jsonl"))
+    plan = make_plan([source], pieces, ByteTokenizer(), data, slots=2, print_="print")
+    assert [b // mb for b in plan["task_bytes"]] == [6, 4, 3, 3, 2, 1, 1, 1, 1]
+    assert plan["tasks"][0] == [[0, 0, 6 * mb]]
+
+
+def test_a_worker_decompresses_a_compressed_file_once_across_its_tasks(
+    corpus, tokenizer_file, jsonl_shards, tmp_path, monkeypatch
+):
+    """One worker, ~7 tasks of one .jsonl.gz: the file is opened twice (the scan, then the
+    tasks, each going on from where the last one stopped), not once per task; same shards."""
+    opened = []
+
+    def counting_open(path):
+        opened.append(path)
+        return open_file(path)
+
+    monkeypatch.setattr(formats, "open_file", counting_open)
+    out = prepare_into(
+        tmp_path / "out",
+        corpus["jsonl.gz"],
+        tokenizer=str(tokenizer_file),
+        shard_tokens=4096,
+        num_workers=1,
+        task_mb=0.02,
+    )
+    assert opened == [corpus["jsonl.gz"]] * 2
+    assert shard_files(out) == shard_files(jsonl_shards)
 
 
 # ---------------------------------------------------------------------------------------------
