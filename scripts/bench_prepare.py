@@ -20,8 +20,8 @@ Prints, from one command:
    large text file (the library's baseline: the file as one document, ``encode_batch([text])``),
    ``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``, parquet (row groups of ~1 MB) and a
    ``save_to_disk`` directory (``--formats``: only those rows);
-2. the peak resident memory of ``plait prepare`` in a fresh process (the command's own and its
-   largest worker's, ``getrusage``) for ``--rss-mb`` of JSON lines and for four times that
+2. the peak resident memory of ``plait prepare`` in a fresh process (the command's own,
+   ``VmHWM``, and its largest worker's, ``getrusage``) for ``--rss-mb`` of JSON lines and for four times that
    (target: within 10%), with the same task size for both;
 3. with ``--slurm`` (root, slurm-wlm and munge installed): tokens/s of ``launcher=slurm`` with
    1 and 2 array tasks of one core each, on a controller and node daemon started on localhost as
@@ -171,8 +171,10 @@ data = OmegaConf.structured(PrepareDataConfig(path=sys.argv[1], tokenizer=sys.ar
                                               num_workers=int(sys.argv[4]),
                                               task_mb=float(sys.argv[5])))
 prepare(data, sys.argv[3], log=lambda message: None)
-print(json.dumps([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                  resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))
+# VmHWM: this process's own peak since it started; getrusage's ru_maxrss (RUSAGE_SELF) also
+# holds the peak of the process that started it (Linux keeps it across fork and exec)
+own = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(json.dumps([own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))
 """
 
 
