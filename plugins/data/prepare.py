@@ -43,7 +43,7 @@ from plait.plugins.data import index as fmt
 from plait.plugins.data import launchers
 from plait.plugins.data import work as units
 from plait.plugins.data.cutting import text_cuts
-from plait.plugins.data.formats import TEXT, Piece, Source, read_documents, scan
+from plait.plugins.data.formats import TEXT, Piece, Source, close_streams, read_documents, scan
 from plait.plugins.data.launchers import PrepareLauncherConfig, launcher_problems
 from plait.plugins.data.sources import find_sources
 from plait.plugins.data.tokenizer import (
@@ -383,6 +383,7 @@ def build_tokenizer(data, work: Work, sources: list[Source], pieces: list[list[P
             )
         )
         tokenizer = train_bpe(documents, data.vocab_size)
+        close_streams()  # a compressed file's stream, kept open for a next piece
     else:
         tokenizer = load_tokenizer_file(Path(data.tokenizer).expanduser(), "file")
     work.write_bytes(saved, tokenizer.json.encode())
