@@ -290,8 +290,8 @@ def make_plan(
         else:
             cut += [Piece(i, p.start, p.end, p.text_bytes) for p in found]
     total = sum(p.text_bytes for p in cut)
-    tasks, task_bytes, current, size = [], [], [], 0
-    task_size = next_task_size(data, total, slots)
+    tasks, task_bytes, current, size, left = [], [], [], 0, total
+    task_size = next_task_size(data, left, slots)
     for p in cut:
         joined = (
             current
@@ -307,8 +307,9 @@ def make_plan(
         if size >= task_size:
             tasks.append(current)
             task_bytes.append(size)
+            left -= size
             current, size = [], 0
-            task_size = next_task_size(data, total - sum(task_bytes), slots)
+            task_size = next_task_size(data, left, slots)
     if current:
         tasks.append(current)
         task_bytes.append(size)
