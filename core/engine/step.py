@@ -8,7 +8,8 @@ Every strategy's step does the same around what is its own::
         backward(loss / n)                         # the mean loss's gradients, accumulated
     loss = mean of the local losses over dp x cp   # started now, read at the end
     reduce_gradients()                             # the strategy's (experts, dp averages)
-    replica groups: average over the quorum        # plait.engine.replicas (fault=torchft)
+    replica groups: average over the quorum        # plait.engine.replicas (fault=torchft):
+                                                   #   the gradients and the loss, one buffer
     unscale; norm over the shards; clip            # plait.engine.norm
     guard: plait_check_step(loss, norm)            # every rank, same answer
     replica groups: commit (the group's and the quorum's verdict)
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from plait.engine.hyperparameters import set_lr
 from plait.engine.norm import ShardGroups, clip_grad_norm_
 from plait.engine.precision import autocast, grad_scaler
-from plait.engine.replicas import average_over_replicas, average_value
+from plait.engine.replicas import average_over_replicas
 from plait.types import Batch, ReplicaSync, StepOutput, model_inputs
 
 
@@ -158,22 +159,27 @@ class TorchEngine:
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
         set_lr(self.optimizer, lr)
         local_loss = accumulate(micro_batches, self.loss_of, self.backward, self.sync)
-        loss = mean_over(local_loss.clone(), self.loss_group, self.loss_size)
-        grad_norm, skipped, metrics = self.finish_step(local_loss)
+        if self.replicas is None:
+            loss = mean_over(local_loss.clone(), self.loss_group, self.loss_size)
+            grad_norm, skipped, metrics = self.finish_step(local_loss)
+        else:  # averaged over the groups with the gradients, then over dp x cp (equal sizes)
+            over_groups = local_loss.detach().clone().reshape(1)
+            grad_norm, skipped, metrics = self.finish_step(local_loss, over_groups)
+            loss = mean_over(over_groups, self.loss_group, self.loss_size)
         return StepOutput(
-            loss=average_value(self.replicas, loss(), self.device),
-            grad_norm=float(grad_norm),
-            skipped=skipped,
-            metrics=metrics,
+            loss=float(loss()), grad_norm=float(grad_norm), skipped=skipped, metrics=metrics
         )
 
-    def finish_step(self, local_loss: torch.Tensor) -> tuple[torch.Tensor, bool, dict]:
+    def finish_step(
+        self, local_loss: torch.Tensor, *over_groups: torch.Tensor
+    ) -> tuple[torch.Tensor, bool, dict]:
         """After the backward: reduce, unscale, clip by the global norm, ask the guard, step.
-        ``local_loss``: this rank's mean loss (what the guard judges). Returns the norm before
-        clipping, whether the step was skipped, and the loss scaler's metrics."""
+        ``local_loss``: this rank's mean loss (what the guard judges); ``over_groups``: values
+        averaged over the replica groups in the gradients' buffer (the loss). Returns the norm
+        before clipping, whether the step was skipped, and the loss scaler's metrics."""
         self.reduce_gradients()
         if self.replicas is not None:
-            average_over_replicas(self.replicas, self.model.parameters())
+            average_over_replicas(self.replicas, self.model.parameters(), *over_groups)
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, self.shard_groups)
         skipped = ask_guard(self.check_step, local_loss, grad_norm, self.scaler.is_enabled())

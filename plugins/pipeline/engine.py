@@ -160,17 +160,19 @@ class PipelineEngine:
                 **kwargs,
             )
         local_loss = torch.stack(losses).mean() / scale if self.has_last else torch.zeros(())
-        # reduced in place; averaged over the replica groups where they run as jobs of their own
-        loss = average_value(self.replicas, self._reduce_loss(local_loss.clone()), self.device)
+        loss = self._reduce_loss(local_loss.clone())  # reduced in place
         if self.inner_steps:  # the strategy reduces and steps (ZeRO, FSDP)
+            loss = average_value(self.replicas, loss, self.device)
             return self.inner.step_after_backward(loss, local_loss.detach())
         if self.dp_size > 1:
             dense = [p for p in self.model.parameters() if not is_expert(p)]
             average_gradients(dense, self.grad_reducer, self.dp_group)
             if self.ep > 1:
                 average_expert_gradients(self.model.parameters(), self.edp_group, self.dp_size)
-        if self.replicas is not None:
-            average_over_replicas(self.replicas, self.model.parameters())
+        if self.replicas is not None:  # the loss averaged over the groups with the gradients
+            over_groups = torch.tensor([loss], dtype=torch.float32, device=self.device)
+            average_over_replicas(self.replicas, self.model.parameters(), over_groups)
+            loss = float(over_groups)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, self.shard_groups)
