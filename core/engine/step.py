@@ -34,7 +34,7 @@ import torch.distributed as dist
 from plait.engine.hyperparameters import set_lr
 from plait.engine.norm import ShardGroups, clip_grad_norm_
 from plait.engine.precision import autocast, grad_scaler
-from plait.engine.replicas import average_over_replicas
+from plait.engine.replicas import ReplicaGradients
 from plait.types import Batch, ReplicaSync, StepOutput, model_inputs
 
 
@@ -133,6 +133,7 @@ class TorchEngine:
         self.loss_size = dist.get_world_size(self.loss_group)
         self.scaler = grad_scaler(cfg.precision if loss_scaling else "fp32", self.device)
         self.skipped_steps = 0  # steps the fp16 loss scaler skipped on an overflow
+        self.replica_gradients = ReplicaGradients()  # used where replica groups run as jobs
 
     # -- the strategy's own ----------------------------------------------------------------
 
@@ -179,7 +180,7 @@ class TorchEngine:
         before clipping, whether the step was skipped, and the loss scaler's metrics."""
         self.reduce_gradients()
         if self.replicas is not None:
-            average_over_replicas(self.replicas, self.model.parameters(), *over_groups)
+            self.replica_gradients.average(self.replicas, self.model.parameters(), *over_groups)
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, self.shard_groups)
         skipped = ask_guard(self.check_step, local_loss, grad_norm, self.scaler.is_enabled())
@@ -188,7 +189,7 @@ class TorchEngine:
         if not skipped:
             self.optimizer_step()
         metrics = self.update_loss_scale() if self.scaler.is_enabled() else {}
-        self.optimizer.zero_grad(set_to_none=True)
+        self.replica_gradients.zero_grad(self.optimizer)
         return grad_norm, skipped, metrics
 
     def update_loss_scale(self) -> dict[str, float]:

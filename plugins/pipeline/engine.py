@@ -15,7 +15,7 @@ from plait.engine.experts import average_expert_gradients, is_expert
 from plait.engine.hyperparameters import set_lr
 from plait.engine.norm import ShardGroups, clip_grad_norm_
 from plait.engine.precision import autocast
-from plait.engine.replicas import average_over_replicas, average_value
+from plait.engine.replicas import ReplicaGradients, average_value
 from plait.engine.stages import PipelineStageModules
 from plait.engine.step import ask_guard
 from plait.plugins.pipeline.schedules import SCHEDULES, make_schedule, stage_to_rank
@@ -88,6 +88,7 @@ class PipelineEngine:
         self.inner = inner
         self.inner_steps = inner_steps
         self._replicas: ReplicaSync | None = None
+        self.replica_gradients = ReplicaGradients()  # used where replica groups run as jobs
         self.check_step = functools.partial(hook.plait_check_step, cfg=cfg, topology=topology)
         self.model: PipelineStageModules = inner.model
         self.optimizer = inner.optimizer
@@ -171,7 +172,7 @@ class PipelineEngine:
                 average_expert_gradients(self.model.parameters(), self.edp_group, self.dp_size)
         if self.replicas is not None:  # the loss averaged over the groups with the gradients
             over_groups = torch.tensor([loss], dtype=torch.float32, device=self.device)
-            average_over_replicas(self.replicas, self.model.parameters(), over_groups)
+            self.replica_gradients.average(self.replicas, self.model.parameters(), over_groups)
             loss = float(over_groups)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
@@ -186,7 +187,7 @@ class PipelineEngine:
         if not (skipped or overflow):
             self.optimizer.step()
         metrics = self._update_loss_scale(scale, overflow) if self.scaler else {}
-        self.optimizer.zero_grad(set_to_none=True)
+        self.replica_gradients.zero_grad(self.optimizer)
         return StepOutput(loss=loss, grad_norm=grad_norm.item(), skipped=skipped, metrics=metrics)
 
     def _update_loss_scale(self, scale: float, overflow: bool) -> dict[str, float]:
