@@ -315,5 +315,16 @@ class StepTiming:
         progress.step = state.step if state is not None else 0
         return state
 
+    @hookimpl(wrapper=True)
+    def plait_sync_replicas(self):
+        """A replica group that received a peer's state (``fault=torchft``) continues at the
+        peer's step, so it times the same logged steps as the others: the straggler detector's
+        exchange after them is a collective every group of the quorum must join (one that did
+        not, after a restart, stalled both sides until the 60 s timeouts)."""
+        received = yield
+        if received is not None:
+            progress.step = received.step
+        return received
+
 
 plugin = StepTiming()
