@@ -85,3 +85,26 @@ def test_a_compiled_model_is_timed_at_every_timed_step():
     assert min(o.timings["compute_s"] for o in large) > 5 * max(
         o.timings["compute_s"] for o in small
     )
+
+
+def test_a_replica_group_that_recovered_from_a_peer_times_the_logged_steps_the_others_do():
+    """fault=torchft: a restarted group receives a peer's state (``plait_sync_replicas``) instead
+    of loading a checkpoint; its step timing continues at the peer's step, so it takes part in
+    the straggler detector's exchange after the same logged steps as the others (a group that
+    counted from 0 again skipped it, and both sides stalled until the 60 s timeouts)."""
+    from plait import hookimpl
+    from plait.plugin_manager import keep_selected, make_plugin_manager
+    from plait.testing import compose
+    from plait.types import TrainState
+
+    class Peer:
+        @hookimpl
+        def plait_sync_replicas(self, state):
+            return TrainState(step=27) if state is None else None
+
+    cfg = compose(["fault=torchft", "train.log_every=10"])
+    pm = keep_selected(make_plugin_manager(cfg), cfg)
+    pm.register(Peer())
+    progress.step = 0
+    received = pm.hook.plait_sync_replicas(cfg=cfg, engine=None, state=None, topology=None)
+    assert received.step == 27 and progress.step == 27
