@@ -137,11 +137,15 @@ def shard(cfg, model: nn.Module, topology) -> nn.Module:
     edp_mesh = expert_data_parallel_mesh(topology) if experts else None
     plan = [(expert, edp_mesh) for expert in experts]
     plan += [(unit, mesh) for root in stage_roots(model) for unit in units(root)]
+    # None: torch's own rule, what a plain fully_shard user gets: every unit reshards after its
+    # forward except the root, whose parameters (embedding, final norm, head) the backward needs
+    # first (it prefetches them at once: freeing them only bought an all-gather per step)
+    reshard = None if cfg.strategy.reshard_after_forward else False
     for unit, unit_mesh in plan:
         fully_shard(
             unit,
             mesh=unit_mesh,
-            reshard_after_forward=cfg.strategy.reshard_after_forward,
+            reshard_after_forward=reshard,
             mp_policy=mixed_precision(cfg),
             offload_policy=offload,
         )
