@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -134,12 +135,23 @@ class PipelineEngine:
 
     def _reduce_loss(self, loss: torch.Tensor) -> float:
         """The last stage's loss (zero on the others) to every rank, averaged over dp x cp."""
+        return self._start_loss_reduction(loss)()
+
+    def _start_loss_reduction(self, loss: torch.Tensor) -> Callable[[], float]:
+        """Start :meth:`_reduce_loss`; call the result for the float. The sum over the stages
+        runs while the step goes on (as the base step's ``mean_over``): not one more point
+        where every stage waits for the others."""
         loss = loss.detach().to(self.device, torch.float32)
-        dist.all_reduce(loss, group=self.pp_group)
-        if self.dp_size > 1:
-            dist.all_reduce(loss, group=self.dp_group)
-            loss = loss / self.dp_size
-        return loss.item()
+        work = dist.all_reduce(loss, group=self.pp_group, async_op=True)
+
+        def wait() -> float:
+            work.wait()
+            if self.dp_size > 1:
+                dist.all_reduce(loss, group=self.dp_group)
+                return (loss / self.dp_size).item()
+            return loss.item()
+
+        return wait
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepOutput:
         set_lr(self.optimizer, lr)
@@ -161,9 +173,9 @@ class PipelineEngine:
                 **kwargs,
             )
         local_loss = torch.stack(losses).mean() / scale if self.has_last else torch.zeros(())
-        loss = self._reduce_loss(local_loss.clone())  # reduced in place
+        reduced_loss = self._start_loss_reduction(local_loss.clone())  # read after the step
         if self.inner_steps:  # the strategy reduces and steps (ZeRO, FSDP)
-            loss = average_value(self.replicas, loss, self.device)
+            loss = average_value(self.replicas, reduced_loss(), self.device)
             return self.inner.step_after_backward(loss, local_loss.detach())
         if self.dp_size > 1:
             dense = [p for p in self.model.parameters() if not is_expert(p)]
@@ -171,9 +183,9 @@ class PipelineEngine:
             if self.ep > 1:
                 average_expert_gradients(self.model.parameters(), self.edp_group, self.dp_size)
         if self.replicas is not None:  # the loss averaged over the groups with the gradients
-            over_groups = torch.tensor([loss], dtype=torch.float32, device=self.device)
+            over_groups = torch.tensor([reduced_loss()], dtype=torch.float32, device=self.device)
             self.replica_gradients.average(self.replicas, self.model.parameters(), over_groups)
-            loss = float(over_groups)
+            reduced_loss = functools.partial(float, over_groups)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, self.shard_groups)
@@ -188,7 +200,9 @@ class PipelineEngine:
             self.optimizer.step()
         metrics = self._update_loss_scale(scale, overflow) if self.scaler else {}
         self.replica_gradients.zero_grad(self.optimizer)
-        return StepOutput(loss=loss, grad_norm=grad_norm.item(), skipped=skipped, metrics=metrics)
+        return StepOutput(
+            loss=reduced_loss(), grad_norm=grad_norm.item(), skipped=skipped, metrics=metrics
+        )
 
     def _update_loss_scale(self, scale: float, overflow: bool) -> dict[str, float]:
         """The same metrics as the DDP engine's; its ``skipped_steps`` is checkpointed."""
