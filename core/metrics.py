@@ -6,6 +6,7 @@ so a straggler shows in the logged max while only the logging rank logs.
 
 from __future__ import annotations
 
+import pickle
 import resource
 import time
 
@@ -15,6 +16,10 @@ from omegaconf import DictConfig
 
 from plait.topology import Topology
 from plait.types import StepOutput
+
+# One rank's pickled figures in a logged step's all-gather (a GPT's are about 1 KiB; more
+# go through all_gather_object)
+GATHER_BYTES = 8192
 
 # Dense bf16 peak FLOP/s of one device, by the name CUDA reports (vendor data sheets).
 PEAK_BF16_FLOPS = {
@@ -138,14 +143,33 @@ class StepMeter:
 
     def _gather(self, mine: dict) -> dict[int, dict]:
         """Every rank's figures by global rank (one all-gather over the step group). Objects,
-        not a tensor: ranks may time different phases (a pipeline stage, an offloading
-        optimizer), and tensors of unequal length would mismatch the collective."""
+        not a tensor of figures: ranks may time different phases (a pipeline stage, an
+        offloading optimizer). Each rank's pickled figures travel in a buffer of the same fixed
+        size (:data:`GATHER_BYTES`), so one all-gather does it where ``all_gather_object`` needs
+        two (the sizes first); a rank whose figures do not fit says so in its buffer's header
+        and every rank then gathers objects."""
         group = self.topology.step_group
         ranks = (
             dist.get_process_group_ranks(group)
             if group is not None
             else list(range(dist.get_world_size()))
         )
-        rows: list = [None] * len(ranks)
-        dist.all_gather_object(rows, mine, group=group)
+        payload = pickle.dumps(mine)
+        device = dist.distributed_c10d._get_object_coll_device(group)
+        buffer = torch.zeros(GATHER_BYTES, dtype=torch.uint8)
+        fits = len(payload) <= GATHER_BYTES - 8
+        buffer[:8] = torch.tensor([len(payload) if fits else -1]).view(torch.uint8)
+        if fits:
+            buffer[8 : 8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        buffer = buffer.to(device)
+        gathered = [torch.empty_like(buffer) for _ in ranks]
+        dist.all_gather(gathered, buffer, group=group)
+        rows: list = []
+        for row in (g.cpu() for g in gathered):
+            size = int(row[:8].view(torch.int64))
+            if size < 0:  # some rank's figures are too large for the buffer
+                rows = [None] * len(ranks)
+                dist.all_gather_object(rows, mine, group=group)
+                break
+            rows.append(pickle.loads(row[8 : 8 + size].numpy().tobytes()))
         return dict(zip(ranks, rows))
