@@ -265,3 +265,36 @@ def test_fsdp_resumes_from_its_own_checkpoint_exactly(tmp_path):
     got = {m["step"]: m["loss"] for m in read_metrics(resumed)}
     assert sorted(got) == [5, 6, 7, 8]
     assert [got[s] for s in got] == [want[s] for s in got]
+
+
+def _gathered_after_forward(rank, world_size, out):
+    import types
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from plait.plugins.fsdp.materialize import shard
+    from plait.plugins.models.gpt import GPT
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    dims = types.SimpleNamespace(replica_groups=1, ep=1, dp_cp=world_size)
+    topology = types.SimpleNamespace(dims=dims, dp_cp_mesh=lambda: mesh)
+    model = shard(compose(["strategy=fsdp"]), GPT(n_layer=2, n_head=2, n_embd=32), topology)
+    model(torch.randint(0, 256, (2, 16))).sum()  # a forward: its backward would come next
+    if rank == 0:
+        kept = {name: not isinstance(p, DTensor) for name, p in model.named_parameters()}
+        Path(out).write_text(json.dumps(kept))
+
+
+@pytest.mark.slow
+def test_the_root_keeps_its_parameters_gathered_from_forward_to_backward(tmp_path):
+    """As ``fully_shard``'s default (and the plain loop in scripts/parity_loops.py): every block
+    frees its gathered parameters after its forward, the root (embedding, final norm, head), whose
+    parameters the backward needs first, keeps them instead of gathering them again."""
+    from plait.testing import spawn
+
+    out = tmp_path / "kept.json"
+    spawn(_gathered_after_forward, 2, str(out))
+    kept = json.loads(out.read_text())
+    assert {n for n, k in kept.items() if k} == {n for n in kept if not n.startswith("blocks.")}
