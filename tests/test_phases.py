@@ -87,6 +87,23 @@ def test_a_compiled_model_is_timed_at_every_timed_step():
     )
 
 
+def test_a_schedule_that_calls_the_stages_parts_times_only_the_optimizer_and_the_rest():
+    """Under a pipeline the schedule calls the stages' parts, not the model: its forward hooks
+    never run, its parameters' gradient hooks do. The backward then has no start to be measured
+    from (it read ``perf_counter()`` since boot, ~28,000 s, on every logged pp2 step), so it is
+    not measured: forward and backward 0, the whole step outside the optimizer in comm_wait_s."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock = PhaseClock(model, optimizer, torch.device("cpu"))
+    parts = engine_step(lambda x: model.b(torch.relu(model.a(x))), optimizer)
+    progress.grads = 0
+    [out] = steps(clock, parts, 1, [torch.randn(8, 64)] * 2)
+    assert out.timings["forward_s"] == 0 and out.timings["backward_s"] == 0
+    assert 0 < out.timings["comm_wait_s"] < 60 and "compute_s" not in out.timings
+    assert progress.grads == 8  # the watchdog still counts gradients (no forward resets it)
+
+
 def test_a_replica_group_that_recovered_from_a_peer_times_the_logged_steps_the_others_do():
     """fault=torchft: a restarted group receives a peer's state (``plait_sync_replicas``) instead
     of loading a checkpoint; its step timing continues at the peer's step, so it takes part in

@@ -217,12 +217,14 @@ class PhaseClock:
         return out
 
     def _close_backward(self) -> None:
-        if self._last_grad is not None:
+        """Count the backward since the last forward; none where no forward was seen (a
+        pipeline's schedule: its gradients arrive with no forward end to measure from)."""
+        if self._last_grad is not None and self.forwards:
             if self.work.at_backward_end:
                 self._work_last_grad = self.work.stamp()
             self.sums["backward_s"] += self._last_grad - self._forward_ended
             self.intervals.append((self._work_forward_ended, self._work_last_grad))
-            self._last_grad = self._work_last_grad = None
+        self._last_grad = self._work_last_grad = None
 
     def _forward_start(self, module, args) -> None:
         if self.inside and torch.is_grad_enabled():
