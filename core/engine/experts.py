@@ -40,7 +40,8 @@ def expert_names(model: torch.nn.Module) -> list[str]:
 
 def average_expert_gradients(params: Iterable[torch.Tensor], edp_group, dp_size: int) -> None:
     """``g = Σ_edp g / dp`` for the expert parameters among ``params``, one flat all-reduce per
-    dtype (every rank of the group calls this with the same parameters in the same order)."""
+    dtype (every rank of the group calls this with the same parameters in the same order); where
+    the group is this rank alone (``ep == dp``), one foreach division in place, no copy."""
     grads = []
     for p in params:
         if not is_expert(p):
@@ -48,11 +49,14 @@ def average_expert_gradients(params: Iterable[torch.Tensor], edp_group, dp_size:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
+    if dist.get_world_size(edp_group) == 1:
+        if grads:
+            torch._foreach_div_(grads, dp_size)
+        return
     for dtype in sorted({g.dtype for g in grads}, key=str):
         same = [g for g in grads if g.dtype == dtype]
         flat = _flatten_dense_tensors(same)
-        if dist.get_world_size(edp_group) > 1:
-            dist.all_reduce(flat, group=edp_group)
+        dist.all_reduce(flat, group=edp_group)
         flat.div_(dp_size)
         for grad, value in zip(same, _unflatten_dense_tensors(flat, same)):
             grad.copy_(value)
