@@ -360,10 +360,14 @@ def measure(args, rows: list[str], root: Path) -> dict[str, dict]:
             order = ("plait", "plain") if repeat % 2 == 0 else ("plain", "plait")
             for side in order:
                 name = f"{row.replace('+', '_')}-{side}-{repeat}"
+                env = envs[side]
+                if args.profile:
+                    args.profile.mkdir(parents=True, exist_ok=True)
+                    env = {**env, "PARITY_PROFILE": str(args.profile / f"{name}.txt")}
                 if side == "plait":
-                    got = run_plait(args, row, root, name, envs["plait"])
+                    got = run_plait(args, row, root, name, env)
                 else:
-                    got = run_plain(args, row, root, name, envs["plain"], specs[row])
+                    got = run_plain(args, row, root, name, env, specs[row])
                 results[row][side].append(got)
                 if not args.check_losses:
                     print(
@@ -450,6 +454,11 @@ def main() -> int:
         nargs="*",
         default=[],
         help="more overrides for plait's side of every row (e.g. train.log_every=10)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="write rank 0's torch.profiler operator table of steps 10-20 per run into this folder",
     )
     parser.add_argument("--check-losses", action="store_true")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest relative loss gap")

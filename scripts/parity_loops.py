@@ -45,16 +45,42 @@ import torch.nn.functional as F
 from plait import hookimpl
 
 
+class StepProfile:
+    """With ``$PARITY_PROFILE`` set (``bench_parity.py --profile DIR``): torch.profiler on rank
+    0 over ``PARITY_PROFILE_STEPS`` steps after the first 10, its operator table (by self CPU
+    time) written to that path; both sides of a row profiled the same way."""
+
+    def __init__(self) -> None:
+        self.path = os.environ.get("PARITY_PROFILE")
+        self.first = 10
+        self.last = self.first + int(os.environ.get("PARITY_PROFILE_STEPS", "10"))
+        self.profiler = None
+
+    def step(self, finished: int) -> None:
+        if not self.path:
+            return
+        if finished == self.first:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profiler.__enter__()
+        elif finished == self.last and self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+            table = self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=80)
+            Path(self.path).write_text(f"steps {self.first}..{self.last} on rank 0\n{table}\n")
+            self.profiler = None
+
+
 class ParityClock:
     """plait's side of the record: rank 0's wall clock and its process's CPU time at the end of
     each step, written at the end of the run to ``$PARITY_CLOCK`` (nothing during the steps)."""
 
     def __init__(self) -> None:
         self.ends: list[float] = []
+        self.profile = StepProfile()
 
     @hookimpl
     def plait_on_step_end(self, step) -> None:
         self.ends.append((time.time(), time.process_time()))
+        self.profile.step(len(self.ends))
 
     @hookimpl
     def plait_on_run_end(self) -> None:
@@ -149,10 +175,13 @@ class Record:
     def __init__(self, spec: dict):
         self.spec, self.ends, self.losses = spec, [], []
         self.rank = dist.get_rank()
+        self.profile = StepProfile() if self.rank == 0 else None
 
     def step(self, loss: float | None) -> None:
         self.ends.append((time.time(), time.process_time()))
         self.losses.append(loss)
+        if self.profile is not None:
+            self.profile.step(len(self.ends))
 
     def close(self) -> None:
         if self.rank == 0:
