@@ -38,7 +38,10 @@ class TrainConfig:
     grad_accum_steps: int = 1
     seq_len: int = 64
     grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
-    log_every: int = 1
+    # console, metrics file and tracker every N steps and the last; the per-rank figures
+    # (a gather) and phase timing on those steps only (torchtitan's log_freq, DeepSpeed's
+    # steps_per_print: 10)
+    log_every: int = 10
     eval_every: int = 0  # 0: no evaluation
     eval_batches: int = 4
     # End this job after this step (checkpointed, evaluated) while the schedule still spans

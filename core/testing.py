@@ -33,6 +33,7 @@ TEST_OVERRIDES = (
     "train.seq_len=32",
     "optimizer.warmup_steps=2",
     "device=cpu",
+    "train.log_every=1",  # every step in metrics.jsonl: what a test compares step by step
 )
 
 
