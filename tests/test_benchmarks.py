@@ -61,6 +61,25 @@ SMOKE = {
         ],
         ["async save: blocks for", "reshard load (tp=1 -> tp=2)"],
     ),
+    "bench_checkpoint_cgroup": (
+        [
+            "--layouts",
+            "fsdp",
+            "--nproc",
+            "2",
+            "--n-layer",
+            "1",
+            "--n-embd",
+            "32",
+            "--n-head",
+            "2",
+            "--steps",
+            "1",
+            "--cap",
+            "1.5",  # a smoke run: the tiny job's start-up varies more than 5%
+        ],
+        ["| fsdp |"],
+    ),
     "bench_comm": (
         [
             "--nproc-per-node",
@@ -399,6 +418,8 @@ SMOKE = {
 
 
 def skip_reason(script: str) -> str | None:
+    if script == "bench_checkpoint_cgroup" and os.geteuid() != 0:
+        return "bench_checkpoint_cgroup makes memory cgroups: needs root"
     if script == "bench_comm":
         reason = can_make_namespaces()
         return f"bench_comm runs its nodes in network namespaces: {reason}" if reason else None
