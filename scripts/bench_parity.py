@@ -388,10 +388,11 @@ def print_table(args, results: dict[str, dict]) -> None:
         f"{args.allocator}; medians of {args.repeats} interleaved repeats\n"
     )
     print(
-        "| row | step s plait | step s plain | speed plain/plait | CPU s/step plait | plain | x "
+        "| row | step s plait | step s plain | speed plain/plait | pairs: median (range) "
+        "| CPU s/step plait | plain | x "
         "| first step s plait | plain | x | peak MiB plait | plain | x | load before / after |"
     )
-    print("| --- |" + " ---: |" * 12 + " --- |")
+    print("| --- |" + " ---: |" * 13 + " --- |")
     for row, got in results.items():
         med = {
             side: {
@@ -405,8 +406,13 @@ def print_table(args, results: dict[str, dict]) -> None:
             for side in ("plait", "plain")
         }
         a, b = med["plait"], med["plain"]
+        pairs = sorted(
+            steady(theirs["ends"], args.warmup) / steady(ours["ends"], args.warmup)
+            for ours, theirs in zip(got["plait"], got["plain"])
+        )
         print(
             f"| {row} | {a['step']:.4f} | {b['step']:.4f} | {b['step'] / a['step']:.3f} "
+            f"| {statistics.median(pairs):.3f} ({pairs[0]:.3f}-{pairs[-1]:.3f}) "
             f"| {a['cpu']:.4f} | {b['cpu']:.4f} | {a['cpu'] / b['cpu']:.3f} "
             f"| {a['first']:.2f} | {b['first']:.2f} | {a['first'] / b['first']:.2f} "
             f"| {a['peak'] / MIB:.0f} | {b['peak'] / MIB:.0f} | {a['peak'] / b['peak']:.3f} "
