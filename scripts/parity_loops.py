@@ -61,9 +61,9 @@ class StepProfile:
             return
         if finished == self.first:
             self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            self.profiler.__enter__()
+            self.profiler.start()
         elif finished == self.last and self.profiler is not None:
-            self.profiler.__exit__(None, None, None)
+            self.profiler.stop()
             table = self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=80)
             Path(self.path).write_text(f"steps {self.first}..{self.last} on rank 0\n{table}\n")
             self.profiler = None
