@@ -334,6 +334,14 @@ class ReplicaSync(Protocol):
         """Average ``tensor`` in place over the same rank of every group in the step's quorum
         (the sum divided by their number); returns it."""
 
+    def participants(self) -> int:
+        """How many groups the step's quorum admits (known once the step's quorum is formed,
+        before its backward)."""
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` in place over the same rank of every group in the step's quorum (for
+        a caller that divided it by :meth:`participants` in a pass of its own); returns it."""
+
     def commit(self, ok: bool) -> bool:
         """Whether this group takes the step: ``ok`` is this rank's verdict (no guard skipped
         it), agreed over the group's ranks and with the quorum's health (a group whose

@@ -9,7 +9,8 @@ a recovering group takes part in the very step it recovers in)::
                           (torchft's ProcessGroupGloo / ProcessGroupNCCL) reconfigured on a change;
                           a group behind the quorum's highest step fetches the peer's state
     allreduce(grads)      after the strategy's own reduction inside the group: the sum over the
-                          quorum's groups divided by their number (torchft's normalization)
+                          quorum's groups of each gradient divided by their number (torchft's
+                          normalization; the engine divides as it fills the buffer, sum())
     should_commit()       every rank of the group and the quorum's health agree; a failed
                           collective (a peer died in the step) makes the step not taken
 
@@ -153,6 +154,13 @@ class ReplicaGroups:
 
     def average(self, tensor: torch.Tensor) -> torch.Tensor:
         self.manager.allreduce(tensor).wait()
+        return tensor
+
+    def participants(self) -> int:
+        return self.manager.num_participants()
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM).wait()
         return tensor
 
     def commit(self, ok: bool) -> bool:
