@@ -2,8 +2,9 @@
 # Set up (scripts/setup.sh with the test, hf, ray, kubernetes, eval and torchft extras, and the
 # system packages only tests use) and run the whole test suite; extra arguments go to pytest.
 #
-#     ./scripts/test.sh                      # what .ci/run runs
-#     ./scripts/test.sh tests/test_ddp.py    # one file
+#     ./scripts/test.sh                      # what .ci/run runs: the suite on 2 workers, then
+#                                            # the tests marked alone (timing) by themselves
+#     ./scripts/test.sh tests/test_ddp.py    # one file (one process; add -n 2 for two)
 #
 # System packages, where this runs as root with apt-get (elsewhere the tests that need them skip,
 # saying why): SLURM and munge for tests/test_slurm.py (a controller and a node daemon on
@@ -26,4 +27,12 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
 fi
 . .venv/bin/activate
 export DS_ACCELERATOR=cpu
-exec python -m pytest -q --durations=25 "$@"
+if [ $# -gt 0 ]; then
+  exec python -m pytest -q --durations=25 "$@"
+fi
+# The whole suite: two workers (pytest-xdist; a test file's tests on one of them), then the tests
+# that assert on timing (marked alone) with nothing beside them.
+failed=0
+python -m pytest -q -n 2 --dist loadgroup -m "not alone" --durations=25 || failed=$?
+python -m pytest -q -m alone --durations=10 || failed=$?
+exit "$failed"

@@ -31,6 +31,7 @@ import shutil
 import signal
 import site
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -222,6 +223,16 @@ def test_the_operators_variables_become_the_launchers_settings():
     }
 
 
+@pytest.fixture
+def short_tmp():
+    """A directory with a short path, for the pods' ``TMPDIR``: multiprocessing's forkserver
+    puts its socket there, and a UNIX socket's path has at most 107 bytes (a pytest-xdist
+    worker's ``tmp_path`` is too long for it), as a pod's ``/tmp`` has."""
+    path = Path(tempfile.mkdtemp(prefix="pods-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def pod_env(
     manifest: dict, node_rank: int, nnodes: int, nproc: int, port: int, tmp: Path
 ) -> dict[str, str]:
@@ -233,7 +244,7 @@ def pod_env(
         "PATH": os.environ["PATH"],
         "HOME": os.environ.get("HOME", "/root"),
         "DS_ACCELERATOR": "cpu",
-        "TMPDIR": str(tmp / f"pod{node_rank}"),
+        "TMPDIR": str(tmp / f"pod{node_rank}"),  # short: forkserver's socket lives in it
         **own,
         "PET_NNODES": str(nnodes),
         "PET_NPROC_PER_NODE": str(nproc),
@@ -244,7 +255,9 @@ def pod_env(
 
 
 @pytest.mark.slow
-def test_the_manifests_command_in_two_pods_trains_like_the_local_launcher(tmp_path, capsys):
+def test_the_manifests_command_in_two_pods_trains_like_the_local_launcher(
+    tmp_path, capsys, short_tmp
+):
     reference = run_losses(tmp_path / "local", [*STEPS, "launcher.nproc_per_node=2"])
     manifest, _ = dry_run(
         tmp_path,
@@ -260,7 +273,7 @@ def test_the_manifests_command_in_two_pods_trains_like_the_local_launcher(tmp_pa
     pods = []
     try:
         for node_rank in range(2):
-            env = pod_env(manifest, node_rank, nnodes=2, nproc=1, port=port, tmp=tmp_path)
+            env = pod_env(manifest, node_rank, nnodes=2, nproc=1, port=port, tmp=short_tmp)
             Path(env["TMPDIR"]).mkdir()
             pods.append(
                 subprocess.Popen(

@@ -220,6 +220,7 @@ def global_batches(rows: Path, ranks: range, attempt: int) -> list[list[str]]:
     return [sorted(sum(step, [])) for step in zip(*per_rank)]
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 @needs_namespaces
 def test_exclude_takes_the_straggling_node_out_and_keeps_the_global_batch(tmp_path):

@@ -222,6 +222,7 @@ def async_run(tmp_path_factory):
     return run, log
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_async_fast_worker_is_not_held_back_by_the_slow_one(async_run):
     _, log = async_run
@@ -231,6 +232,7 @@ def test_async_fast_worker_is_not_held_back_by_the_slow_one(async_run):
     assert slow_pushes_meanwhile <= 6  # while the fast worker pushed 12, the slow one at most 6
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_async_servers_apply_no_update_older_than_the_bound(async_run):
     _, log = async_run
@@ -240,6 +242,7 @@ def test_async_servers_apply_no_update_older_than_the_bound(async_run):
     assert len(applied) == log[-1]["version"]
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_async_training_learns_and_reports_its_figures(async_run):
     run, _ = async_run

@@ -32,6 +32,9 @@ from plait.plugins.report import report
 from plait.plugins.report.compare import relative_difference
 from plait.testing import TEST_OVERRIDES, read_metrics, read_wandb_run, run_training
 
+# a straggler named or not: timing, run with nothing beside it (pyproject's ``alone``)
+pytestmark = pytest.mark.alone
+
 STEPS = 100
 RUN = [
     *TEST_OVERRIDES,

@@ -143,6 +143,7 @@ def equal_bit_for_bit(a: dict, b: dict) -> list[str]:
 # -- real processes -----------------------------------------------------------------------------
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
@@ -233,6 +234,7 @@ def test_a_killed_group_recovers_live_from_a_peer_while_the_other_goes_on(tmp_pa
         assert equal_bit_for_bit(mine, theirs) == []
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_exclude_drops_the_slow_group_from_the_quorum_and_the_others_go_on(tmp_path):
     """Replica group 1 computes every forward twice: it is named within the window, leaves the
