@@ -30,8 +30,8 @@ export DS_ACCELERATOR=cpu
 if [ $# -gt 0 ]; then
   exec python -m pytest -q --durations=25 "$@"
 fi
-# The whole suite: two workers (pytest-xdist; a test file's tests on one of them), then the tests
-# that assert on timing (marked alone) with nothing beside them.
+# The whole suite: two workers (pytest-xdist), then the tests marked alone (they assert on
+# timing, or run a Ray cluster: pyproject.toml's markers) with nothing beside them.
 failed=0
 python -m pytest -q -n 2 --dist loadgroup -m "not alone" --durations=25 || failed=$?
 python -m pytest -q -m alone --durations=10 || failed=$?

@@ -37,12 +37,11 @@ def no_gpu_unless_marked_cuda(request, monkeypatch):
 
 def pytest_collection_modifyitems(items):
     """``@pytest.mark.cuda(gpus=n)``: skip, saying why, where fewer than n GPUs (or no NCCL).
-    Under pytest-xdist (``-n 2 --dist loadgroup``, scripts/test.sh) a test file's tests run on
-    one worker, so that its module-scoped runs are made once, and every test that uses the
-    ``slurm`` fixture on one worker, so that one SLURM serves them all."""
+    Under pytest-xdist (``-n 2 --dist loadgroup``, scripts/test.sh) every test that uses the
+    ``slurm`` fixture runs on one worker, so that one SLURM serves them all."""
     for item in items:
-        uses_slurm = "slurm" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("slurm" if uses_slurm else item.module.__name__))
+        if "slurm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
     marked = [(item, item.get_closest_marker("cuda")) for item in items]
     marked = [(item, marker) for item, marker in marked if marker is not None]
     if not marked:
