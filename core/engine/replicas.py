@@ -31,7 +31,8 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 class ReplicaGradients:
     """Averages a rank's gradients over the replica groups of the step's quorum through one flat
     buffer per dtype (laid out on the first step from the gradients the backward made, again
-    should their shapes change), whose slots are the parameters' gradients until ``zero_grad``."""
+    should their shapes change), whose slots are the parameters' gradients until the next
+    ``zero_grad(set_to_none=True)``."""
 
     def __init__(self) -> None:
         self.buffers: dict[torch.dtype, torch.Tensor] = {}  # gradients, then the values' slots
@@ -92,10 +93,6 @@ class ReplicaGradients:
             self.slots.append(self.buffers[dtype][start : start + n].view(shape))
             offsets[dtype] = start + n
         self.layout, self.values_at = layout, offsets
-
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """The gradients to None for the next step (the backward makes fresh ones)."""
-        optimizer.zero_grad(set_to_none=True)
 
 
 def gradients(

@@ -189,7 +189,7 @@ class TorchEngine:
         if not skipped:
             self.optimizer_step()
         metrics = self.update_loss_scale() if self.scaler.is_enabled() else {}
-        self.replica_gradients.zero_grad(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, skipped, metrics
 
     def update_loss_scale(self) -> dict[str, float]:

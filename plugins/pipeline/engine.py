@@ -199,7 +199,7 @@ class PipelineEngine:
         if not (skipped or overflow):
             self.optimizer.step()
         metrics = self._update_loss_scale(scale, overflow) if self.scaler else {}
-        self.replica_gradients.zero_grad(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
         return StepOutput(
             loss=reduced_loss(), grad_norm=grad_norm.item(), skipped=skipped, metrics=metrics
         )
