@@ -35,13 +35,18 @@ def no_gpu_unless_marked_cuda(request, monkeypatch):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """``@pytest.mark.cuda(gpus=n)``: skip, saying why, where fewer than n GPUs (or no NCCL).
     Under pytest-xdist (``-n 2 --dist loadgroup``, scripts/test.sh) every test that uses the
-    ``slurm`` fixture runs on one worker, so that one SLURM serves them all."""
+    ``slurm`` fixture runs on one worker, so that one SLURM serves them all, and the tests of a
+    module that share a module-scoped fixture (its training runs) run on one worker, so that the
+    runs are made once and not once per worker."""
     for item in items:
         if "slurm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     marked = [(item, item.get_closest_marker("cuda")) for item in items]
     marked = [(item, marker) for item, marker in marked if marker is not None]
     if not marked:
@@ -58,6 +63,13 @@ def pytest_collection_modifyitems(items):
                     reason=f"needs {needed} CUDA GPU(s) with NCCL; this machine has {gpus}"
                 )
             )
+
+
+def uses_a_module_fixture(item) -> bool:
+    fixtures = getattr(item, "_fixtureinfo", None)
+    return fixtures is not None and any(
+        definitions[-1].scope == "module" for definitions in fixtures.name2fixturedefs.values()
+    )
 
 
 @pytest.fixture(scope="session")

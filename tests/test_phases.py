@@ -6,6 +6,8 @@ ran inside the compiled graph, so their CUDA events were made but never recorded
 cause on the CPU: a clock read inside traced code. A GPU test runs the CUDA clock
 (``tests/test_cuda.py`` marks such tests; this one runs anywhere)."""
 
+import statistics
+
 import pytest
 import torch
 
@@ -79,10 +81,12 @@ def test_a_compiled_model_is_timed_at_every_timed_step():
     finally:
         torch.set_num_threads(threads)
     # every forward was seen (the hooks ran, once per micro-batch) and its work counted: a
-    # step on 512x the rows costs more CPU time than the small one
+    # step on 512x the rows costs more CPU time than the small one (~15x), by the medians of the
+    # 3 steps: one small step at 3.4 ms of CPU against ~0.8 (once, in a suite worker beside
+    # another) must not decide it
     assert clock.forwards == 1
     assert all(o.timings["forward_s"] > 0 and o.timings["compute_s"] > 0 for o in small + large)
-    assert min(o.timings["compute_s"] for o in large) > 5 * max(
+    assert statistics.median(o.timings["compute_s"] for o in large) > 5 * statistics.median(
         o.timings["compute_s"] for o in small
     )
 
