@@ -35,7 +35,7 @@ def no_gpu_unless_marked_cuda(request, monkeypatch):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(items):
     """``@pytest.mark.cuda(gpus=n)``: skip, saying why, where fewer than n GPUs (or no NCCL).
     Under pytest-xdist (``-n 2 --dist loadgroup``, scripts/test.sh) every test that uses the
