@@ -25,6 +25,7 @@ from plait.topology.enumeration import (
     split_by_node,
 )
 from plait.topology.launcher_env import launcher_node_env, replica_group_env, restart_safe_store
+from plait.topology.one_rank import new_subgroup, one_rank_backend
 from plait.topology.roles import Roles
 
 
@@ -120,21 +121,28 @@ class Topology(DeprecatedGroupNames):
             grad_accum_steps=elastic_grad_accum_steps(cfg, dims, local_world_size),
         )
         groups = {}
+        backends = axis_backends(dims, device, len(trainers))
         if roles.single:  # today's layout, untouched: the default group is the trainer group
-            mesh = dist.init_device_mesh(device.type, mesh_shape(dims), mesh_dim_names=MESH_AXES)
+            mesh = dist.init_device_mesh(
+                device.type,
+                mesh_shape(dims),
+                mesh_dim_names=MESH_AXES,
+                backend_override={axis: b for axis, b in zip(MESH_AXES, backends) if b},
+            )
         else:  # every rank takes part in creating each group, members or not
             mesh = dist.DeviceMesh(
                 device.type,
                 torch.tensor(trainers).reshape(mesh_shape(dims)),
                 mesh_dim_names=MESH_AXES,
+                backend_override=tuple((b, None) for b in backends),
             )
             groups["trainer_group"] = groups["step_group"] = dist.new_group(trainers)
         if not roles.lockstep:
-            groups["step_group"] = dist.new_subgroups_by_enumeration([[r] for r in trainers])[0]
+            groups["step_group"] = new_subgroup([[r] for r in trainers], device)
         if dims.ep > 1:  # every rank takes part in creating each group
             ep_ranks, edp_ranks = expert_groups(dims, trainers)
-            groups["ep_group"] = dist.new_subgroups_by_enumeration(ep_ranks)[0]
-            groups["edp_group"] = dist.new_subgroups_by_enumeration(edp_ranks)[0]
+            groups["ep_group"] = new_subgroup(ep_ranks, device)
+            groups["edp_group"] = new_subgroup(edp_ranks, device)
         return cls(
             dims=dims,
             device=device,
@@ -192,9 +200,10 @@ class Topology(DeprecatedGroupNames):
         if "replica" not in self._groups:
             d = self.dims
             mesh = torch.tensor(self.trainer_ranks).reshape(mesh_shape(d))
-            self._groups["replica"] = dist.new_subgroups_by_enumeration(
-                [mesh[:, dp, cp].flatten().tolist() for dp in range(d.dp) for cp in range(d.cp)]
-            )[0]
+            self._groups["replica"] = new_subgroup(
+                [mesh[:, dp, cp].flatten().tolist() for dp in range(d.dp) for cp in range(d.cp)],
+                self.device,
+            )
         return self._groups["replica"]
 
     def axis_rank(self, axis: str) -> int:
@@ -290,6 +299,14 @@ class Topology(DeprecatedGroupNames):
     def describe(self) -> str:
         """This rank's place, for the start-up log."""
         return describe_rank(self)
+
+
+def axis_backends(dims: ParallelDims, device: torch.device, trainers: int) -> list[str | None]:
+    """Each mesh axis's backend (None: the job's own): a size-1 axis of a job of several
+    trainers holds one rank per group, made without a communicator (``one_rank``); in a job of
+    one, every axis spans the job and reuses its group."""
+    one_rank = one_rank_backend(device) if trainers > 1 else None
+    return [one_rank if size == 1 else None for size in mesh_shape(dims)]
 
 
 def gather_node_ranks(node_rank: int, device: torch.device) -> list[int]:
