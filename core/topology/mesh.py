@@ -121,7 +121,7 @@ class Topology(DeprecatedGroupNames):
             grad_accum_steps=elastic_grad_accum_steps(cfg, dims, local_world_size),
         )
         groups = {}
-        backends = axis_backends(dims, device, len(trainers))
+        backends = axis_backends(dims, device)
         if roles.single:  # today's layout, untouched: the default group is the trainer group
             mesh = dist.init_device_mesh(
                 device.type,
@@ -301,11 +301,11 @@ class Topology(DeprecatedGroupNames):
         return describe_rank(self)
 
 
-def axis_backends(dims: ParallelDims, device: torch.device, trainers: int) -> list[str | None]:
-    """Each mesh axis's backend (None: the job's own): a size-1 axis of a job of several
-    trainers holds one rank per group, made without a communicator (``one_rank``); in a job of
-    one, every axis spans the job and reuses its group."""
-    one_rank = one_rank_backend(device) if trainers > 1 else None
+def axis_backends(dims: ParallelDims, device: torch.device) -> list[str | None]:
+    """Each mesh axis's backend (None: the job's own): a size-1 axis holds one rank per group,
+    made without a communicator (``one_rank``), unless the job is one rank, whose every axis
+    spans the job and reuses its group (as ``new_subgroup`` decides for other groups)."""
+    one_rank = one_rank_backend(device) if dist.get_world_size() > 1 else None
     return [one_rank if size == 1 else None for size in mesh_shape(dims)]
 
 
