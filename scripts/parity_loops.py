@@ -48,7 +48,9 @@ from plait import hookimpl
 class StepProfile:
     """With ``$PARITY_PROFILE`` set (``bench_parity.py --profile DIR``): torch.profiler on rank
     0 over ``PARITY_PROFILE_STEPS`` steps after the first 10, its operator table (by self CPU
-    time) written to that path; both sides of a row profiled the same way."""
+    time) written to that path; both sides of a row profiled the same way. On CUDA the GPU's
+    kernels too, and the timeline beside the table (``<path>.trace.json``, Chrome's format):
+    where the GPU waits for the host between kernels."""
 
     def __init__(self) -> None:
         self.path = os.environ.get("PARITY_PROFILE")
@@ -60,12 +62,17 @@ class StepProfile:
         if not self.path:
             return
         if finished == self.first:
-            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.start()
         elif finished == self.last and self.profiler is not None:
             self.profiler.stop()
             table = self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=80)
             Path(self.path).write_text(f"steps {self.first}..{self.last} on rank 0\n{table}\n")
+            if torch.cuda.is_available():
+                self.profiler.export_chrome_trace(f"{self.path}.trace.json")
             self.profiler = None
 
 

@@ -46,14 +46,20 @@ def accumulate(
 ) -> torch.Tensor:
     """Backward of each micro-batch's loss divided by their number, so the summed gradients are
     those of the mean loss; ``sync(last)`` is entered around each micro-batch (gradient
-    synchronisation on the last one only). Returns this rank's mean loss, detached."""
+    synchronisation on the last one only). Returns this rank's mean loss, detached.
+
+    The sum stays on the loss's device: a host tensor copied there would make the host wait for
+    the backward to finish (a blocking copy to a GPU synchronises its stream), and the optimizer's
+    launch would no longer overlap the backward."""
     n = len(micro_batches)
-    total = torch.zeros((), dtype=torch.float32)
+    total: torch.Tensor | None = None
     for i, batch in enumerate(micro_batches):
         with sync(i == n - 1) if sync is not None else contextlib.nullcontext():
             loss = loss_of(batch)
             backward(loss / n)
-        total = total.to(loss.device) + loss.detach()
+        local = loss.detach().float()
+        total = local if total is None else total + local
+    assert total is not None, "a step has at least one micro-batch"
     return total / n
 
 
