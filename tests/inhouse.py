@@ -82,6 +82,59 @@ class RecordPlacement:
         return engine
 
 
+class RecordDeviceWaits:
+    """Where the host waits for the GPU inside the engine's step, on steps ``first`` to ``last``
+    of the run (torch's sync debug mode): for every synchronizing call, the names of the Python
+    functions on the stack, innermost last; one JSON line per step in ``<directory>/waits.jsonl``
+    (rank 0)."""
+
+    def __init__(self, directory, first: int, last: int):
+        self.directory, self.first, self.last = str(directory), first, last
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="record_device_waits")
+
+    @hookimpl(wrapper=True)
+    def plait_build_engine(self, topology):
+        engine = yield
+        if topology.rank == 0:
+            engine.train_step = self._watched(engine.train_step)
+        return engine
+
+    def _watched(self, step):
+        import traceback
+        import warnings
+
+        taken = itertools.count(1)
+
+        def train_step(micro_batches, lr):
+            if not self.first <= next(taken) <= self.last:
+                return step(micro_batches, lr=lr)
+            waits = []
+
+            def show(message, *args, **kwargs):
+                if "called a synchronizing" in str(message):  # not the mode's own notice
+                    stack = traceback.extract_stack()[:-1]  # this function's frame left out
+                    while stack and stack[-1].filename == warnings.__file__:
+                        stack.pop()  # the warnings module's own frames
+                    waits.append([frame.name for frame in stack])
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = show
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = step(micro_batches, lr=lr)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            with open(Path(self.directory, "waits.jsonl"), "a") as f:
+                f.write(json.dumps(waits) + "\n")
+            return out
+
+        return train_step
+
+
 def read_placements(directory) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(Path(directory).glob("placement_rank*.json"))]
 

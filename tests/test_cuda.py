@@ -5,6 +5,8 @@ The ``cuda`` tests run where GPUs are (``python -m pytest -m cuda``) and are ski
 reason elsewhere (see ``conftest.py``).
 """
 
+import json
+
 import inhouse
 import pytest
 import torch
@@ -32,6 +34,24 @@ def test_one_gpu_runs_nccl_and_bf16_tracks_fp32(tmp_path):
     assert bf16 == pytest.approx(fp32, rel=2e-2)
     assert bf16 != fp32
     assert fp32[-1] < fp32[0]
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+def test_the_host_waits_for_the_gpu_only_at_the_guard_and_the_loss_read(tmp_path):
+    """In a step the host may wait for the GPU where it must: the step guard's verdict (before
+    the optimizer step) and the loss and norm read at the end. A wait anywhere else stops the
+    launches that overlap the backward (a blocking copy after backward cost 3 ms of a 50 ms GPT-2
+    step on an H200: docs/benchmarks.md)."""
+    run_losses(
+        tmp_path / "run",
+        [*STEPS, "launcher.nproc_per_node=1", "precision=bf16", "train.log_every=100"],
+        plugins=[inhouse.RecordDeviceWaits(tmp_path, first=3, last=6)],  # not the logged last
+    )
+    steps = [json.loads(line) for line in (tmp_path / "waits.jsonl").read_text().splitlines()]
+    assert len(steps) == 4
+    for waits in steps:
+        assert [stack[-1] for stack in waits] == ["plait_check_step", "train_step", "train_step"]
 
 
 @pytest.mark.slow
