@@ -10,6 +10,8 @@ import json
 import os
 import signal
 import sys
+import traceback
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -103,9 +105,6 @@ class RecordDeviceWaits:
         return engine
 
     def _watched(self, step):
-        import traceback
-        import warnings
-
         taken = itertools.count(1)
 
         def train_step(micro_batches, lr):
