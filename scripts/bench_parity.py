@@ -41,7 +41,11 @@ that order or the reverse, alternating, ``--repeats`` times each (interleaved). 
 It prints one line per run, then the table of medians over the repeats with the ratios
 (plait / plain for time to first step and memory; plain / plait for step time, i.e. plait's
 speed relative to the plain loop: targets >= 0.97, <= 1.05 and <= 1.2 or within 3 s) and the
-load average (``uptime``) before each row's first run and after its last. ``--check-losses``
+load average (``uptime``) before each row's first run and after its last. The pairs column is the
+median of each repeat's two neighbouring runs' ratio, with a 95% bootstrap interval of that
+median. ``--control`` runs the plain loop a third time in each repeat (the three in rotation)
+and prints the same figures for plain against plain: the spread this host gives a layer that
+costs nothing. ``--check-losses``
 runs 5 steps of each row, every step logged, and prints both sides' losses and their largest
 relative difference (exit 1 above ``--tolerance``); the suite runs it at ``--tiny`` sizes
 (tests/test_parity.py).
@@ -57,6 +61,7 @@ import argparse
 import importlib.util
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -355,12 +360,16 @@ def measure(args, rows: list[str], root: Path) -> dict[str, dict]:
     specs = {
         row: plain_spec(args, row, plait_overrides(args, row, root / "compose")) for row in rows
     }
+    sides = ["plait", "plain", *(["control"] if args.control else [])]
+    for row in rows:
+        results[row]["control"] = []
     for repeat in range(args.repeats):
         for row in rows:
-            order = ("plait", "plain") if repeat % 2 == 0 else ("plain", "plait")
+            shift = repeat % len(sides)  # who goes first rotates (with two: alternates)
+            order = sides[shift:] + sides[:shift]
             for side in order:
                 name = f"{row.replace('+', '_')}-{side}-{repeat}"
-                env = envs[side]
+                env = envs["plait" if side == "plait" else "plain"]
                 if args.profile:
                     args.profile.mkdir(parents=True, exist_ok=True)
                     env = {**env, "PARITY_PROFILE": str(args.profile / f"{name}.txt")}
@@ -387,12 +396,13 @@ def print_table(args, results: dict[str, dict]) -> None:
         f"{args.batch_size} x {args.seq_len}, {args.steps} steps ({args.warmup} warm-up), allocator "
         f"{args.allocator}; medians of {args.repeats} interleaved repeats\n"
     )
+    control_column = " control plain/plain: median [95%] (range) |" if args.control else ""
     print(
-        "| row | step s plait | step s plain | speed plain/plait | pairs: median (range) "
+        "| row | step s plait | step s plain | speed plain/plait | pairs: median [95%] (range) "
         "| CPU s/step plait | plain | x "
-        "| first step s plait | plain | x | peak MiB plait | plain | x | load before / after |"
+        f"| first step s plait | plain | x | peak MiB plait | plain | x | load before / after |{control_column}"
     )
-    print("| --- |" + " ---: |" * 13 + " --- |")
+    print("| --- |" + " ---: |" * 13 + " --- |" + " ---: |" * args.control)
     for row, got in results.items():
         med = {
             side: {
@@ -406,19 +416,44 @@ def print_table(args, results: dict[str, dict]) -> None:
             for side in ("plait", "plain")
         }
         a, b = med["plait"], med["plain"]
-        pairs = sorted(
-            steady(theirs["ends"], args.warmup) / steady(ours["ends"], args.warmup)
-            for ours, theirs in zip(got["plait"], got["plain"])
-        )
+        pairs = pair_ratios(args, got["plain"], got["plait"])
+        control = pair_ratios(args, got["plain"], got["control"])
         print(
             f"| {row} | {a['step']:.4f} | {b['step']:.4f} | {b['step'] / a['step']:.3f} "
-            f"| {statistics.median(pairs):.3f} ({pairs[0]:.3f}-{pairs[-1]:.3f}) "
+            f"| {summary(pairs)} "
             f"| {a['cpu']:.4f} | {b['cpu']:.4f} | {a['cpu'] / b['cpu']:.3f} "
             f"| {a['first']:.2f} | {b['first']:.2f} | {a['first'] / b['first']:.2f} "
             f"| {a['peak'] / MIB:.0f} | {b['peak'] / MIB:.0f} | {a['peak'] / b['peak']:.3f} "
-            f"| {got['load_before']} / {got['load_after']} |",
+            f"| {got['load_before']} / {got['load_after']} |"
+            + (f" {summary(control)} |" if control else ""),
             flush=True,
         )
+
+
+def pair_ratios(args, numerators: list[dict], denominators: list[dict]) -> list[float]:
+    """Each repeat's steady step time of one side over the other's: runs next to each other in
+    time, so that the host's slow and fast spells mostly fall on both."""
+    return [
+        steady(top["ends"], args.warmup) / steady(bottom["ends"], args.warmup)
+        for top, bottom in zip(numerators, denominators)
+    ]
+
+
+def median_interval(values: list[float], rounds: int = 2000) -> tuple[float, float]:
+    """A 95% percentile-bootstrap interval of the median of ``values`` (seeded: the same
+    values give the same interval)."""
+    draw = random.Random(0)
+    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(rounds))
+    return medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
+
+
+def summary(ratios: list[float]) -> str:
+    """``median [95% interval] (smallest-largest)``."""
+    low, high = median_interval(ratios)
+    return (
+        f"{statistics.median(ratios):.3f} [{low:.3f}-{high:.3f}] "
+        f"({min(ratios):.3f}-{max(ratios):.3f})"
+    )
 
 
 def check_losses(args, results: dict[str, dict]) -> bool:
@@ -465,6 +500,11 @@ def main() -> int:
         "--profile",
         type=Path,
         help="write rank 0's torch.profiler operator table of steps 10-20 per run into this folder",
+    )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="run the plain loop a second time in each repeat: plain against plain, the noise",
     )
     parser.add_argument("--check-losses", action="store_true")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest relative loss gap")

@@ -249,8 +249,19 @@ SMOKE = {
         ["plait ", "ratio "],
     ),
     "bench_parity": (
-        ["--tiny", "--rows", "fsdp", "--repeats", "1", "--steps", "3", "--warmup", "1"],
-        ["| fsdp |", "speed plain/plait"],
+        [
+            "--tiny",
+            "--rows",
+            "fsdp",
+            "--repeats",
+            "1",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--control",
+        ],
+        ["| fsdp |", "speed plain/plait", "control plain/plain"],
     ),
     "bench_pipeline": (
         [
