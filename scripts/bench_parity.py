@@ -5,6 +5,7 @@ the command to the first finished step, and the whole job's peak memory, each as
     DS_ACCELERATOR=cpu python scripts/bench_parity.py --rows ddp fsdp --repeats 5 --steps 30
     DS_ACCELERATOR=cpu python scripts/bench_parity.py --check-losses --tiny   # losses only
     python scripts/bench_parity.py --device cuda                     # one GPU: GPT-2 small, bf16
+    DS_ACCELERATOR=cpu python scripts/bench_parity.py --rows cp2 --steps 200 --alternate 5
 
 Rows (``--rows``; plait's override | the plain loop, ``scripts/parity_loops.py``)::
 
@@ -41,14 +42,16 @@ that order or the reverse, alternating, ``--repeats`` times each (interleaved). 
 It prints one line per run, then the table of medians over the repeats with the ratios
 (plait / plain for time to first step and memory; plain / plait for step time, i.e. plait's
 speed relative to the plain loop: targets >= 0.97, <= 1.05 and <= 1.2 or within 3 s) and the
-load average (``uptime``) before each row's first run and after its last. The pairs column is the
-median of each repeat's two neighbouring runs' ratio, with a 95% bootstrap interval of that
-median. ``--control`` runs the plain loop a third time in each repeat (the three in rotation)
-and prints the same figures for plain against plain: the spread this host gives a layer that
-costs nothing. ``--check-losses``
-runs 5 steps of each row, every step logged, and prints both sides' losses and their largest
-relative difference (exit 1 above ``--tolerance``); the suite runs it at ``--tiny`` sizes
-(tests/test_parity.py).
+load average (``uptime``) before each row's first run and after its last. The pairs column is
+the median of each repeat's ratio of its two neighbouring runs, with a 95% bootstrap interval of
+that median. ``--control`` runs the plain loop a third time in each repeat (the three in
+rotation) and prints the same figures for plain against plain: the spread this host gives a
+layer that costs nothing. ``--alternate SECONDS`` (root, CPU): the sides of a row run at once and
+take turns of that many seconds on the cores, the others frozen (:mod:`parity_alternate`), so
+that the host's slow and fast spells fall on all of them; the step time is then measured per
+turn. ``--check-losses`` runs 5 steps of each row, every step logged, and prints both sides'
+losses and their largest relative difference (exit 1 above ``--tolerance``); the suite runs it
+at ``--tiny`` sizes (tests/test_parity.py).
 
 On CUDA (``--device cuda``) the defaults are GPT-2 small (``model=gpt2_small``), bf16, batch 16
 x 1024, one process, rows ddp zero1 zero2 zero3 fsdp; a row whose library is not installed is
@@ -71,6 +74,17 @@ import time
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS))
+from parity_alternate import (  # noqa: E402
+    Freezer,
+    Turns,
+    freezer_problem,
+    neighbour_ratios,
+    read_clock,
+    take_turns,
+    turn_steps,
+)
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 ROWS = {
@@ -202,11 +216,15 @@ class JobMemory:
         self.sampled = 0
         self._stop = threading.Event()
 
+    @property
+    def procs(self) -> Path | None:
+        return None if self.group is None else self.group / "cgroup.procs"
+
     def prefix(self) -> list[str]:
         """Run the command inside the group (it joins before it execs)."""
         if self.group is None:
             return []
-        return ["sh", "-c", f'echo $$ > {self.group / "cgroup.procs"} && exec "$@"', "sh"]
+        return ["sh", "-c", f'echo $$ > {self.procs} && exec "$@"', "sh"]
 
     def sample(self, pid: int) -> None:
         if self.group is None:
@@ -281,26 +299,23 @@ def steady(ends: list[float], warmup: int) -> float:
     return statistics.median(gaps)
 
 
-def run_plait(args, row: str, root: Path, name: str, env: dict) -> dict:
-    run_dir = root / name
+def plait_command(args, row: str, root: Path, name: str, env: dict) -> tuple[list, dict, Path]:
+    """plait's side of a row: its command, environment and clock file."""
     clock = root / f"{name}.clock"
     command = [
         sys.executable,
         "-m",
         "plait",
         "train",
-        *plait_overrides(args, row, run_dir),
+        *plait_overrides(args, row, root / name),
         "+plugins=[parity_loops:clock]",
         *(["train.log_every=1"] if args.check_losses else []),
     ]
-    got = run(command, {**env, "PARITY_CLOCK": str(clock)}, name, clock)
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    got["losses"] = [m["loss"] for m in metrics]
-    got["device_peak"] = metrics[-1]["peak_memory_bytes/max"] if args.device == "cuda" else 0
-    return got
+    return command, {**env, "PARITY_CLOCK": str(clock)}, clock
 
 
-def run_plain(args, row: str, root: Path, name: str, env: dict, spec: dict) -> dict:
+def plain_command(args, root: Path, name: str, env: dict, spec: dict) -> tuple[list, dict, Path]:
+    """The plain loop's side of a row: its command, environment and clock file."""
     spec = {
         **spec,
         "clock": str(root / f"{name}.clock"),
@@ -317,15 +332,27 @@ def run_plain(args, row: str, root: Path, name: str, env: dict, spec: dict) -> d
         str(SCRIPTS / "parity_loops.py"),
         str(path),
     ]
-    got = run(command, env, name, Path(spec["clock"]))
+    return command, env, Path(spec["clock"])
+
+
+def run_plait(args, row: str, root: Path, name: str, env: dict) -> dict:
+    run_dir = root / name
+    command, env, clock = plait_command(args, row, root, name, env)
+    got = run(command, env, name, clock)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    got["losses"] = [m["loss"] for m in metrics]
+    got["device_peak"] = metrics[-1]["peak_memory_bytes/max"] if args.device == "cuda" else 0
+    return got
+
+
+def run_plain(args, row: str, root: Path, name: str, env: dict, spec: dict) -> dict:
+    command, env, clock = plain_command(args, root, name, env, spec)
+    got = run(command, env, name, clock)
     if args.check_losses:
-        ranks = [
-            json.loads(Path(f"{spec['losses']}.rank{r}").read_text()) for r in range(args.nproc)
-        ]
+        losses = root / f"{name}.losses"
+        ranks = [json.loads(Path(f"{losses}.rank{r}").read_text()) for r in range(args.nproc)]
         got["losses"] = [statistics.fmean(v for v in step if v is not None) for step in zip(*ranks)]
-    peaks = [
-        float(Path(f"{spec['clock']}.device_peak.rank{r}").read_text()) for r in range(args.nproc)
-    ]
+    peaks = [float(Path(f"{clock}.device_peak.rank{r}").read_text()) for r in range(args.nproc)]
     got["device_peak"] = max(peaks)
     return got
 
@@ -389,6 +416,90 @@ def measure(args, rows: list[str], root: Path) -> dict[str, dict]:
     return results
 
 
+def measure_alternating(args, rows: list[str], root: Path) -> dict[str, dict]:
+    """``--alternate``: each repeat starts every side of a row once, and they take turns on the
+    cores, ``args.alternate`` seconds each (:mod:`parity_alternate`)."""
+    envs = environment(args)
+    sides = ["plait", "plain", *(["control"] if args.control else [])]
+    results: dict[str, dict] = {}
+    for row in rows:
+        spec = plain_spec(args, row, plait_overrides(args, row, root / "compose"))
+        got = {side: {"turns": [], "cpu": [], "peak": []} for side in sides}
+        got["load_before"] = load()
+        for repeat in range(args.repeats):
+            jobs, memories, freezers = [], {}, {}
+            for side in sides[repeat % len(sides) :] + sides[: repeat % len(sides)]:
+                name = f"{row.replace('+', '_')}-{side}-{repeat}"
+                if side == "plait":
+                    command, env, clock = plait_command(args, row, root, name, envs["plait"])
+                else:
+                    command, env, clock = plain_command(args, root, name, envs["plain"], spec)
+                jobs.append(Turns(side, command, env, clock, root / f"{name}.log"))
+                memories[side] = JobMemory(name)
+                freezers[side] = Freezer(memories[side].group, name)
+            try:
+                take_turns(jobs, args.alternate, memories, freezers)
+                for job in jobs:
+                    ends, cpu = read_clock(job.clock)
+                    turns = turn_steps(ends, job.turns, args.warmup, ends)
+                    got[job.name]["turns"] += turns
+                    got[job.name]["cpu"] += turn_steps(ends, job.turns, args.warmup, cpu)
+                    got[job.name]["peak"].append(memories[job.name].peak())
+                    timed = [step for _, step in turns if step is not None]
+                    print(
+                        f"{row} {job.name} repeat {repeat}: {len(timed)} of {len(turns)} turns "
+                        f"timed, step {statistics.median(timed):.4f} s (load {load()})",
+                        flush=True,
+                    )
+            finally:
+                for side in sides:
+                    freezers[side].close()
+                    memories[side].close()
+        got["load_after"] = load()
+        results[row] = got
+    return results
+
+
+def print_alternating(args, results: dict[str, dict]) -> None:
+    print(
+        f"\n{args.device}, {args.nproc} process(es), {args.precision}, model "
+        f"{args.n_layer}x{args.n_embd}, batch {args.batch_size} x {args.seq_len}, {args.steps} "
+        f"steps ({args.warmup} warm-up), allocator {args.allocator}; {args.repeats} repeat(s), "
+        f"the sides taking turns of {args.alternate:g} s; step: median of the turns' medians\n"
+    )
+    control_column = " control plain/plain: median [95%] (range) |" if args.control else ""
+    print(
+        "| row | turns timed plait / plain | step s plait | step s plain "
+        "| speed plain/plait: turns median [95%] (range) | CPU s/step plait | plain | x "
+        f"| peak MiB plait | plain | x | load before / after |{control_column}"
+    )
+    print("| --- |" + " ---: |" * 10 + " --- |" + " ---: |" * args.control)
+    for row, got in results.items():
+        step = {side: timed(got[side]["turns"]) for side in ("plait", "plain")}
+        cpu = {side: timed(got[side]["cpu"]) for side in ("plait", "plain")}
+        peak = {side: statistics.median(got[side]["peak"]) for side in ("plait", "plain")}
+        ratios = neighbour_ratios(got["plain"]["turns"], got["plait"]["turns"])
+        a, b = statistics.median(step["plait"]), statistics.median(step["plain"])
+        ca, cb = statistics.median(cpu["plait"]), statistics.median(cpu["plain"])
+        control = (
+            f" {summary(neighbour_ratios(got['plain']['turns'], got['control']['turns']))} |"
+            if args.control
+            else ""
+        )
+        print(
+            f"| {row} | {len(step['plait'])} / {len(step['plain'])} | {a:.4f} | {b:.4f} "
+            f"| {summary(ratios)} | {ca:.4f} | {cb:.4f} | {ca / cb:.3f} "
+            f"| {peak['plait'] / MIB:.0f} | {peak['plain'] / MIB:.0f} "
+            f"| {peak['plait'] / peak['plain']:.3f} "
+            f"| {got['load_before']} / {got['load_after']} |{control}",
+            flush=True,
+        )
+
+
+def timed(turns: list[tuple[float, float | None]]) -> list[float]:
+    return [step for _, step in turns if step is not None]
+
+
 def print_table(args, results: dict[str, dict]) -> None:
     print(
         f"\n{args.device}, {args.nproc} process(es), {args.precision}, model "
@@ -399,8 +510,8 @@ def print_table(args, results: dict[str, dict]) -> None:
     control_column = " control plain/plain: median [95%] (range) |" if args.control else ""
     print(
         "| row | step s plait | step s plain | speed plain/plait | pairs: median [95%] (range) "
-        "| CPU s/step plait | plain | x "
-        f"| first step s plait | plain | x | peak MiB plait | plain | x | load before / after |{control_column}"
+        "| CPU s/step plait | plain | x | first step s plait | plain | x "
+        f"| peak MiB plait | plain | x | load before / after |{control_column}"
     )
     print("| --- |" + " ---: |" * 13 + " --- |" + " ---: |" * args.control)
     for row, got in results.items():
@@ -506,6 +617,13 @@ def main() -> int:
         action="store_true",
         help="run the plain loop a second time in each repeat: plain against plain, the noise",
     )
+    parser.add_argument(
+        "--alternate",
+        type=float,
+        metavar="SECONDS",
+        help="run a row's sides at once, taking turns of SECONDS on the cores (root; with "
+        "--steps 200 or so): the host's spells fall on both",
+    )
     parser.add_argument("--check-losses", action="store_true")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest relative loss gap")
     parser.add_argument("--tiny", action="store_true", help="1 layer x 32, batch 4 x 16")
@@ -538,6 +656,16 @@ def main() -> int:
         elif cuda and row not in GPU_ROWS:
             print(f"{row}: skipped (needs {2} processes; one GPU here)", flush=True)
             rows.remove(row)
+    if args.alternate:
+        problem = freezer_problem() or (
+            "--alternate times CPU rows (--device cpu)" if cuda else None
+        )
+        if problem:
+            print(f"bench_parity.py: {problem}", file=sys.stderr)
+            return 2
+        with tempfile.TemporaryDirectory(prefix="bench_parity-") as tmp:
+            print_alternating(args, measure_alternating(args, rows, Path(tmp)))
+        return 0
     with tempfile.TemporaryDirectory(prefix="bench_parity-") as tmp:
         results = measure(args, rows, Path(tmp))
     if args.check_losses:

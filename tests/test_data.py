@@ -108,3 +108,32 @@ def test_a_position_saved_at_dp2_resumes_at_dp1_without_repeats_or_gaps():
 def test_too_little_data_for_one_batch_names_the_setting():
     with pytest.raises(ValueError, match="fewer than one global batch of train.batch_size=64"):
         sampler(batch=64, n=10)
+
+
+def thread_wakes(native_id: int) -> int:
+    """How often the kernel has woken this thread from a sleep (Linux's per-thread count)."""
+    status = open(f"/proc/self/task/{native_id}/status").read()
+    return int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+
+
+def test_the_loader_thread_sleeps_while_its_queue_is_full():
+    """A rank's train loop shares its core with the producer thread: once the queue of
+    ``data.prefetch`` steps is full, the producer must sleep until a step is taken, not wake to
+    ask again (a put with a 0.1 s timeout woke it ten times a second)."""
+    import threading
+    import time
+
+    from plait.plugins.data.loader import StepLoader
+
+    windows = data_plugin.TokenWindows(np.arange(10_000, dtype=np.uint16), seq_len=8)
+    steps = iter(StepLoader(windows, sampler(n=len(windows)), prefetch=2))
+    first = next(steps)
+    assert [len(micro) for micro in first[0]] == [8, 8]  # inputs and targets, 8 samples
+    (producer,) = [t for t in threading.enumerate() if t.name == "plait-loader"]
+    time.sleep(0.2)  # the queue fills (2 steps)
+    before = thread_wakes(producer.native_id)
+    time.sleep(1.0)
+    assert thread_wakes(producer.native_id) - before <= 1
+    next(steps)  # a step taken: the producer wakes, makes one more and sleeps again
+    steps.close()
+    assert not producer.is_alive()

@@ -132,12 +132,10 @@ class StepLoader:
                 if prefetcher is not None:
                     prefetcher.advance(step)
                 batch = list(itertools.islice(micro_batches, accum))
-                while not stop.is_set():
-                    try:
-                        ready.put(batch, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                # Blocks until the loop takes a step or the iterator's end drains the queue: a
+                # put with a timeout woke this thread ten times a second for nothing, each wake
+                # preempting a rank's main thread on a host with a core per rank.
+                ready.put(batch)
                 if stop.is_set():
                     return
         except BaseException as e:
