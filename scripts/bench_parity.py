@@ -81,6 +81,7 @@ from parity_alternate import (  # noqa: E402
     freezer_problem,
     neighbour_ratios,
     read_clock,
+    remove_when_empty,
     take_turns,
     turn_steps,
 )
@@ -243,9 +244,7 @@ class JobMemory:
 
     def close(self) -> None:
         if self.group is not None:
-            while (self.group / "cgroup.procs").read_text().strip():
-                time.sleep(0.05)
-            self.group.rmdir()
+            remove_when_empty(self.group)
 
 
 def tree_rss(root: int) -> int:
@@ -288,8 +287,7 @@ def run(command: list[str], env: dict, name: str, clock: Path) -> dict:
         memory.close()
     if process.returncode != 0:
         raise RuntimeError(f"{name} failed (exit {process.returncode}):\n{output[-4000:]}")
-    stamps = json.loads(clock.read_text())
-    ends, cpu = [w for w, _ in stamps], [c for _, c in stamps]
+    ends, cpu = read_clock(clock)
     return {"ends": ends, "cpu": cpu, "first": ends[0] - started, "peak": peak}
 
 
@@ -379,23 +377,31 @@ def load() -> str:
 # -- the table ------------------------------------------------------------------------------------
 
 
+def sides_in_turn(args, repeat: int) -> list[str]:
+    """The sides of a row in the order repeat ``repeat`` runs them: plait, the plain loop and,
+    with ``--control``, the plain loop again; who goes first rotates (with two: alternates)."""
+    sides = ["plait", "plain", *(["control"] if args.control else [])]
+    shift = repeat % len(sides)
+    return sides[shift:] + sides[:shift]
+
+
+def run_name(row: str, side: str, repeat: int) -> str:
+    return f"{row.replace('+', '_')}-{side}-{repeat}"
+
+
 def measure(args, rows: list[str], root: Path) -> dict[str, dict]:
     envs = environment(args)
     results: dict[str, dict] = {
-        row: {"plait": [], "plain": [], "load_before": load(), "load_after": ""} for row in rows
+        row: {"plait": [], "plain": [], "control": [], "load_before": load(), "load_after": ""}
+        for row in rows
     }
     specs = {
         row: plain_spec(args, row, plait_overrides(args, row, root / "compose")) for row in rows
     }
-    sides = ["plait", "plain", *(["control"] if args.control else [])]
-    for row in rows:
-        results[row]["control"] = []
     for repeat in range(args.repeats):
         for row in rows:
-            shift = repeat % len(sides)  # who goes first rotates (with two: alternates)
-            order = sides[shift:] + sides[:shift]
-            for side in order:
-                name = f"{row.replace('+', '_')}-{side}-{repeat}"
+            for side in sides_in_turn(args, repeat):
+                name = run_name(row, side, repeat)
                 env = envs["plait" if side == "plait" else "plain"]
                 if args.profile:
                     args.profile.mkdir(parents=True, exist_ok=True)
@@ -420,16 +426,15 @@ def measure_alternating(args, rows: list[str], root: Path) -> dict[str, dict]:
     """``--alternate``: each repeat starts every side of a row once, and they take turns on the
     cores, ``args.alternate`` seconds each (:mod:`parity_alternate`)."""
     envs = environment(args)
-    sides = ["plait", "plain", *(["control"] if args.control else [])]
     results: dict[str, dict] = {}
     for row in rows:
         spec = plain_spec(args, row, plait_overrides(args, row, root / "compose"))
-        got = {side: {"turns": [], "cpu": [], "peak": []} for side in sides}
+        got = {side: {"turns": [], "cpu": [], "peak": []} for side in sides_in_turn(args, 0)}
         got["load_before"] = load()
         for repeat in range(args.repeats):
             jobs, memories, freezers = [], {}, {}
-            for side in sides[repeat % len(sides) :] + sides[: repeat % len(sides)]:
-                name = f"{row.replace('+', '_')}-{side}-{repeat}"
+            for side in sides_in_turn(args, repeat):
+                name = run_name(row, side, repeat)
                 if side == "plait":
                     command, env, clock = plait_command(args, row, root, name, envs["plait"])
                 else:
@@ -445,14 +450,14 @@ def measure_alternating(args, rows: list[str], root: Path) -> dict[str, dict]:
                     got[job.name]["turns"] += turns
                     got[job.name]["cpu"] += turn_steps(ends, job.turns, args.warmup, cpu)
                     got[job.name]["peak"].append(memories[job.name].peak())
-                    timed = [step for _, step in turns if step is not None]
+                    steps = timed(turns)
                     print(
-                        f"{row} {job.name} repeat {repeat}: {len(timed)} of {len(turns)} turns "
-                        f"timed, step {statistics.median(timed):.4f} s (load {load()})",
+                        f"{row} {job.name} repeat {repeat}: {len(steps)} of {len(turns)} turns "
+                        f"timed, step {statistics.median(steps):.4f} s (load {load()})",
                         flush=True,
                     )
             finally:
-                for side in sides:
+                for side in freezers:
                     freezers[side].close()
                     memories[side].close()
         got["load_after"] = load()
@@ -462,10 +467,8 @@ def measure_alternating(args, rows: list[str], root: Path) -> dict[str, dict]:
 
 def print_alternating(args, results: dict[str, dict]) -> None:
     print(
-        f"\n{args.device}, {args.nproc} process(es), {args.precision}, model "
-        f"{args.n_layer}x{args.n_embd}, batch {args.batch_size} x {args.seq_len}, {args.steps} "
-        f"steps ({args.warmup} warm-up), allocator {args.allocator}; {args.repeats} repeat(s), "
-        f"the sides taking turns of {args.alternate:g} s; step: median of the turns' medians\n"
+        f"\n{run_description(args)}; {args.repeats} repeat(s), the sides taking turns of "
+        f"{args.alternate:g} s; step: median of the turns' medians\n"
     )
     control_column = " control plain/plain: median [95%] (range) |" if args.control else ""
     print(
@@ -500,13 +503,18 @@ def timed(turns: list[tuple[float, float | None]]) -> list[float]:
     return [step for _, step in turns if step is not None]
 
 
-def print_table(args, results: dict[str, dict]) -> None:
-    print(
-        f"\n{args.device}, {args.nproc} process(es), {args.precision}, model "
-        f"{args.model if args.model == 'gpt2_small' else f'{args.n_layer}x{args.n_embd}'}, batch "
-        f"{args.batch_size} x {args.seq_len}, {args.steps} steps ({args.warmup} warm-up), allocator "
-        f"{args.allocator}; medians of {args.repeats} interleaved repeats\n"
+def run_description(args) -> str:
+    """What both sides ran: device, processes, precision, model, batch, steps, allocator."""
+    model = args.model if args.model == "gpt2_small" else f"{args.n_layer}x{args.n_embd}"
+    return (
+        f"{args.device}, {args.nproc} process(es), {args.precision}, model {model}, batch "
+        f"{args.batch_size} x {args.seq_len}, {args.steps} steps ({args.warmup} warm-up), "
+        f"allocator {args.allocator}"
     )
+
+
+def print_table(args, results: dict[str, dict]) -> None:
+    print(f"\n{run_description(args)}; medians of {args.repeats} interleaved repeats\n")
     control_column = " control plain/plain: median [95%] (range) |" if args.control else ""
     print(
         "| row | step s plait | step s plain | speed plain/plait | pairs: median [95%] (range) "

@@ -68,9 +68,14 @@ class Freezer:
     def close(self) -> None:
         self.set(False)
         if self.own:
-            while self.procs.read_text().strip():
-                time.sleep(0.05)
-            self.group.rmdir()
+            remove_when_empty(self.group)
+
+
+def remove_when_empty(group: Path) -> None:
+    """Remove a cgroup once the last of its processes has ended."""
+    while (group / "cgroup.procs").read_text().strip():
+        time.sleep(0.05)
+    group.rmdir()
 
 
 @dataclass
