@@ -6,9 +6,14 @@ Runs (2 ranks, gpt_tiny, fp32, DDP unless said):
   a 2-run sweep; ``plait compare`` says "same" for its two jobs; nothing slowed, so the detector
   (defaults: factor 1.5 over 5 logged steps) names no rank in 100 steps of either.
 - ``slow``: rank 1 computes every forward twice (``stragglers.DoubleCompute``: the same values,
-  twice the forward and backward work) with another learning rate, W&B on: the detector names
-  rank 1 within 10 steps with a slowdown within 25% of 2; ``plait compare`` against the sweep's
-  ddp job "differs at step k", k the first step whose loss differs by more than 1e-4.
+  twice the forward and backward work), W&B on: the detector names rank 1 within 10 steps with a
+  slowdown within 25% of 2. A wider GPT than the others' (``SLOW_MODEL``), so that the doubled
+  forward and backward are nearly all of rank 1's compute: on gpt_tiny the optimizer and DDP's
+  per-parameter work, which are not doubled, made a 12-step run read 1.5-1.8 (named at step 10
+  or 11 in about 1 run of 5 on a 2-core host); on this GPT 12 runs read 1.74-2.08, all named at
+  step 6.
+- ``other_lr``: the sweep's ddp job with another learning rate, 12 steps: ``plait compare``
+  "differs at step k", k the first step whose loss differs by more than 1e-4.
 - ``victim``: rank 1's gradient all-reduce hands its result over 0.1 s late
   (``stragglers.SlowWait``): rank 1 waits, it does not compute more. The wait shows in its
   ``comm_wait_s``, not in its compute, and no rank is named.
@@ -46,6 +51,7 @@ RUN = [
     "train.peak_flops=1e12",
 ]  # an assumed peak, so the CPU runs log an MFU
 SHORT = ["train.steps=12", "optimizer.decay_steps=12"]
+SLOW_MODEL = ["model.n_embd=256", "model.n_layer=4"]  # ~3.2M parameters, ~0.4 s a step
 DELAY = 0.1  # seconds rank 1's all-reduce result is held back in the victim run
 FIGURES = {
     "loss_by_step",
@@ -76,9 +82,14 @@ def sweep(root):
 def slow(root):
     return run_training(
         root / "slow",
-        [*RUN, *SHORT, "optimizer.lr=2e-3", "tracker=wandb"],
+        [*RUN, *SHORT, *SLOW_MODEL, "tracker=wandb"],
         [stragglers.DoubleCompute([1])],
     )
+
+
+@pytest.fixture(scope="module")
+def other_lr(root):
+    return run_training(root / "other_lr", [*RUN, *SHORT, "optimizer.lr=2e-3"])
 
 
 @pytest.fixture(scope="module")
@@ -300,8 +311,8 @@ def test_compare_says_same_for_ddp_and_zero2(sweep, capsys):
 
 
 @pytest.mark.slow
-def test_compare_says_differs_at_the_first_step_two_learning_rates_part(sweep, slow, capsys):
-    ddp, other = read_metrics(sweep / "0")[:12], read_metrics(slow)
+def test_compare_says_differs_at_the_first_step_two_learning_rates_part(sweep, other_lr, capsys):
+    ddp, other = read_metrics(sweep / "0")[:12], read_metrics(other_lr)
     want = next(
         a["step"]
         for a, b in zip(ddp, other)
@@ -309,7 +320,7 @@ def test_compare_says_differs_at_the_first_step_two_learning_rates_part(sweep, s
         or relative_difference(a["grad_norm"], b["grad_norm"]) > 1e-3
     )
     assert want > 1  # step 1's loss is taken before either learning rate acted
-    code = main(["compare", str(sweep / "0"), str(slow)])
+    code = main(["compare", str(sweep / "0"), str(other_lr)])
     out = capsys.readouterr().out
     assert code == 1
     assert f"differs at step {want}: outside rtol=0.0001 (loss), grad_norm_rtol=0.001" in out
