@@ -233,6 +233,39 @@ kill_rank1_at_5 = KillAt(5)
 kill_rank2_at_3 = KillAt(3, rank=2)
 
 
+class AwaitLostWorker:
+    """Holds global rank ``rank`` after step ``step`` until parameter server 0 publishes that
+    only ``alive`` workers are left (at most 120 s): the loss is then noticed while this worker
+    still has steps to push and log, however slow the machine (without the hold, a survivor
+    that finished first logged its last step before the server had read the failed goodbye)."""
+
+    def __init__(self, step: int, rank: int, alive: int):
+        self.step, self.rank, self.alive = step, rank, alive
+
+    @hookimpl
+    def plait_declare(self):
+        return PluginInfo(name="await_lost_worker")
+
+    @hookimpl(wrapper=True)
+    def plait_save_checkpoint(self, cfg, state, topology):
+        import time
+
+        from plait.plugins.parameter_server.store import job_store, read_figures
+
+        result = yield
+        if state.step == self.step and topology.rank == self.rank:
+            store, deadline = job_store(), time.monotonic() + 120
+            while time.monotonic() < deadline:
+                server = read_figures(store, ["server0"]).get("server0", {})
+                if server.get("workers_alive") == self.alive:
+                    break
+                time.sleep(0.05)
+        return result
+
+
+await_rank2_lost_at_4 = AwaitLostWorker(4, rank=1, alive=1)
+
+
 class KillServerAt:
     """SIGKILLs parameter server ``rank`` once per run directory, when it has written its shard of
     step ``step``'s checkpoint and before it says so: that checkpoint stays incomplete."""
