@@ -207,27 +207,40 @@ def set_lr(optimizer, lr: float) -> None:
 # -- the loops -------------------------------------------------------------------------------------
 
 
-def train_ddp(spec: dict, device) -> None:
+def train_stepwise(spec: dict, device) -> None:
+    """The loop around the row's step (:data:`STEPS`): this rank's batches in plait's order,
+    the schedule's learning rate, the loss read every step (as plait logs it)."""
+    step = STEPS[spec["loop"]](spec, device)
+    schedule, record = lr_at(spec), Record(spec)
+    data = batches(spec, dist.get_rank(), dist.get_world_size(), device)
+    for i, (x, y) in enumerate(data):
+        record.step(step(x, y, schedule(i)).item())
+    record.close()
+
+
+def ddp_step(spec: dict, device):
+    """torch DDP: build the model and optimizer; return ``step(x, y, lr) -> loss``."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = build_gpt(spec).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = adamw(spec, decay_groups(model.parameters(), spec["optimizer"]["weight_decay"]))
-    schedule, record = lr_at(spec), Record(spec)
-    data = batches(spec, dist.get_rank(), dist.get_world_size(), device)
-    for step, (x, y) in enumerate(data):
-        set_lr(opt, schedule(step))
+
+    def step(x, y, lr: float) -> torch.Tensor:
+        set_lr(opt, lr)
         with autocast(spec, device):
             loss = cross_entropy(ddp(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec["grad_clip"])
         opt.step()
         opt.zero_grad(set_to_none=True)
-        record.step(loss.item())
-    record.close()
+        return loss
+
+    return step
 
 
-def train_zero(spec: dict, device) -> None:
+def zero_step(spec: dict, device):
+    """``deepspeed.initialize`` with plait's JSON; return ``step(x, y, lr) -> loss``."""
     import deepspeed
 
     model = build_gpt(spec)
@@ -236,18 +249,19 @@ def train_zero(spec: dict, device) -> None:
         model_parameters=decay_groups(model.parameters(), spec["optimizer"]["weight_decay"]),
         config=spec["deepspeed"],
     )
-    schedule, record = lr_at(spec), Record(spec)
-    data = batches(spec, dist.get_rank(), dist.get_world_size(), device)
-    for step, (x, y) in enumerate(data):
-        set_lr(engine.optimizer, schedule(step))
+
+    def step(x, y, lr: float) -> torch.Tensor:
+        set_lr(engine.optimizer, lr)
         loss = cross_entropy(engine(x), y)
         engine.backward(loss)
         engine.step()
-        record.step(loss.item())
-    record.close()
+        return loss
+
+    return step
 
 
-def train_fsdp(spec: dict, device) -> None:
+def fsdp_step(spec: dict, device):
+    """``fully_shard`` per block, then the root; return ``step(x, y, lr) -> loss``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build_gpt(spec).to(device)
@@ -259,17 +273,27 @@ def train_fsdp(spec: dict, device) -> None:
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(float(dist.get_world_size()))
     opt = adamw(spec, decay_groups(model.parameters(), spec["optimizer"]["weight_decay"]))
-    schedule, record = lr_at(spec), Record(spec)
-    data = batches(spec, dist.get_rank(), dist.get_world_size(), device)
-    for step, (x, y) in enumerate(data):
-        set_lr(opt, schedule(step))
+
+    def step(x, y, lr: float) -> torch.Tensor:
+        set_lr(opt, lr)
         loss = cross_entropy(model(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec["grad_clip"])
         opt.step()
         opt.zero_grad(set_to_none=True)
-        record.step(loss.item())
-    record.close()
+        return loss
+
+    return step
+
+
+# the loops whose step stands alone (bench_engine_ab.py runs these steps beside plait's engine)
+STEPS = {
+    "ddp": ddp_step,
+    "zero1": zero_step,
+    "zero2": zero_step,
+    "zero3": zero_step,
+    "fsdp": fsdp_step,
+}
 
 
 def heads_per_rank_qkv(weight: torch.Tensor, tp: int) -> torch.Tensor:
@@ -468,11 +492,7 @@ def train_cp(spec: dict, device) -> None:
 
 
 LOOPS = {
-    "ddp": train_ddp,
-    "zero1": train_zero,
-    "zero2": train_zero,
-    "zero3": train_zero,
-    "fsdp": train_fsdp,
+    **dict.fromkeys(STEPS, train_stepwise),
     "tp2": train_tp,
     "pp2": train_pp,
     "ep2": train_ep,
