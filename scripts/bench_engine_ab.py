@@ -22,7 +22,9 @@ engine (loader, hooks, metrics), which ``bench_parity.py`` measures.
 It prints, per row, each side's median step time, the median of the turns' ratios plain/plait
 (each plait turn against the mean of the plain turns within two turns of it) with a 95% bootstrap
 interval, and the load average before and after; ``--save DIR`` keeps each row's turns
-(``DIR/<row>.json``: ``[side, seconds per step]`` in the order they ran).
+(``DIR/<row>.json``: ``[side, wall seconds, CPU seconds]`` per step, in the order they ran).
+Beside the wall clock it gives rank 0's process CPU time per step (all its threads) the same
+way: what each side computes, which the host's speed moves less.
 """
 
 from __future__ import annotations
@@ -95,33 +97,35 @@ def ab_rank(rank: int, world_size: int, overrides: list, spec: dict, args: dict,
     }
     seen = 0
 
-    def run(side: str, n: int) -> float:
+    def run(side: str, n: int) -> tuple[str, float, float]:
+        """``(side, wall seconds, process CPU seconds)`` per step over ``n`` steps."""
         nonlocal seen
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(n):
             steps[side](*window[seen % len(window)])
             seen += 1
-        return (time.perf_counter() - start) / n
+        return side, (time.perf_counter() - start) / n, (time.process_time() - cpu) / n
 
     for side in steps:
         run(side, args["warmup"])
-    turns: list[tuple[str, float]] = []
+    turns: list[tuple[str, float, float]] = []
     for block in range(args["blocks"]):
         order = list(steps) if block % 2 == 0 else list(reversed(steps))  # ABBA
-        turns += [(side, run(side, args["block_steps"])) for side in order]
+        turns += [run(side, args["block_steps"]) for side in order]
     if rank == 0:
         Path(out).write_text(json.dumps(turns))
 
 
-def turn_ratios(turns: list[tuple[str, float]]) -> list[float]:
-    """Each plait turn's plain/plait ratio against the mean of the plain turns beside it."""
+def turn_ratios(turns: list, column: int = 1) -> list[float]:
+    """Each plait turn's plain/plait ratio against the mean of the plain turns beside it, of
+    ``column`` (1: wall seconds per step, 2: CPU seconds per step)."""
     ratios = []
-    for i, (side, seconds) in enumerate(turns):
-        if side != "plait":
+    for i, turn in enumerate(turns):
+        if turn[0] != "plait":
             continue
-        beside = [t for s, t in turns[max(0, i - 2) : i + 3] if s == "plain"]
-        ratios.append(statistics.fmean(beside) / seconds)
+        beside = [t[column] for t in turns[max(0, i - 2) : i + 3] if t[0] == "plain"]
+        ratios.append(statistics.fmean(beside) / turn[column])
     return ratios
 
 
@@ -156,8 +160,11 @@ def main() -> int:
         f" x {args.seq_len}; {args.blocks} turns of {args.block_steps} steps per side; "
         f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')}"
     )
-    print("| row | step s plait | step s plain | plain/plait: turns median [95%] (range) | load |")
-    print("| --- | ---: | ---: | ---: | --- |")
+    print(
+        "| row | step s plait | step s plain | plain/plait: turns median [95%] (range) "
+        "| CPU s/step plait | plain | plain/plait: turns median [95%] | load |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for row in args.rows:
         with tempfile.TemporaryDirectory() as tmp:
             overrides = plait_overrides(parity, row, Path(tmp) / "run")
@@ -170,11 +177,14 @@ def main() -> int:
         if args.save:
             args.save.mkdir(parents=True, exist_ok=True)
             (args.save / f"{row}.json").write_text(json.dumps(turns))
-        times = {side: [t for s, t in turns if s == side] for side in ("plait", "plain")}
+        wall, cpu = (
+            {s: [t[c] for t in turns if t[0] == s] for s in ("plait", "plain")} for c in (1, 2)
+        )
         print(
-            f"| {row} | {statistics.median(times['plait']):.4f} | "
-            f"{statistics.median(times['plain']):.4f} | {summary(turn_ratios(turns))} | "
-            f"{before} / {load()} |",
+            f"| {row} | {statistics.median(wall['plait']):.4f} | "
+            f"{statistics.median(wall['plain']):.4f} | {summary(turn_ratios(turns))} | "
+            f"{statistics.median(cpu['plait']):.4f} | {statistics.median(cpu['plain']):.4f} | "
+            f"{summary(turn_ratios(turns, 2))} | {before} / {load()} |",
             flush=True,
         )
     return 0
