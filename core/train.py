@@ -7,6 +7,7 @@ strategies happens inside the hooks; this file only fixes their order.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -46,37 +47,7 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
     if cfg.train.eval_every:
         val_data = hook.plait_build_dataset(cfg=cfg, topology=topology, split="val")
 
-    # Parallelize in a fixed order: tensor, expert and context parallel, activation
-    # checkpointing, pipeline stages, then the data-parallel engine (torchtitan's order). A model
-    # that initialises by name is cut on the meta device and only this rank's part is then given
-    # memory and values.
-    model, init = build_model(hook, cfg)
-    meter = StepMeter(cfg, model, topology)  # counts FLOPs on the whole model, before the split
-    hook.plait_apply_tensor_parallel(cfg=cfg, model=model, topology=topology)
-    hook.plait_apply_expert_parallel(cfg=cfg, model=model, topology=topology)
-    hook.plait_apply_context_parallel(cfg=cfg, model=model, topology=topology)
-    hook.plait_apply_activation_checkpointing(cfg=cfg, model=model, topology=topology)
-    model = hook.plait_split_pipeline(cfg=cfg, model=model, topology=topology) or model
-    if init is not None:
-        model = hook.plait_materialize_model(
-            cfg=cfg, model=model, init=init, topology=topology
-        ) or materialize(model, init, topology.device)
-    loss_fn = hook.plait_build_loss(cfg=cfg, model=model, topology=topology) or cross_entropy
-    optimizer = hook.plait_build_optimizer(cfg=cfg, model=model)
-    lr_at = hook.plait_build_lr_schedule(cfg=cfg)
-    grad_reducer = hook.plait_grad_reducer(cfg=cfg, topology=topology)
-    engine = check_engine(
-        hook.plait_build_engine(
-            cfg=cfg,
-            model=model,
-            optimizer=optimizer,
-            loss_fn=loss_fn,
-            grad_reducer=grad_reducer,
-            topology=topology,
-            hook=hook,
-        ),
-        hook,
-    )  # has the surfaces its plugins declared
+    engine, lr_at, meter = build_engine(cfg, hook, topology)
 
     # a replica group that rejoins takes a live peer's state instead of reading a checkpoint
     state = (
@@ -155,6 +126,44 @@ def train(cfg: DictConfig, pm: PlaitPluginManager) -> dict | None:
     if not logging:
         return None
     return {"metrics": state.metrics, "checkpoint": str(checkpoint) if checkpoint else None}
+
+
+def build_engine(
+    cfg: DictConfig, hook, topology: Topology
+) -> tuple[Engine, Callable[[int], float], StepMeter]:
+    """This rank's engine, the learning rate by step and the meter of the steps, built by the
+    hooks in the hook spec's order.
+
+    Parallelize in a fixed order: tensor, expert and context parallel, activation checkpointing,
+    pipeline stages, then the data-parallel engine (torchtitan's order). A model that initialises
+    by name is cut on the meta device and only this rank's part is then given memory and values.
+    The meter counts FLOPs on the whole model, before the split. (``scripts/bench_engine_ab.py``
+    times this engine against a plain step.)
+    """
+    model, init = build_model(hook, cfg)
+    meter = StepMeter(cfg, model, topology)
+    hook.plait_apply_tensor_parallel(cfg=cfg, model=model, topology=topology)
+    hook.plait_apply_expert_parallel(cfg=cfg, model=model, topology=topology)
+    hook.plait_apply_context_parallel(cfg=cfg, model=model, topology=topology)
+    hook.plait_apply_activation_checkpointing(cfg=cfg, model=model, topology=topology)
+    model = hook.plait_split_pipeline(cfg=cfg, model=model, topology=topology) or model
+    if init is not None:
+        model = hook.plait_materialize_model(
+            cfg=cfg, model=model, init=init, topology=topology
+        ) or materialize(model, init, topology.device)
+    loss_fn = hook.plait_build_loss(cfg=cfg, model=model, topology=topology) or cross_entropy
+    optimizer = hook.plait_build_optimizer(cfg=cfg, model=model)
+    lr_at = hook.plait_build_lr_schedule(cfg=cfg)
+    engine = hook.plait_build_engine(
+        cfg=cfg,
+        model=model,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        grad_reducer=hook.plait_grad_reducer(cfg=cfg, topology=topology),
+        topology=topology,
+        hook=hook,
+    )
+    return check_engine(engine, hook), lr_at, meter  # the engine has its declared surfaces
 
 
 def restart_batches(loader, batches, state: TrainState):

@@ -49,33 +49,17 @@ from plait.testing import spawn  # noqa: E402
 
 
 def plait_engine(cfg):
-    """plait's engine for ``cfg``, built by the selected plugins' hooks in ``plait train``'s
-    order for a data-parallel strategy (no tensor, expert, context or pipeline split)."""
-    from plait.meta import build_model, materialize
-    from plait.plugin_manager import check_engine, keep_selected, make_plugin_manager
+    """plait's engine for ``cfg``, built by the selected plugins' hooks as ``plait train`` builds
+    it (``plait.train.build_engine``)."""
+    from plait.plugin_manager import keep_selected, make_plugin_manager
     from plait.topology import Topology
-    from plait.train import cross_entropy, seed_everything
+    from plait.train import build_engine, seed_everything
 
     hook = keep_selected(make_plugin_manager(cfg), cfg).hook
     topology = Topology.initialize(cfg)
     seed_everything(cfg.seed)
-    model, init = build_model(hook, cfg)
-    if init is not None:
-        model = hook.plait_materialize_model(
-            cfg=cfg, model=model, init=init, topology=topology
-        ) or materialize(model, init, topology.device)
-    loss_fn = hook.plait_build_loss(cfg=cfg, model=model, topology=topology) or cross_entropy
-    optimizer = hook.plait_build_optimizer(cfg=cfg, model=model)
-    engine = hook.plait_build_engine(
-        cfg=cfg,
-        model=model,
-        optimizer=optimizer,
-        loss_fn=loss_fn,
-        grad_reducer=hook.plait_grad_reducer(cfg=cfg, topology=topology),
-        topology=topology,
-        hook=hook,
-    )
-    return check_engine(engine, hook)
+    engine, _, _ = build_engine(cfg, hook, topology)
+    return engine
 
 
 def ab_rank(rank: int, world_size: int, overrides: list, spec: dict, args: dict, out: str):
