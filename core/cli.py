@@ -86,11 +86,22 @@ def cmd_train(argv: list[str]) -> int:
         if args.info:
             hydra.show_info(args.info, config_name=name, overrides=overrides)
             return 0
-        multirun = args.multirun or hydra.get_mode(name, overrides) == RunMode.MULTIRUN
+        # Composed once (1-2 s): Hydra's own entry point composes for ``hydra.mode`` first and
+        # again for the run. Only a config that fails to compose as one run (a sweep in the
+        # overrides) is composed again, as a multirun, to read its mode.
+        multirun = args.multirun
         if not multirun:
-            cfg = hydra.compose_config(
-                name, overrides, run_mode=RunMode.RUN, with_log_configuration=False
-            )
+            try:
+                cfg = hydra.compose_config(
+                    name, overrides, run_mode=RunMode.RUN, with_log_configuration=False
+                )
+            except Exception:
+                if hydra.get_mode(name, overrides) != RunMode.MULTIRUN:
+                    raise
+                multirun = True
+            else:
+                multirun = cfg.hydra.mode == RunMode.MULTIRUN
+        if not multirun:
             with open_dict(cfg):
                 del cfg["hydra"]
     if multirun:
