@@ -48,12 +48,15 @@ def test_a_ratio_is_taken_against_the_other_sides_neighbouring_turns():
 @pytest.mark.skipif(freezer_problem() is not None, reason=str(freezer_problem()))
 def test_a_frozen_job_makes_no_progress_until_it_is_thawed(tmp_path):
     counter = tmp_path / "count"
+    # the count is replaced whole (written beside it, then renamed): a file rewritten in place
+    # reads empty between its truncation and its write (seen once in the suite)
     script = (
-        "import sys, time\n"
+        "import os, sys, time\n"
         "n = 0\n"
         "while True:\n"
         "    n += 1\n"
-        "    open(sys.argv[1], 'w').write(str(n))\n"
+        "    open(sys.argv[1] + '.new', 'w').write(str(n))\n"
+        "    os.replace(sys.argv[1] + '.new', sys.argv[1])\n"
         "    time.sleep(0.01)\n"
     )
     freezer = Freezer(None, f"test-{os.getpid()}")
