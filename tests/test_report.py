@@ -3,8 +3,13 @@ the straggler detector, on shared runs (module-scoped: each run is made once).
 
 Runs (2 ranks, gpt_tiny, fp32, DDP unless said):
 - ``sweep``: ``plait train -m strategy=ddp,zero2``, 100 steps, evaluated every 50: the report of
-  a 2-run sweep; ``plait compare`` says "same" for its two jobs; nothing slowed, so the detector
-  (defaults: factor 1.5 over 5 logged steps) names no rank in 100 steps of either.
+  a 2-run sweep; ``plait compare`` says "same" for its two jobs (on a wider GPT the two drift
+  apart in fp32 after 25 steps: another order of the sums, amplified).
+- ``steady``: a DDP run of 100 steps on the wider GPT (``SLOW_MODEL``, below) with nothing slowed:
+  the detector (defaults: factor 1.5 over 5 logged steps) names no rank. Not on gpt_tiny, whose
+  18 ms of compute a step drifted between the ranks for a dozen steps at a time on a 2-core
+  host: the largest 5-step median of a rank's ratio read 1.30 in one run and 1.57 in one of four
+  (rank 0 named from step 63); on a 4 x 128 GPT 1.40; on this one (170 ms) 1.03-1.09.
 - ``slow``: rank 1 computes every forward twice (``stragglers.DoubleCompute``: the same values,
   twice the forward and backward work), W&B on: the detector names rank 1 within 10 steps with a
   slowdown within 25% of 2. A wider GPT than the others' (``SLOW_MODEL``), so that the doubled
@@ -85,6 +90,11 @@ def slow(root):
         [*RUN, *SHORT, *SLOW_MODEL, "tracker=wandb"],
         [stragglers.DoubleCompute([1])],
     )
+
+
+@pytest.fixture(scope="module")
+def steady(root):
+    return run_training(root / "steady", [*RUN, *SLOW_MODEL])
 
 
 @pytest.fixture(scope="module")
@@ -374,10 +384,9 @@ def test_a_rank_computing_twice_as_long_is_named_within_10_steps(slow):
 
 
 @pytest.mark.slow
-def test_no_rank_is_named_in_100_steps_without_a_slowdown(sweep):
-    for job in (0, 1):
-        metrics = read_metrics(sweep / str(job))
-        assert len(metrics) == STEPS and named(metrics) == []
+def test_no_rank_is_named_in_100_steps_without_a_slowdown(steady):
+    metrics = read_metrics(steady)
+    assert len(metrics) == STEPS and named(metrics) == []
 
 
 @pytest.mark.slow
