@@ -1,9 +1,12 @@
 """The W&B tracker: one offline run per job, read back from its run file."""
 
 import json
+import time
+from pathlib import Path
 
 import pytest
 
+from plait import hookimpl
 from plait.testing import read_metrics, read_wandb_run, run_training
 
 pytestmark = pytest.mark.slow
@@ -67,3 +70,42 @@ def test_resumed_job_continues_the_same_wandb_run(tmp_path):
     resumed = read_wandb_run(run_dir)
     assert resumed["id"] == first
     assert [h["_step"] for h in resumed["history"]] == [3, 4]
+
+
+class SlowWandbInit:
+    """Holds ``wandb.init`` back ``seconds`` (a slow W&B service start) and writes the time it
+    returned to ``note``: W&B itself runs as in any run, later."""
+
+    def __init__(self, seconds: float, note: Path):
+        self.seconds, self.note = seconds, str(note)
+
+    @hookimpl(tryfirst=True)  # before the tracker starts W&B
+    def plait_on_run_start(self):
+        import wandb
+
+        init = wandb.init
+
+        def slow_init(**settings):
+            time.sleep(self.seconds)
+            run = init(**settings)
+            Path(self.note).write_text(repr(time.time()))
+            return run
+
+        wandb.init = slow_init
+
+
+def test_the_first_steps_do_not_wait_for_wandb_and_lose_nothing(tmp_path):
+    """W&B starts on its own thread beside the first steps; what they log is held and logged, in
+    order and at the times it was logged, once the run is up."""
+    note = tmp_path / "init_returned"
+    run_dir = run_training(
+        tmp_path / "r",
+        ["tracker=wandb", "train.steps=4", "optimizer.decay_steps=4", "launcher.nproc_per_node=1"],
+        [SlowWandbInit(3.0, note)],
+    )
+    history = read_wandb_run(run_dir)["history"]
+    assert [h["_step"] for h in history] == [1, 2, 3, 4]
+    assert [h["loss"] for h in history] == pytest.approx([m["loss"] for m in read_metrics(run_dir)])
+    times = [h["_timestamp"] for h in history]
+    assert times == sorted(times)
+    assert times[0] < float(note.read_text())  # step 1 was logged while W&B was starting

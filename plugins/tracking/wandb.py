@@ -7,11 +7,20 @@ it and a resumed job continues the same W&B run. A run started from another run'
 sweep (``plait train -m``) are grouped by the sweep (``group``), with ``job_type`` "trial".
 Where the replica groups run as torch jobs of their own (``fault=torchft``), replica group 0
 tracks the run (the others log to their own metrics files).
+
+``wandb.init`` (about 2 s: it starts W&B's service process and waits for it) runs on a thread of
+its own beside the first steps, not before them (issue 32: it was most of the time to the first
+step that plait's defaults add). The run id is made up front, so the trainer state and every
+checkpoint carry it from the start; metrics logged before the run is up are held and logged, in
+order and with the times they were logged at, when it is. An init that fails fails the run at the next logged step (or its end).
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -44,9 +53,18 @@ def replica_run_id(cfg, topology) -> str | None:
     return hashlib.sha1(str(Path(cfg.run.dir).resolve()).encode()).hexdigest()[:16]
 
 
+def init_wandb(**settings):
+    """``wandb.init``, imported here: on the init's own thread."""
+    import wandb
+
+    return wandb.init(**settings)
+
+
 class WandbTracker:
     def __init__(self) -> None:
         self.run = None
+        self.starting: Future | None = None  # wandb.init on its own thread
+        self.held: list[tuple[int, dict]] = []  # (step, metrics) logged before the run was up
 
     @hookimpl
     def plait_declare(self) -> PluginInfo:
@@ -71,8 +89,6 @@ class WandbTracker:
     def plait_on_run_start(self, cfg, state, topology) -> None:
         if topology.replica_group_id != 0:
             return  # replica groups as jobs of their own: group 0 tracks the run
-        import wandb
-
         t = cfg.tracker
         config = OmegaConf.to_container(cfg, resolve=True)
         notes = None
@@ -83,7 +99,13 @@ class WandbTracker:
                 f"{state.parent['tracker_run_id']}) from its step {state.parent['step']}"
             )
         in_sweep = cfg.run.sweep is not None
-        self.run = wandb.init(
+        # 8 lowercase hex digits: the length of W&B's own ids, within its alphabet
+        state.tracker_run_id = (
+            state.tracker_run_id or replica_run_id(cfg, topology) or secrets.token_hex(4)
+        )
+        starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-wandb-init")
+        self.starting = starter.submit(
+            init_wandb,
             project=t.project,
             entity=t.entity,
             group=t.group or cfg.run.sweep,
@@ -93,22 +115,41 @@ class WandbTracker:
             dir=cfg.run.dir,
             name=cfg.run.name,
             notes=notes,
-            id=state.tracker_run_id or replica_run_id(cfg, topology),
+            id=state.tracker_run_id,
             resume="allow",
             config=config,
         )
-        state.tracker_run_id = self.run.id
+        starter.shutdown(wait=False)
+
+    def _run_up(self):
+        """The W&B run, waiting for its init if need be; the held metrics logged first."""
+        if self.run is None:
+            self.run = self.starting.result()  # raises what wandb.init raised
+            for step, metrics in self.held:
+                self.run.log(metrics, step=step)
+            self.held.clear()
+        return self.run
 
     @hookimpl
     def plait_log_metrics(self, step, metrics) -> None:
-        if self.run is not None:
-            self.run.log(metrics, step=step)
+        if self.starting is None:
+            return
+        if self.run is None and not self.starting.done():
+            # W&B keeps a row's own ``_timestamp``: held rows keep the time they were logged
+            self.held.append((step, {**metrics, "_timestamp": time.time()}))
+            return
+        self._run_up().log(metrics, step=step)
 
     @hookimpl
     def plait_on_run_end(self, status) -> None:
-        if self.run is not None:
-            self.run.finish(exit_code=0 if status in ("finished", "left") else 1)
-            self.run = None
+        if self.starting is None:
+            return
+        ok = status in ("finished", "left")
+        if not ok and self.starting.exception() is not None:
+            self.starting = None  # the run's own error is the one to show
+            return
+        self._run_up().finish(exit_code=0 if ok else 1)
+        self.run, self.starting = None, None
 
 
 plugin = WandbTracker()
