@@ -10,6 +10,8 @@
 - A 2-trial Optuna sweep (two learning rates, one far too small) maximizes ``eval/plait_tiny_mc/acc``
   and picks the trial with the higher score.
 - ``plait eval``'s refusals happen before any model is loaded (exit 2).
+- The harness's own task index is parsed once per installed harness, then read from plait's
+  cache: the same tasks, groups and tags, and only plait's directory indexed afresh.
 """
 
 from __future__ import annotations
@@ -394,3 +396,31 @@ def test_plait_eval_refusal_reaches_the_terminal_without_a_traceback(trained_gpt
     assert done.returncode == 2, done.stderr
     assert "limit=0 is out of range: set limit >= 1" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
+
+
+@pytest.mark.slow
+def test_the_harness_index_is_parsed_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    from lm_eval.tasks._index import TaskIndex
+
+    from plait.plugins.eval.registry import SHIPPED, _manager
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    paths = (str(SHIPPED),)
+    made = _manager.__wrapped__(paths, include_defaults=True)  # the function, not its memo
+    [cache] = (tmp_path / "plait").glob("lm_eval-*.pickle")
+    built = []
+    build = TaskIndex.build
+    monkeypatch.setattr(
+        TaskIndex, "build", staticmethod(lambda p, **o: built.append(list(p)) or build(p, **o))
+    )
+    read = _manager.__wrapped__(paths, include_defaults=True)
+    assert built == [[SHIPPED]]  # the harness's ~15,000 files were not parsed again
+    assert "hellaswag" in read.task_index and "plait_tiny_mc" in read.task_index
+    assert (read.all_subtasks, read.all_groups, read.all_tags) == (
+        made.all_subtasks,
+        made.all_groups,
+        made.all_tags,
+    )
+    assert {n: (e.kind, e.yaml_path) for n, e in read.task_index.items()} == {
+        n: (e.kind, e.yaml_path) for n, e in made.task_index.items()
+    }

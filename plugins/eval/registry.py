@@ -1,14 +1,25 @@
 """Which tasks a run names, read from lm-evaluation-harness's task index before any model is
 loaded: the harness's registry, plait's own tiny tasks (``tasks/`` beside this file) and the
 user's ``include_path``. Reading the index parses YAML only; no dataset is opened.
+
+The harness's own registry (~15,000 YAML files; 11-13 s to parse on a 2-core host, paid by the
+launcher's checks and again by every rank) is indexed once per installed harness and kept in
+``$XDG_CACHE_HOME/plait`` (``~/.cache/plait``): later reads load it (about 1 s). The key is the
+harness's version and location, as the harness's files do not change once installed; delete
+``lm_eval-*.pickle`` there after editing them in place. plait's and the user's task directories
+are indexed afresh every time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
+import hashlib
 import importlib.util
 import os
+import pickle
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -54,7 +65,59 @@ def _manager(paths: tuple[str, ...], include_defaults: bool):
     offline()
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=list(paths), include_defaults=include_defaults)
+    with cached_harness_index():
+        return TaskManager(include_path=list(paths), include_defaults=include_defaults)
+
+
+def index_cache(root: Path) -> Path:
+    """Where the index of the harness installed at ``root`` is kept."""
+    from lm_eval import __version__
+
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "plait"
+    where = hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:8]
+    return home / f"lm_eval-{__version__}-{where}.pickle"
+
+
+@contextlib.contextmanager
+def cached_harness_index():
+    """While a ``TaskManager`` is built: its index of the harness's own directory (the first of
+    the paths it indexes, as the harness orders them) comes from the cache, made on first use;
+    the other paths are indexed as the harness does, and override it as they would."""
+    import lm_eval.tasks
+    from lm_eval.tasks._index import TaskIndex
+
+    root = Path(lm_eval.tasks.__file__).parent
+    build = TaskIndex.build
+
+    def build_with_cache(paths, **options):
+        paths = [Path(p) for p in paths]
+        if not paths or paths[0] != root or options:
+            return build(paths, **options)
+        index = read_or_make(index_cache(root), lambda: build([root]))
+        index.update(build(paths[1:]))
+        return index
+
+    TaskIndex.build = staticmethod(build_with_cache)
+    try:
+        yield
+    finally:
+        TaskIndex.build = staticmethod(build)
+
+
+def read_or_make(path: Path, make) -> dict:
+    """The pickled index at ``path``; else ``make()``, written there whole (beside, then
+    renamed: processes that read it meanwhile see the old file or none)."""
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except Exception:  # noqa: BLE001 - missing, half-written by a crash, another harness: remake
+        pass
+    index = make()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
+        pickle.dump(index, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(f.name, path)
+    return index
 
 
 def found_in(manager, name: str) -> bool:
