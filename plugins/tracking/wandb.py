@@ -71,7 +71,8 @@ class WandbTracker:
         return PluginInfo(
             name="wandb",
             selected_by={"tracker.name": "wandb"},
-            preload=frozenset({"wandb"}),
+            # wandb.init imports W&B Launch's job inputs (0.37 s of CPU here) in every run
+            preload=frozenset({"wandb", "wandb.sdk.launch.inputs.internal"}),
             description="Weights & Biases tracking (offline by default)",
         )
 
