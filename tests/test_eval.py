@@ -424,3 +424,14 @@ def test_the_harness_index_is_parsed_once_then_read_from_the_cache(tmp_path, mon
     assert {n: (e.kind, e.yaml_path) for n, e in read.task_index.items()} == {
         n: (e.kind, e.yaml_path) for n, e in made.task_index.items()
     }
+
+
+def test_a_cache_directory_that_cannot_be_written_costs_the_cache_not_the_check(tmp_path):
+    from plait.plugins.eval.registry import read_or_make
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the cache directory would be: mkdir fails
+    assert read_or_make(blocked / "plait" / "index.pickle", lambda: {"task": 1}) == {"task": 1}
+    fresh = tmp_path / "cache" / "index.pickle"
+    assert read_or_make(fresh, lambda: {"task": 2}) == {"task": 2}
+    assert read_or_make(fresh, lambda: {"task": 3}) == {"task": 2}  # read back, not made

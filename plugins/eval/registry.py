@@ -106,17 +106,21 @@ def cached_harness_index():
 
 def read_or_make(path: Path, make) -> dict:
     """The pickled index at ``path``; else ``make()``, written there whole (beside, then
-    renamed: processes that read it meanwhile see the old file or none)."""
+    renamed: processes that read it meanwhile see the old file or none). A cache directory that
+    cannot be written (a read-only home) costs the cache, not the run."""
     try:
         with open(path, "rb") as f:
             return pickle.load(f)
-    except Exception:  # noqa: BLE001 - missing, half-written by a crash, another harness: remake
+    except Exception:  # noqa: BLE001 - missing, unreadable, from another harness: make it again
         pass
     index = make()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
-        pickle.dump(index, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(f.name, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
+            pickle.dump(index, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(f.name, path)
+    except OSError:
+        pass
     return index
 
 
