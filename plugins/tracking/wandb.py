@@ -8,11 +8,12 @@ sweep (``plait train -m``) are grouped by the sweep (``group``), with ``job_type
 Where the replica groups run as torch jobs of their own (``fault=torchft``), replica group 0
 tracks the run (the others log to their own metrics files).
 
-``wandb.init`` (about 2 s: it starts W&B's service process and waits for it) runs on a thread of
-its own beside the first steps, not before them (issue 32: it was most of the time to the first
-step that plait's defaults add). The run id is made up front, so the trainer state and every
-checkpoint carry it from the start; metrics logged before the run is up are held and logged, in
-order and with the times they were logged at, when it is. An init that fails fails the run at the next logged step (or its end).
+``wandb.init`` (1-2 s: W&B's service started, and Python work: its settings, W&B Launch's
+inputs, the list of installed packages) runs on a thread of its own beside the first steps, not
+before them (issue 32: it was most of what plait's defaults add to the time to the first step).
+The run id is made up front, so the trainer state and every checkpoint carry it from the start;
+metrics logged before the run is up are held, then logged in order with the times they were
+logged at. An init that fails fails the run at the next logged step (or at its end).
 """
 
 from __future__ import annotations
