@@ -404,10 +404,10 @@ def test_the_harness_index_is_parsed_once_then_read_from_the_cache(tmp_path, mon
 
     from plait.plugins.eval.registry import SHIPPED, _manager
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path))
     paths = (str(SHIPPED),)
     made = _manager.__wrapped__(paths, include_defaults=True)  # the function, not its memo
-    [cache] = (tmp_path / "plait").glob("lm_eval-*.pickle")
+    [cache] = tmp_path.glob("lm_eval-*.pickle")
     built = []
     build = TaskIndex.build
     monkeypatch.setattr(

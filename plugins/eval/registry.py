@@ -4,7 +4,8 @@ user's ``include_path``. Reading the index parses YAML only; no dataset is opene
 
 The harness's own registry (~15,000 YAML files; 11-13 s to parse on a 2-core host, paid by the
 launcher's checks and again by every rank) is indexed once per installed harness and kept in
-``$XDG_CACHE_HOME/plait`` (``~/.cache/plait``): later reads load it (about 1 s). The key is the
+plait's cache directory (``$PLAIT_CACHE_DIR``, else ``~/.cache/plait``, as for
+``data.cache_dir``): later reads load it (about 1 s). The key is the
 harness's version and location, as the harness's files do not change once installed; delete
 ``lm_eval-*.pickle`` there after editing them in place. plait's and the user's task directories
 are indexed afresh every time.
@@ -73,7 +74,8 @@ def index_cache(root: Path) -> Path:
     """Where the index of the harness installed at ``root`` is kept."""
     from lm_eval import __version__
 
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "plait"
+    # plait's cache directory, as data.cache_dir defaults to it
+    home = Path(os.environ.get("PLAIT_CACHE_DIR") or "~/.cache/plait").expanduser()
     where = hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:8]
     return home / f"lm_eval-{__version__}-{where}.pickle"
 
