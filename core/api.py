@@ -21,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from plait.plan import CONFIG_NAME, Plan, hydra_app, make_plan, plan_config
-from plait.plugin_manager import make_plugin_manager
+from plait.plugin_manager import PlaitPluginManager, make_plugin_manager
 from plait.renames import rename_overrides, renamed_settings
 from plait.worker import run_worker
 
@@ -62,10 +62,14 @@ def train(overrides: Iterable[str] = (), plugins: Iterable[Any] = ()) -> RunResu
     return launch(make_plan(overrides, plugins).check(), plugins)
 
 
-def train_config(cfg: DictConfig, plugins: Iterable[Any] = ()) -> RunResult:
-    """Train with a config Hydra already composed (one job of a sweep)."""
+def train_config(
+    cfg: DictConfig, plugins: Iterable[Any] = (), available: PlaitPluginManager | None = None
+) -> RunResult:
+    """Train with a config Hydra already composed (one job of a sweep). ``available``: a manager
+    of every available plugin (``plugins`` among them) the caller already built, not built
+    again."""
     plugins = tuple(plugins)
-    return launch(plan_config(cfg, plugins).check(), plugins)
+    return launch(plan_config(cfg, plugins, available).check(), plugins)
 
 
 def launch(plan: Plan, plugins: tuple[Any, ...]) -> RunResult:

@@ -185,10 +185,15 @@ def compose_config(overrides: Iterable[str], pm: PlaitPluginManager) -> DictConf
     return cfg
 
 
-def make_plan(overrides: Iterable[str] = (), objects: Iterable[Any] = ()) -> Plan:
-    """Compose, select plugins, let them configure, and collect every problem."""
+def make_plan(
+    overrides: Iterable[str] = (),
+    objects: Iterable[Any] = (),
+    available: PlaitPluginManager | None = None,
+) -> Plan:
+    """Compose, select plugins, let them configure, and collect every problem. ``available``: a
+    manager of every available plugin (``objects`` among them) already built, not built again."""
     objects = list(objects)
-    available = make_plugin_manager(objects=objects)
+    available = available or make_plugin_manager(objects=objects)
     return plan_config(compose_config(overrides, available), objects, available)
 
 

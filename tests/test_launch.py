@@ -98,6 +98,25 @@ def test_srun_environment_is_translated_for_torch(reference, tmp_path):
     assert losses == pytest.approx(reference, rel=1e-6)
 
 
+def test_the_worker_server_starts_when_the_launch_names_its_modules():
+    """The forkserver's imports (5-7 s of CPU here) start before the elastic agent's set-up, not
+    at its first worker: the server runs as soon as ``use_forkserver`` returns. In a fresh
+    process (a test session's server would already run); the server is stopped at the end."""
+    script = """
+import multiprocessing.forkserver, os, signal
+from plait.plugins.launch.forkserver import use_forkserver
+use_forkserver(set(), on_cpu=True, ld_preload=None)
+pid = multiprocessing.forkserver._forkserver._forkserver_pid
+print("server", pid)
+os.kill(pid, signal.SIGKILL)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(r"server \d+\n", done.stdout), done.stdout
+
+
 def test_slurm_variables_map_to_torch_env():
     task = {
         "SLURM_PROCID": "5",

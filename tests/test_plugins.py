@@ -109,6 +109,25 @@ def test_plait_plugins_lists_every_plugin_with_source_and_hooks(capsys):
     assert "hooks:  plait_build_engine, plait_read_model_shards" in out
 
 
+def test_plait_train_builds_the_manager_of_every_plugin_once(monkeypatch, capsys):
+    """Each build loads and checks every entry point (~0.05-0.1 s): the CLI builds the manager of
+    every available plugin once and hands it on; the plan builds the run's selected one."""
+    import plait.cli
+    import plait.plan
+
+    built = []
+
+    def counted(*args, **kwargs):
+        built.append(kwargs.get("cfg", args[0] if args else None) is not None)
+        return make_plugin_manager(*args, **kwargs)
+
+    monkeypatch.setattr(plait.cli, "make_plugin_manager", counted)
+    monkeypatch.setattr(plait.plan, "make_plugin_manager", counted)
+    assert main(["train", "train.steps=-1"]) == 2
+    assert "train.steps=-1 is out of range" in capsys.readouterr().err
+    assert built == [False, True]  # every available plugin; the plan's selected ones
+
+
 def test_plait_plan_prints_deciders_mesh_and_ok(capsys):
     assert main(["plan", "launcher.nproc_per_node=4", "parallel.dp=-1"]) == 0
     out = capsys.readouterr().out
