@@ -14,11 +14,10 @@ mean step time from the end of step ``--warmup`` to the end of the last step of 
 median over reps. plait logs every ``--warmup`` steps (``train.log_every``), as a user would
 rather than every step. It prints, per stage::
 
-    stage  plait steps/s  raw steps/s  plait/raw  engine/raw  bytes/rank  formula  meas/formula
+    stage  plait steps/s  raw steps/s  plait/raw  bytes/rank  formula  meas/formula
 
-"engine/raw" is the steps/s ratio of plait's ``ZeroEngine.train_step`` to the raw loop when both
-engines are built in the same processes and timed in alternating blocks of 10 steps on the same
-micro-batches (``2 * --reps`` blocks each): the engine's own overhead, with load shared alike.
+plait's engine alone against the raw DeepSpeed engine, both in the same processes and timed in
+alternating turns, is ``scripts/bench_engine_ab.py --rows zero1 zero2 zero3``.
 "model-state bytes/rank" is what plait's engine measured (parameters + gradients + optimizer
 states, largest rank); "formula" is the ZeRO paper's (``plait.plugins.zero.estimate``).
 ``--bytes-only`` skips the raw runs and times nothing (a few steps for the measurement).
@@ -160,78 +159,6 @@ def run_raw(plait_run: Path, steps: int, args) -> dict[int, float]:
     return {step + 1: t for step, t in enumerate(json.loads(out.read_text()))}
 
 
-def engine_ab_rank(rank: int, world_size: int, overrides: list[str], blocks: int, out: str) -> None:
-    """plait's ZeroEngine and a raw DeepSpeed engine built side by side in the same processes,
-    timed in alternating blocks of 10 steps on the same micro-batches: engine overhead alone,
-    with the machine's load shared alike."""
-    import deepspeed
-    import torch.distributed as dist
-
-    from plait.plugins.fault import StepGuard
-    from plait.plugins.optim import param_groups
-    from plait.plugins.zero.config import engine_config
-    from plait.plugins.zero.engine import ZeroEngine
-    from plait.testing import compose
-    from plait.topology import Topology
-    from plait.train import cross_entropy
-
-    cfg = compose(overrides)
-    topology = Topology.initialize(cfg)
-    model_cfg = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "_target_"}
-    weight_decay = cfg.optimizer.weight_decay
-    torch.manual_seed(cfg.seed)
-    model = GPT(**model_cfg)
-    optimizer = torch.optim.AdamW(
-        param_groups(model, weight_decay),
-        lr=cfg.optimizer.lr,
-        betas=tuple(cfg.optimizer.betas),
-        eps=cfg.optimizer.eps,
-        weight_decay=weight_decay,
-    )
-    ds_config = engine_config(cfg, topology.dims, optimizer)
-    guard = StepGuard()  # fault=checkpoint's, on by default: its agreement is plait's overhead
-
-    def check_step(**step):
-        return [guard.plait_check_step(cfg=cfg, topology=topology, **step)]
-
-    plait_engine = ZeroEngine(model, optimizer, cross_entropy, topology, ds_config, check_step)
-    model = GPT(**model_cfg)
-    raw, *_ = deepspeed.initialize(
-        model=model,
-        model_parameters=param_groups(model, weight_decay),
-        config=ds_config,
-        dist_init_required=False,
-    )
-    micro = ds_config["train_micro_batch_size_per_gpu"]
-    tokens = torch.randint(0, model_cfg["vocab_size"], (micro, cfg.train.seq_len + 1))
-    micro_batches = [(tokens[:, :-1], tokens[:, 1:])] * ds_config["gradient_accumulation_steps"]
-
-    def raw_step() -> None:
-        for x, y in micro_batches:
-            loss = F.cross_entropy(raw(x).float().flatten(0, 1), y.flatten())
-            raw.backward(loss)
-            raw.step()
-        loss.item()
-
-    steps = {
-        "plait": lambda: plait_engine.train_step(micro_batches, cfg.optimizer.lr),
-        "raw": raw_step,
-    }
-    times = {name: [] for name in steps}
-    for _ in range(3):  # warm-up
-        for step in steps.values():
-            step()
-    for _ in range(blocks):
-        for name, step in steps.items():
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(10):
-                step()
-            times[name].append((time.perf_counter() - start) / 10)
-    if rank == 0:
-        Path(out).write_text(json.dumps(times))
-
-
 def model_state_bytes(run: Path) -> int:
     last = read_metrics(run)[-1]
     return int(sum(v for k, v in last.items() if k.startswith("model_state_bytes/")))
@@ -285,18 +212,6 @@ def main() -> int:
     model_cfg = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "_target_"}
     n_params = sum(p.numel() for p in GPT(**model_cfg).parameters())
 
-    engine_ratio = {}
-    if not args.bytes_only:
-        with tempfile.TemporaryDirectory() as tmp:
-            for stage in stages:
-                out = str(Path(tmp) / f"ab{stage}.json")
-                overrides = [*model_overrides(args), f"strategy=zero{stage}"]
-                spawn(engine_ab_rank, args.world_size, overrides, 2 * args.reps, out)
-                times = json.loads(Path(out).read_text())
-                engine_ratio[stage] = statistics.median(times["raw"]) / statistics.median(
-                    times["plait"]
-                )
-
     print(
         f"world size {args.world_size}, {n_params:,} parameters, fp32, micro-batch "
         f"{args.batch_size // (args.grad_accum * args.world_size)} x {args.grad_accum} "
@@ -305,19 +220,16 @@ def main() -> int:
     )
     print(
         f"{'stage':>6} {'plait steps/s':>14} {'raw steps/s':>12} {'plait/raw':>10} "
-        f"{'engine/raw':>11} {'bytes/rank':>12} {'formula':>12} {'meas/formula':>13}"
+        f"{'bytes/rank':>12} {'formula':>12} {'meas/formula':>13}"
     )
     for stage in stages:
         formula = zero_formula(n_params, stage, args.world_size, "fp32").total
         if args.bytes_only:
-            speed = f"{'-':>14} {'-':>12} {'-':>10} {'-':>11}"
+            speed = f"{'-':>14} {'-':>12} {'-':>10}"
         else:
             plait_sps = 1 / statistics.median(plait_times[stage])
             raw_sps = 1 / statistics.median(raw_times[stage])
-            speed = (
-                f"{plait_sps:14.2f} {raw_sps:12.2f} {plait_sps / raw_sps:10.3f} "
-                f"{engine_ratio[stage]:11.3f}"
-            )
+            speed = f"{plait_sps:14.2f} {raw_sps:12.2f} {plait_sps / raw_sps:10.3f}"
         print(
             f"{'zero' + str(stage):>6} {speed} {measured[stage]:12,} {formula:12,} "
             f"{measured[stage] / formula:13.3f}"
