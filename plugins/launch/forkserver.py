@@ -23,8 +23,8 @@ What a fork of the server does not carry is mended by :func:`worker_entry`:
 
 The server imports only what this run's workers import: torch, its compiler stack, plait's
 worker and plugin modules, and the libraries the run's active plugins declare
-(``PluginInfo.preload``: DeepSpeed for ``strategy=zero*``, wandb for ``tracker=wandb``), so a run
-pays at start-up for no library it does not use (issue 32). Declared libraries are preloaded on
+(``PluginInfo.preload``: DeepSpeed for ``strategy=zero*``), so a run pays at start-up for no
+library it does not use (issue 32). Declared libraries are preloaded on
 CPU runs only: importing DeepSpeed probes its accelerator, which on a GPU host initialises
 CUDA, and CUDA does not survive a fork. A later launch from the same process whose run needs a
 module the server lacks, or another ``LD_PRELOAD`` (``launcher.allocator``), starts a new server
