@@ -10,7 +10,9 @@ first in its defaults list (Hydra's structured-config pattern).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
@@ -26,6 +28,17 @@ def runs_on_cpu(cfg) -> bool:
     import torch
 
     return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+
+
+# plait's cache directory on this node: $PLAIT_CACHE_DIR, else ~/.cache/plait. CACHE_DIR is it as
+# a config value (the data plugins' ``cache_dir`` default, resolved with the config); cache_dir()
+# as a path, for a plugin that caches outside any setting (the eval harness's task index).
+DEFAULT_CACHE_DIR = "~/.cache/plait"
+CACHE_DIR = f"${{oc.env:PLAIT_CACHE_DIR,'{DEFAULT_CACHE_DIR}'}}"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PLAIT_CACHE_DIR") or DEFAULT_CACHE_DIR).expanduser()
 
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from plait import hookimpl
-from plait.config import Range, range_problems
+from plait.config import CACHE_DIR, Range, range_problems
 from plait.meta import meta_model
 from plait.plugins.data.sharding import LoaderSettings
 from plait.plugins.data.token_files import looks_like_text, read_tokens, token_layout
@@ -52,7 +52,7 @@ class DataFilesConfig(LoaderSettings):
     """Settings of ``data=stdlib|text|tokens`` (and the loader's, read by sharding)."""
 
     path: Optional[str] = None
-    cache_dir: str = "${oc.env:PLAIT_CACHE_DIR,'~/.cache/plait'}"
+    cache_dir: str = CACHE_DIR
     val_fraction: float = 0.01
     text_field: str = "text"  # data=text: the text of a JSON line, a parquet or datasets row
 

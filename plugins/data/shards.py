@@ -31,7 +31,7 @@ import torch
 from omegaconf import MISSING
 
 from plait import hookimpl
-from plait.config import AT_LEAST_1, POSITIVE, Range, range_problems
+from plait.config import AT_LEAST_1, CACHE_DIR, POSITIVE, Range, range_problems
 from plait.meta import meta_model
 from plait.plugins.data.blend import BlendedDataset
 from plait.plugins.data.index import ShardIndex, ShardIndexError, read_index
@@ -61,7 +61,7 @@ class ShardsDataConfig(LoaderSettings):
     pack: bool = False  # true: samples run across document boundaries
     shuffle_block: int = 1 << 18  # samples shuffled together (Streaming's shuffle_block_size)
     val_fraction: float = 0.01  # the last documents of each source
-    cache_dir: str = "${oc.env:PLAIT_CACHE_DIR,'~/.cache/plait'}"  # node-local, for URLs
+    cache_dir: str = CACHE_DIR  # node-local, for URLs
     cache_limit_gb: Optional[float] = None  # GiB the node's shard cache may hold; None: no limit
     prefetch_shards: int = 2  # shards fetched ahead of the loader
     verify: bool = False  # check each shard read in place (and each cached copy) by checksum

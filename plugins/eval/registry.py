@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from plait.config import cache_dir
+
 SHIPPED = Path(__file__).parent / "tasks"
 GENERATION = "generate_until"
 
@@ -74,10 +76,8 @@ def index_cache(root: Path) -> Path:
     """Where the index of the harness installed at ``root`` is kept."""
     from lm_eval import __version__
 
-    # plait's cache directory, as data.cache_dir defaults to it
-    home = Path(os.environ.get("PLAIT_CACHE_DIR") or "~/.cache/plait").expanduser()
     where = hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:8]
-    return home / f"lm_eval-{__version__}-{where}.pickle"
+    return cache_dir() / f"lm_eval-{__version__}-{where}.pickle"
 
 
 @contextlib.contextmanager
