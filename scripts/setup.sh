@@ -18,8 +18,9 @@ fi
 python -m pip install -q -e ".[${PLAIT_EXTRAS:-hf}]"
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   # DeepSpeed compiles its CPU ops (CPU Adam, shared-memory all-reduce) on first use, into
-  # ~/.cache/torch_extensions. Build them here, in one process: workers that start compiling
-  # together and are killed mid-build leave a lock every later run waits on forever.
+  # $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions; scripts/test.sh: .venv's). Build
+  # them here, in one process: workers that start compiling together and are killed mid-build
+  # leave a lock every later run waits on forever.
   find "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}" -name lock -delete 2>/dev/null || true
   DS_ACCELERATOR=cpu python - <<'PY'
 from deepspeed.accelerator import get_accelerator

@@ -12,6 +12,10 @@
 # and tcmalloc for tests/test_host_memory.py (launcher.allocator; auto then takes jemalloc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# DeepSpeed's CPU ops built beside the virtual environment, where tests/conftest.py looks: a
+# second checkout on this machine (a CI clone) builds its own instead of rebuilding the shared
+# ~/.cache/torch_extensions against its include paths.
+export TORCH_EXTENSIONS_DIR="$PWD/.venv/torch_extensions"
 PLAIT_EXTRAS=test,hf,ray,kubernetes,eval,torchft ./scripts/setup.sh
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   wanted=()

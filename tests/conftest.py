@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -9,6 +10,11 @@ pytest.register_assert_rewrite("inhouse")
 # W&B offline and quiet; tests never reach the network.
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_MODE", "offline")
+# DeepSpeed's CPU ops (CPU Adam) are built beside this virtual environment, where
+# scripts/test.sh's set-up built them: in the shared ~/.cache/torch_extensions a second checkout
+# on the machine (a CI clone) rebuilds them against its own include paths, and the next test run
+# here rebuilt them again inside tests/test_zero.py's offload test (2.5 minutes).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -497,7 +497,7 @@ def test_model_state_bytes_shrink_with_each_stage_as_the_zero_paper_says(runs):
 @pytest.mark.slow
 def test_offload_to_cpu_gives_the_same_losses(runs, tmp_path):
     """ZeRO-3 with optimizer states and parameters offloaded: DeepSpeed's CPU Adam (a C++ op
-    DeepSpeed compiles once per machine, into ~/.cache/torch_extensions) steps instead of torch
+    DeepSpeed compiles once per environment, into $TORCH_EXTENSIONS_DIR) steps instead of torch
     AdamW, with the same math; the first steps' losses equal DDP's."""
     steps = 3
     offloaded = run_training(
