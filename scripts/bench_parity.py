@@ -104,7 +104,7 @@ ROWS = {
     "cp2": ("cp2", ["parallel.cp=2"]),
 }
 LIBRARY = {"zero1": "deepspeed", "zero2": "deepspeed", "zero3": "deepspeed"}
-GPU_ROWS = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+GPU_ROWS = ["ddp", "zero1", "zero2", "zero3", "fsdp", "ddp+defaults"]  # one process each
 MIB = 2**20
 
 
@@ -662,7 +662,7 @@ def main() -> int:
             print(f"{row}: skipped ({library} is not installed)", flush=True)
             rows.remove(row)
         elif cuda and row not in GPU_ROWS:
-            print(f"{row}: skipped (needs {2} processes; one GPU here)", flush=True)
+            print(f"{row}: skipped (needs 2 processes; one GPU here)", flush=True)
             rows.remove(row)
     if args.alternate:
         problem = freezer_problem() or (
