@@ -13,12 +13,12 @@ cd "$(dirname "$0")/.."
 out=${1:-gpu-checks}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-if ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+if ! python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   echo "gpu_checks.sh: no CUDA device here; nothing checked" >&2
   exit 2
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-python -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())" |
+python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())" |
   tee -a "$out/gpu.txt"
 failed=0
 
@@ -33,10 +33,10 @@ check() {  # check NAME SECONDS COMMAND...
   [ "$rc" = 0 ] || failed=1
 }
 
-check bench_gpu_eager 100 python scripts/bench_gpu.py --steps 60 --warmup 15
-check bench_gpu_compile 150 python scripts/bench_gpu.py --steps 60 --warmup 20 --compile
-check cuda_tests 100 python -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py \
+check bench_gpu_eager 100 python3 scripts/bench_gpu.py --steps 60 --warmup 15
+check bench_gpu_compile 150 python3 scripts/bench_gpu.py --steps 60 --warmup 20 --compile
+check cuda_tests 100 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py \
   tests/test_benchmarks.py
-check bench_parity 160 python scripts/bench_parity.py --device cuda \
+check bench_parity 160 python3 scripts/bench_parity.py --device cuda \
   --rows ddp ddp+defaults fsdp zero3 --repeats 1 --steps 30
 exit "$failed"
