@@ -13,8 +13,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # DeepSpeed's CPU ops (CPU Adam) are built beside this virtual environment, where
 # scripts/test.sh's set-up built them: in the shared ~/.cache/torch_extensions a second checkout
 # on the machine (a CI clone) rebuilds them against its own include paths, and the next test run
-# here rebuilt them again inside tests/test_zero.py's offload test (2.5 minutes).
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+# here rebuilt them again inside tests/test_zero.py's offload test (2.5 minutes). Outside a
+# virtual environment (a system interpreter) torch's default stays.
+if sys.prefix != sys.base_prefix:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
 @pytest.fixture(scope="session", autouse=True)
