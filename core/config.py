@@ -33,12 +33,12 @@ def runs_on_cpu(cfg) -> bool:
 # plait's cache directory on this node: $PLAIT_CACHE_DIR, else ~/.cache/plait. CACHE_DIR is it as
 # a config value (the data plugins' ``cache_dir`` default, resolved with the config); cache_dir()
 # as a path, for a plugin that caches outside any setting (the eval harness's task index).
-DEFAULT_CACHE_DIR = "~/.cache/plait"
-CACHE_DIR = f"${{oc.env:PLAIT_CACHE_DIR,'{DEFAULT_CACHE_DIR}'}}"
+CACHE_ENV, DEFAULT_CACHE_DIR = "PLAIT_CACHE_DIR", "~/.cache/plait"
+CACHE_DIR = f"${{oc.env:{CACHE_ENV},'{DEFAULT_CACHE_DIR}'}}"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PLAIT_CACHE_DIR") or DEFAULT_CACHE_DIR).expanduser()
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
 
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
