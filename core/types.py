@@ -44,8 +44,9 @@ class PluginInfo:
     names now (``{"fault.checkpoint_every": "checkpoint.every"}``): an override with an old name
     keeps working, with a ``FutureWarning`` (:mod:`plait.renames`).
 
-    ``preload`` names the libraries this plugin's hooks import in every worker (``"deepspeed"``):
-    a launcher that forks workers from a preloaded server imports them there once, and only for
+    ``preload`` names the modules this plugin's hooks import in every worker (``"deepspeed"``),
+    or a module of the plugin's that prepares at import what every worker would build: a
+    launcher that forks workers from a preloaded server imports them there once, and only for
     runs in which the plugin is active.
     """
 

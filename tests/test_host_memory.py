@@ -1,6 +1,7 @@
-"""What a run's workers start with: the allocator ``launcher.allocator`` chose, and none of the
-heavy libraries the run does not use (issue 32). Each case is a real ``plait train`` command in a
-fresh process (a test session's forkserver would carry an earlier launch's modules)."""
+"""What a run's workers start with: the allocator ``launcher.allocator`` chose, none of the
+heavy libraries the run does not use, and what the libraries it uses would build in every
+worker (issue 32). Each case is a real ``plait train`` command in a fresh process (a test
+session's forkserver would carry an earlier launch's modules)."""
 
 import json
 import os
@@ -17,16 +18,25 @@ import json, os, sys
 from plait import hookimpl
 from plait.host_memory import running_allocator
 
+WATCHED = ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "wandb", "transformers",
+           "transformers.modeling_utils")
+
 class Probe:
     @hookimpl(tryfirst=True)
     def plait_build_topology(self, cfg):  # the first hook of every worker: what it started with
         seen = {"allocator": running_allocator(),
-                "modules": [m for m in ("deepspeed", "wandb", "transformers") if m in sys.modules]}
+                "modules": [m for m in WATCHED if m in sys.modules]}
+        renames = sys.modules.get("transformers.conversion_mapping")
+        if renames is not None:  # its table of checkpoint renames, built at the first lookup
+            seen["renames"] = renames._checkpoint_conversion_mapping_cache is not None
         with open(os.environ["PROBE_OUT"], "w") as f:
             json.dump(seen, f)
 
 probe = Probe()
 """
+
+
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
 def worker_sees(tmp_path, *overrides: str) -> dict:
@@ -80,7 +90,32 @@ def test_the_chosen_allocator_serves_the_workers(tmp_path, allocator):
     if host_memory.library_of(allocator) is None:
         pytest.skip(f"lib{host_memory.LIBRARIES[allocator]} is not installed here")
     seen = worker_sees(tmp_path, f"launcher.allocator={allocator}", "strategy=zero1")
-    assert seen == {"allocator": allocator, "modules": ["deepspeed"]}
+    assert seen == {"allocator": allocator, "modules": ["deepspeed", MUON]}
+
+
+@pytest.mark.slow
+def test_a_zero_run_of_a_hf_model_starts_its_workers_with_what_each_would_build(tmp_path):
+    """The worker server does once, before it forks, what every worker would do before its
+    first step: DeepSpeed's engine imports its Muon optimizer (whose ``torch.compile``
+    decorators import torch's inductor: 1.8 s of CPU per worker here), and a ``model=hf``
+    worker imports ``transformers``' model classes (3.3 s) and builds its table of checkpoint
+    renames (0.8 s)."""
+    import transformers
+
+    model = tmp_path / "llama"
+    transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+    ).save_pretrained(model)
+    seen = worker_sees(
+        tmp_path, "strategy=zero1", "model=hf", f"model.path={model}", "model.pretrained=false"
+    )
+    assert seen["modules"] == ["deepspeed", MUON, "transformers", "transformers.modeling_utils"]
+    assert seen["renames"] is True
 
 
 def test_auto_takes_the_first_installed_allocator_else_glibc(monkeypatch):

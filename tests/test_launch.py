@@ -172,3 +172,47 @@ def test_slurm_host_lists_and_tasks_per_node():
         )
         == "1"
     )
+
+
+def test_rendezvous_events_keep_the_names_torch_gives_them(tmp_path, monkeypatch):
+    """torch elastic names each rendezvous event by the method that recorded it, found with
+    ``inspect.stack()`` even where no handler records events (0.8 s of the launcher's CPU per
+    launch in a test session); plait's launcher finds it from the frames
+    (``rendezvous_events.py``). Recorded here, a launch's events carry the same names as under
+    torch's own lookup (the same launch again with it; keep-alive events come when a timer is
+    due, in either)."""
+    import inspect
+    import json
+    import logging
+
+    from torch.distributed.elastic import events
+    from torch.distributed.elastic.events import handlers
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from plait.plugins.launch import rendezvous_events
+
+    def torchs_lookup(depth=2):  # torch 2.13's dynamic_rendezvous.get_method_name
+        if len(inspect.stack()) > depth:
+            return inspect.stack()[depth].function
+        return "no_method_name"
+
+    names: list[str] = []
+
+    class EventNames(logging.Handler):
+        def emit(self, record):
+            names.append(json.loads(record.getMessage())["name"])
+
+    recorder = logging.Logger("rendezvous events", logging.INFO)
+    recorder.addHandler(EventNames())
+    monkeypatch.setitem(handlers._log_handlers, "dynamic_rendezvous", recorder.handlers[0])
+    monkeypatch.setitem(events._events_loggers, "dynamic_rendezvous", recorder)
+    run_losses(tmp_path / "plait", STEPS)
+    assert dynamic_rendezvous.get_method_name is rendezvous_events.method_name
+    from_frames, names[:] = list(names), []
+    monkeypatch.setattr(rendezvous_events, "name_events_from_frames", lambda: None)
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", torchs_lookup)
+    run_losses(tmp_path / "torch", STEPS)
+    kept_alive = {n for n in names + from_frames if n.endswith("._keep_alive")}  # timer's, if due
+    assert set(from_frames) - kept_alive == set(names) - kept_alive, (from_frames, names)
+    assert len(set(names)) >= 5
+    assert "dynamic_rendezvous.py:DynamicRendezvousHandler.next_rendezvous" in names

@@ -97,6 +97,7 @@ def plait_declare() -> PluginInfo:
         renamed=RENAMED,
         description="atomic periodic checkpoints, resume, auto-resume on restart, "
         "Hugging Face copies (checkpoint.hf_every)",
+        preload=frozenset({"torch.distributed.checkpoint"}),  # the layout-free state's writer
     )
 
 

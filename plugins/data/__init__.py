@@ -84,9 +84,13 @@ class TokenWindows:
 
 def stdlib_sources() -> list[Path]:
     """The standard library's ``.py`` files, without ``site-packages`` (pruned from the walk,
-    not filtered after it: walking the installed packages cost every worker ~0.6 s)."""
+    not filtered after it: walking the installed packages cost every worker ~0.6 s), as
+    absolute paths under the library's resolved directory (:func:`cache_key` resolves no
+    absolute path again: 0.1 s of every worker for 1,800 files)."""
     sources = []
-    for directory, subdirectories, files in os.walk(sysconfig.get_paths()["stdlib"]):
+    for directory, subdirectories, files in os.walk(
+        Path(sysconfig.get_paths()["stdlib"]).resolve()
+    ):
         subdirectories[:] = [d for d in subdirectories if d != "site-packages"]
         sources += [Path(directory, f) for f in files if f.endswith(".py")]
     return sorted(sources)
@@ -121,7 +125,8 @@ def cache_key(sources: list, text_field: str = "text") -> str:
     for p in sources:
         if isinstance(p, Path):
             st = p.stat()
-            digest.update(f"{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            path = p if p.is_absolute() else p.resolve()
+            digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
         else:
             digest.update(f"{p.path}\0{p.format}\0{p.key}\0{text_field}\n".encode())
     return digest.hexdigest()[:24]

@@ -66,6 +66,7 @@ def plait_declare() -> PluginInfo:
             }
         ),
         description="transformers causal LMs from a local directory, read slice by slice",
+        preload=frozenset({"plait.plugins.hf.preload", "plait.plugins.hf.model"}),
     )
 
 

@@ -165,6 +165,10 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import elastic_launch
 
+    from plait.plugins.launch.rendezvous_events import name_events_from_frames
+
+    name_events_from_frames()
+
     # As torchrun does: without a limit each worker's intra-op pool takes every core, and
     # workers sharing a machine slow each other down many times over. Set for this launch only:
     # left in this process, a later launch with more processes (a sweep, a test session) would
