@@ -97,7 +97,10 @@ def plait_declare() -> PluginInfo:
         renamed=RENAMED,
         description="atomic periodic checkpoints, resume, auto-resume on restart, "
         "Hugging Face copies (checkpoint.hf_every)",
-        preload=frozenset({"torch.distributed.checkpoint"}),  # the layout-free state's writer
+        # the layout-free state's writer, and the fsspec storage it imports at each save and load
+        preload=frozenset(
+            {"torch.distributed.checkpoint", "torch.distributed.checkpoint._fsspec_filesystem"}
+        ),
     )
 
 
