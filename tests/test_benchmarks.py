@@ -217,6 +217,10 @@ SMOKE = {
         ["--cases", "gemma2_tiny", "--repeats", "1"],
         ["gemma2_tiny", "medians of 1 repeat(s); load average"],
     ),
+    "bench_launch": (
+        ["--rows", "ddp", "--repeats", "1", "--launches", "1", "--steps", "1", "--modules"],
+        ["| ddp |"],
+    ),
     "bench_memory": (
         ["--only", "recompute", "--cases", "2", "--tiny", "--steps", "2", "--warmup", "1"],
         ["| ddp, recompute none |", "| ddp, recompute full |"],
