@@ -117,6 +117,31 @@ os.kill(pid, signal.SIGKILL)
     assert re.fullmatch(r"server \d+\n", done.stdout), done.stdout
 
 
+def test_the_worker_server_starts_again_under_another_import_time_environment():
+    """The libraries the server preloads read some variables once, at import (the Hugging Face
+    cache, DeepSpeed's accelerator): a launch under other values of them gets a new server, one
+    under the same values keeps it. In a fresh process; the last server is stopped at the end."""
+    script = """
+import multiprocessing.forkserver, os, signal
+from plait.plugins.launch.forkserver import use_forkserver
+
+def server():
+    use_forkserver(set(), on_cpu=True, ld_preload=None)
+    return multiprocessing.forkserver._forkserver._forkserver_pid
+
+first, again = server(), server()
+os.environ["HF_HUB_CACHE"] = "/elsewhere"
+other = server()
+print(first == again, other != again)
+os.kill(other, signal.SIGKILL)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "True True\n", done.stdout
+
+
 def test_slurm_variables_map_to_torch_env():
     task = {
         "SLURM_PROCID": "5",

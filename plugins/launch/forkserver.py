@@ -48,8 +48,16 @@ SERVER_PID = os.getpid()  # another pid in a worker: this module was imported by
 START_METHODS = ("forkserver", "spawn")
 # What every worker imports before its first step (a torch optimizer imports torch._dynamo).
 PRELOAD = ("torch", "torch._dynamo", "plait.worker")
-# The server this process started: its modules and LD_PRELOAD (None: not started yet).
-_server: dict[str, Any] = {"modules": None, "ld_preload": None}
+# Variables the preloaded libraries read once, when imported (DeepSpeed's accelerator, the
+# Hugging Face cache and offline mode): the server's imports saw the values of its start.
+IMPORT_TIME_ENV = ("DS_", "HF_", "TRANSFORMERS_")
+# The server this process started: its modules, LD_PRELOAD and import-time environment (None:
+# not started yet).
+_server: dict[str, Any] = {"modules": None, "ld_preload": None, "env": None}
+
+
+def import_time_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(IMPORT_TIME_ENV)}
 
 
 def use_forkserver(declared: Iterable[str], on_cpu: bool, ld_preload: str | None) -> None:
@@ -57,19 +65,22 @@ def use_forkserver(declared: Iterable[str], on_cpu: bool, ld_preload: str | None
     entry-point group (each worker's plugin manager loads them) and, on CPU runs, the libraries
     the active plugins ``declared``, and start the server now: its imports (5-7 s of CPU here)
     then overlap the elastic agent's own set-up and rendezvous (0.6 s here) instead of following
-    them. A server already running without them, or under another ``ld_preload``, is stopped
-    first."""
+    them. A server already running without them, under another ``ld_preload`` or another
+    import-time environment (``IMPORT_TIME_ENV``: a later launch's ``HF_HUB_CACHE`` must reach
+    its workers' ``huggingface_hub``), is stopped first."""
     plugins = sorted({entry.module for entry in entry_points(group="plait")})
     modules = {__name__, *PRELOAD, *(declared if on_cpu else ()), *plugins}
+    env = import_time_env()
     server = multiprocessing.forkserver._forkserver
     running = getattr(server, "_forkserver_pid", None) is not None
-    if running and (not modules <= _server["modules"] or ld_preload != _server["ld_preload"]):
+    same_start = ld_preload == _server["ld_preload"] and env == _server["env"]
+    if running and (not modules <= _server["modules"] or not same_start):
         if ld_preload == _server["ld_preload"]:
             modules |= _server["modules"]
         server._stop()
     elif running:
         return
-    _server.update(modules=modules, ld_preload=ld_preload)
+    _server.update(modules=modules, ld_preload=ld_preload, env=env)
     multiprocessing.get_context("forkserver").set_forkserver_preload(sorted(modules))
     multiprocessing.forkserver.ensure_running()
 
