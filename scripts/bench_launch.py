@@ -51,7 +51,8 @@ def write_model(directory: Path) -> Path:
 
 def as_before() -> None:
     """The launcher as it was: DeepSpeed the only declared preload, torch's event names."""
-    from plait.plugins.launch import forkserver, rendezvous_events
+    from plait import forkserver
+    from plait.plugins.launch import rendezvous_events
 
     use_forkserver = forkserver.use_forkserver
     forkserver.use_forkserver = lambda declared, on_cpu, ld_preload: use_forkserver(

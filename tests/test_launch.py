@@ -1,14 +1,16 @@
 """Starting workers: under torchrun, and under a SLURM-style launcher (environment only)."""
 
+import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from plait.plugins.launch.slurm import first_host, tasks_on_node, torch_env_from_slurm
-from plait.testing import TEST_OVERRIDES, free_port, read_metrics, run_losses
+from plait.testing import TEST_OVERRIDES, free_port, read_metrics, run_losses, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -104,7 +106,7 @@ def test_the_worker_server_starts_when_the_launch_names_its_modules():
     process (a test session's server would already run); the server is stopped at the end."""
     script = """
 import multiprocessing.forkserver, os, signal
-from plait.plugins.launch.forkserver import use_forkserver
+from plait.forkserver import use_forkserver
 use_forkserver(set(), on_cpu=True, ld_preload=None)
 pid = multiprocessing.forkserver._forkserver._forkserver_pid
 print("server", pid)
@@ -123,7 +125,7 @@ def test_the_worker_server_starts_again_under_another_import_time_environment():
     under the same values keeps it. In a fresh process; the last server is stopped at the end."""
     script = """
 import multiprocessing.forkserver, os, signal
-from plait.plugins.launch.forkserver import use_forkserver
+from plait.forkserver import use_forkserver
 
 def server():
     use_forkserver(set(), on_cpu=True, ld_preload=None)
@@ -140,6 +142,30 @@ os.kill(other, signal.SIGKILL)
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "True True\n", done.stdout
+
+
+def _report_origin(rank: int, world_size: int, out: str) -> None:
+    print(f"rank {rank} of {world_size} says hello")
+    seen = {"parent": os.getppid(), "probe": os.environ.get("SPAWN_PROBE")}
+    (Path(out) / f"{rank}.json").write_text(json.dumps(seen))
+
+
+def test_spawned_ranks_are_forks_of_the_worker_server_with_the_callers_env_and_output(
+    tmp_path, monkeypatch, capfd
+):
+    """``plait.testing.spawn`` forks its ranks from the worker server a launch forks from (torch
+    and the plugins imported once, not by every rank), yet each rank sees the caller's
+    environment as it is now and writes to the caller's standard output."""
+    import multiprocessing.forkserver
+
+    monkeypatch.setenv("SPAWN_PROBE", "set after the server started")
+    spawn(_report_origin, 2, str(tmp_path))
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    seen = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    assert seen == [{"parent": server, "probe": "set after the server started"}] * 2
+    assert server != os.getpid()
+    printed = capfd.readouterr().out
+    assert "rank 0 of 2 says hello" in printed and "rank 1 of 2 says hello" in printed
 
 
 def test_slurm_variables_map_to_torch_env():

@@ -32,8 +32,8 @@ from omegaconf import OmegaConf
 
 from plait import hookimpl
 from plait.config import AT_LEAST_0, LauncherConfig, Range, range_problems, runs_on_cpu
+from plait.forkserver import START_METHODS
 from plait.host_memory import preload, with_preload
-from plait.plugins.launch.forkserver import START_METHODS
 from plait.plugins.launch.replica_groups import (
     launch_replica_groups,
     placement_problems,
@@ -197,7 +197,7 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
         """A worker as this launcher starts it: forked from the forkserver, or spawned."""
         if launcher.start_method != "forkserver":
             return entrypoint, args
-        from plait.plugins.launch.forkserver import launcher_stdio, use_forkserver, worker_entry
+        from plait.forkserver import launcher_stdio, use_forkserver, worker_entry
 
         declared = {m for info in hook.plait_declare() for m in info.preload}
         use_forkserver(declared, on_cpu=on_cpu, ld_preload=os.environ.get("LD_PRELOAD"))

@@ -43,8 +43,8 @@ from omegaconf import OmegaConf
 
 from plait import hookimpl
 from plait.config import AT_LEAST_0, LauncherConfig, range_problems
+from plait.forkserver import START_METHODS
 from plait.plugins import launch as local_launcher
-from plait.plugins.launch.forkserver import START_METHODS
 from plait.plugins.launch.manifests import PYTORCHJOB, RESOURCES, TRAINJOB, job_manifest, to_yaml
 from plait.types import PluginInfo
 

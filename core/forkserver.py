@@ -1,5 +1,7 @@
 """Workers forked from a server that has already imported torch and the plugins: torchrun's
-``--start-method forkserver``, plait's default (``launcher.start_method``).
+``--start-method forkserver``, plait's default (``launcher.start_method``), and the process
+groups of :func:`plait.testing.spawn`. In the core because both use it: the launcher plugin for a
+run's workers, the testing helpers for the ranks of a test or a benchmark's plain loop.
 
 A worker started with ``spawn`` is a fresh interpreter. Before its first step it imports torch,
 torch's compiler stack (every torch optimizer's constructor imports ``torch._dynamo``), the
@@ -77,7 +79,7 @@ def use_forkserver(declared: Iterable[str], on_cpu: bool, ld_preload: str | None
     if running and (not modules <= _server["modules"] or not same_start):
         if ld_preload == _server["ld_preload"]:
             modules |= _server["modules"]
-        server._stop()
+        server._stop()  # type: ignore[attr-defined]  # private, not in typeshed
     elif running:
         return
     _server.update(modules=modules, ld_preload=ld_preload, env=env)
