@@ -29,6 +29,9 @@ class Probe:
         renames = sys.modules.get("transformers.conversion_mapping")
         if renames is not None:  # its table of checkpoint renames, built at the first lookup
             seen["renames"] = renames._checkpoint_conversion_mapping_cache is not None
+        ops = sys.modules.get("deepspeed.ops")
+        if ops is not None:  # which ops DeepSpeed can build, probed at the first access
+            seen["ops_probed"] = "__compatible_ops__" in vars(ops)
         with open(os.environ["PROBE_OUT"], "w") as f:
             json.dump(seen, f)
 
@@ -90,14 +93,16 @@ def test_the_chosen_allocator_serves_the_workers(tmp_path, allocator):
     if host_memory.library_of(allocator) is None:
         pytest.skip(f"lib{host_memory.LIBRARIES[allocator]} is not installed here")
     seen = worker_sees(tmp_path, f"launcher.allocator={allocator}", "strategy=zero1")
-    assert seen == {"allocator": allocator, "modules": ["deepspeed", MUON]}
+    assert seen == {"allocator": allocator, "modules": ["deepspeed", MUON], "ops_probed": True}
 
 
 @pytest.mark.slow
 def test_a_zero_run_of_a_hf_model_starts_its_workers_with_what_each_would_build(tmp_path):
     """The worker server does once, before it forks, what every worker would do before its
     first step: DeepSpeed's engine imports its Muon optimizer (whose ``torch.compile``
-    decorators import torch's inductor: 1.8 s of CPU per worker here), and a ``model=hf``
+    decorators import torch's inductor: 1.8 s of CPU per worker here), ``deepspeed.comm``
+    probes which ops this machine can build (a compiled and linked test program), and a
+    ``model=hf``
     worker imports ``transformers``' model classes (3.3 s) and builds its table of checkpoint
     renames (0.8 s)."""
     import transformers
@@ -116,6 +121,7 @@ def test_a_zero_run_of_a_hf_model_starts_its_workers_with_what_each_would_build(
     )
     assert seen["modules"] == ["deepspeed", MUON, "transformers", "transformers.modeling_utils"]
     assert seen["renames"] is True
+    assert seen["ops_probed"] is True
 
 
 def test_auto_takes_the_first_installed_allocator_else_glibc(monkeypatch):

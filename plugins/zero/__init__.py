@@ -23,18 +23,13 @@ from plait.meta import meta_model
 from plait.plugins.zero import config as zero_config
 from plait.types import PluginInfo
 
-# What deepspeed.initialize imports in every worker beyond ``import deepspeed``: its ZeRO
-# optimizer check imports the Muon optimizer, whose ``torch.compile`` decorators import
-# torch's inductor (1.8 s of CPU per worker here, 40% of a ZeRO-3 engine's build).
-DEEPSPEED_WORKER_IMPORTS = ("deepspeed.runtime.zero.muon.muon_optimizer",)
-
 
 @hookimpl
 def plait_declare() -> PluginInfo:
     return PluginInfo(
         name="zero",
         selected_by={"strategy.name": tuple(zero_config.STAGES)},
-        preload=frozenset({"deepspeed", *DEEPSPEED_WORKER_IMPORTS}),
+        preload=frozenset({"deepspeed", "plait.plugins.zero.preload"}),
         provides=frozenset(
             {
                 "engine:tensor_parallel",
