@@ -79,23 +79,36 @@ def spawn(fn, world_size: int, *args: Any, nproc_per_node: int | None = None) ->
     group (``torch.multiprocessing``); an exception in any rank fails the caller.
 
     The ranks are forked from the worker server a launch forks its workers from
-    (:mod:`plait.forkserver`: torch, its compiler stack and the plugins already imported; a test
-    session's later spawns and launches reuse it), with the caller's environment and standard
-    output and error, instead of each importing them again as a fresh interpreter (2-4 s of CPU
-    per rank here). ``fn`` must be importable (module level); the rank imports its module. Ranks
-    return results by writing files. ``nproc_per_node`` sets the launcher's node variables
-    (``GROUP_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) as for that many processes per node,
-    node by node, so a topology sees several "nodes" on one machine; the default is one node.
+    (:mod:`plait.forkserver`: torch, its compiler stack and the plugins already imported),
+    instead of each importing them again as a fresh interpreter (2-4 s of CPU per rank here),
+    with the caller's environment and standard output and error. They get the allocator plait's
+    CPU workers get by default (``launcher.allocator=auto``, in ``LD_PRELOAD``), so that a test
+    session's spawns and launches share one server: a server runs under one ``LD_PRELOAD``, and
+    each change would start another. ``fn`` must be importable (module level); the rank imports
+    its module. Ranks return results by writing files. ``nproc_per_node`` sets the launcher's
+    node variables (``GROUP_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) as for that many
+    processes per node, node by node, so a topology sees several "nodes" on one machine; the
+    default is one node.
     """
     import torch.multiprocessing as mp
 
     from plait.forkserver import launcher_stdio, use_forkserver
+    from plait.host_memory import preload, with_preload
 
-    use_forkserver((), on_cpu=True, ld_preload=os.environ.get("LD_PRELOAD"))
+    caller_preload = os.environ.get("LD_PRELOAD")
+    env = with_preload(dict(os.environ), preload("auto"))
+    os.environ.update(env)  # a server started now starts with the allocator
+    try:
+        use_forkserver((), on_cpu=True, ld_preload=env.get("LD_PRELOAD"))
+    finally:
+        if caller_preload is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = caller_preload
     mp.start_processes(
         _forked,
         args=(
-            dict(os.environ),
+            env,
             launcher_stdio(),
             (fn, world_size, nproc_per_node or world_size, free_port(), args),
         ),

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from plait.plugins.launch.slurm import first_host, tasks_on_node, torch_env_from_slurm
-from plait.testing import TEST_OVERRIDES, free_port, read_metrics, run_losses, spawn
+from plait.testing import (
+    TEST_OVERRIDES,
+    free_port,
+    read_metrics,
+    run_losses,
+    run_training,
+    spawn,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -150,17 +157,20 @@ def _report_origin(rank: int, world_size: int, out: str) -> None:
     (Path(out) / f"{rank}.json").write_text(json.dumps(seen))
 
 
-def test_spawned_ranks_are_forks_of_the_worker_server_with_the_callers_env_and_output(
+def test_spawned_ranks_are_forks_of_the_launchs_worker_server_with_the_callers_env_and_output(
     tmp_path, monkeypatch, capfd
 ):
-    """``plait.testing.spawn`` forks its ranks from the worker server a launch forks from (torch
-    and the plugins imported once, not by every rank), yet each rank sees the caller's
-    environment as it is now and writes to the caller's standard output."""
+    """``plait.testing.spawn`` forks its ranks from the worker server a launch forked its
+    workers from (torch and the plugins imported once, not by every rank; no new server, which a
+    different allocator would need), yet each rank sees the caller's environment as it is now and
+    writes to the caller's standard output."""
     import multiprocessing.forkserver
 
+    run_training(tmp_path / "run", ["train.steps=1", "checkpoint.save_final=false"])
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
     monkeypatch.setenv("SPAWN_PROBE", "set after the server started")
     spawn(_report_origin, 2, str(tmp_path))
-    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    assert multiprocessing.forkserver._forkserver._forkserver_pid == server
     seen = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
     assert seen == [{"parent": server, "probe": "set after the server started"}] * 2
     assert server != os.getpid()
