@@ -69,7 +69,8 @@ def use_forkserver(declared: Iterable[str], on_cpu: bool, ld_preload: str | None
     then overlap the elastic agent's own set-up and rendezvous (0.6 s here) instead of following
     them. A server already running without them, under another ``ld_preload`` or another
     import-time environment (``IMPORT_TIME_ENV``: a later launch's ``HF_HUB_CACHE`` must reach
-    its workers' ``huggingface_hub``), is stopped first."""
+    its workers' ``huggingface_hub``), is stopped first. The server starts with ``ld_preload``
+    as its ``LD_PRELOAD`` (the allocator its forks inherit), whatever this process's is."""
     plugins = sorted({entry.module for entry in entry_points(group="plait")})
     modules = {__name__, *PRELOAD, *(declared if on_cpu else ()), *plugins}
     env = import_time_env()
@@ -84,7 +85,15 @@ def use_forkserver(declared: Iterable[str], on_cpu: bool, ld_preload: str | None
         return
     _server.update(modules=modules, ld_preload=ld_preload, env=env)
     multiprocessing.get_context("forkserver").set_forkserver_preload(sorted(modules))
-    multiprocessing.forkserver.ensure_running()
+    own = os.environ.pop("LD_PRELOAD", None)
+    if ld_preload is not None:
+        os.environ["LD_PRELOAD"] = ld_preload
+    try:
+        multiprocessing.forkserver.ensure_running()  # the server takes this environment
+    finally:
+        os.environ.pop("LD_PRELOAD", None)
+        if own is not None:
+            os.environ["LD_PRELOAD"] = own
 
 
 class PassedFd:

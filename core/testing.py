@@ -95,16 +95,8 @@ def spawn(fn, world_size: int, *args: Any, nproc_per_node: int | None = None) ->
     from plait.forkserver import launcher_stdio, use_forkserver
     from plait.host_memory import preload, with_preload
 
-    caller_preload = os.environ.get("LD_PRELOAD")
     env = with_preload(dict(os.environ), preload("auto"))
-    os.environ.update(env)  # a server started now starts with the allocator
-    try:
-        use_forkserver((), on_cpu=True, ld_preload=env.get("LD_PRELOAD"))
-    finally:
-        if caller_preload is None:
-            os.environ.pop("LD_PRELOAD", None)
-        else:
-            os.environ["LD_PRELOAD"] = caller_preload
+    use_forkserver((), on_cpu=True, ld_preload=env.get("LD_PRELOAD"))
     mp.start_processes(
         _forked,
         args=(
