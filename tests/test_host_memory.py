@@ -105,17 +105,10 @@ def test_a_zero_run_of_a_hf_model_starts_its_workers_with_what_each_would_build(
     ``model=hf``
     worker imports ``transformers``' model classes (3.3 s) and builds its table of checkpoint
     renames (0.8 s)."""
-    import transformers
+    from hf_models import family_config
 
     model = tmp_path / "llama"
-    transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=64,
-    ).save_pretrained(model)
+    family_config("llama").save_pretrained(model)
     seen = worker_sees(
         tmp_path, "strategy=zero1", "model=hf", f"model.path={model}", "model.pretrained=false"
     )
