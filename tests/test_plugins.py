@@ -1,5 +1,7 @@
 """Plugin discovery, selection, conflicts and capabilities (no worker processes)."""
 
+import types
+
 import inhouse
 import pluggy
 import pytest
@@ -92,6 +94,58 @@ def test_hook_with_a_typo_is_caught_at_registration():
 
     with pytest.raises(pluggy.PluginValidationError, match="plait_on_step_ends"):
         make_plugin_manager(objects=[Typo()])
+
+
+class Slotted:
+    __slots__ = ("plait_on_step_end",)
+
+    def __init__(self):
+        self.plait_on_step_end = hookimpl(lambda step: None)
+
+
+class Shapes:
+    """A hook in every shape pluggy binds: method, static and class method, a function kept on
+    the instance, a property (never a hook: pluggy does not run it)."""
+
+    @hookimpl
+    def plait_on_step_end(self, step):
+        pass
+
+    @staticmethod
+    @hookimpl
+    def plait_on_run_start(cfg):
+        pass
+
+    @classmethod
+    @hookimpl
+    def plait_on_run_end(cls):
+        pass
+
+    @property
+    @hookimpl
+    def plait_log_metrics(self):
+        return None
+
+    def __init__(self):
+        self.plait_sync_replicas = hookimpl(lambda cfg, state, topology: None)
+
+
+def test_hooks_are_found_as_pluggy_finds_them():
+    """plait's manager reads a module's namespace instead of pluggy's static lookup of every
+    name (plugin_manager.PlaitPluginManager.parse_hookimpl_opts): it must find what pluggy finds,
+    in every built-in and in each shape an in-house plugin may take."""
+    plugins = [record.plugin for record in make_plugin_manager().records.values()]
+    bound = types.ModuleType("bound_hooks")  # a module whose hook is another object's method
+    bound.plait_on_step_end = Shapes().plait_on_step_end
+    plugins += [Shapes(), Shapes, Slotted(), bound, inhouse]
+    plait_pm, pluggy_pm = make_plugin_manager(load_entrypoints=False), pluggy.PluginManager("plait")
+    found = 0
+    for plugin in plugins:
+        for name in dir(plugin):
+            expected = pluggy_pm.parse_hookimpl_opts(plugin, name)
+            assert plait_pm.parse_hookimpl_opts(plugin, name) == expected, (plugin, name)
+            found += expected is not None
+    assert found > 200  # the built-ins' hooks were among them
 
 
 def test_blocked_plugin_is_left_out(monkeypatch):
