@@ -35,9 +35,11 @@ module the server lacks, or another ``LD_PRELOAD`` (``launcher.allocator``), sta
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 from importlib.metadata import entry_points
 from multiprocessing import reduction
@@ -80,7 +82,7 @@ def use_forkserver(declared: Iterable[str], on_cpu: bool, ld_preload: str | None
     if running and (not modules <= _server["modules"] or not same_start):
         if ld_preload == _server["ld_preload"]:
             modules |= _server["modules"]
-        server._stop()  # type: ignore[attr-defined]  # private, not in typeshed
+        _stop(server)
     elif running:
         return
     _server.update(modules=modules, ld_preload=ld_preload, env=env)
@@ -94,6 +96,21 @@ def use_forkserver(declared: Iterable[str], on_cpu: bool, ld_preload: str | None
         os.environ.pop("LD_PRELOAD", None)
         if own is not None:
             os.environ["LD_PRELOAD"] = own
+
+
+def _stop(server: Any) -> None:
+    """Stop the server this process started without waiting on any other process.
+
+    ``multiprocessing``'s own stop (``_stop``) closes the pipe the server watches and waits for
+    the server to exit; but every process forked from the server holds that pipe too, so one
+    worker of an earlier launch that has not ended (a rank left hung by a test's timeout) keeps
+    the server, and with it this launch, waiting for ever (on CI once: a test's whole 10-minute
+    timeout, then every later launch of that process failed on the half-stopped server). The
+    server is killed first (what it forked runs on as separate processes), then that stop reaps
+    it and clears its address."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(server._forkserver_pid, signal.SIGKILL)
+    server._stop()
 
 
 class PassedFd:
