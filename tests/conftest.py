@@ -1,5 +1,9 @@
+import multiprocessing.forkserver
 import os
+import signal
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +45,31 @@ def no_gpu_unless_marked_cuda(request, monkeypatch):
 
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+@pytest.fixture(autouse=True)
+def no_worker_outlives_its_test():
+    """Every process this test's launches forked from the worker server (``plait.forkserver``)
+    has ended when the test ends. One left running (a rank hung in a collective behind a test's
+    timeout) would hold the server's pipe and take the cores from the tests after it: it is
+    killed here, and the test errors at teardown, naming it, instead of a later test."""
+    yield
+    deadline = time.monotonic() + 30  # a worker still ending: torch elastic has joined it
+    while (left := forkserver_children()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    if left:
+        pytest.fail(f"worker processes {left} outlived the test (killed)", pytrace=False)
+
+
+def forkserver_children() -> list[int]:
+    server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    try:
+        tasks = Path(f"/proc/{server}/task").iterdir() if server else ()
+        return [int(pid) for task in tasks for pid in (task / "children").read_text().split()]
+    except OSError:  # the server has just ended
+        return []
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
