@@ -141,7 +141,7 @@ def server():
     return multiprocessing.forkserver._forkserver._forkserver_pid
 
 first, again = server(), server()
-worker = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(600,))
+worker = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(120,))
 worker.start()
 os.environ["HF_HUB_CACHE"] = "/elsewhere"
 other = server()
