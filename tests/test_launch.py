@@ -140,12 +140,18 @@ def server():
     use_forkserver(set(), on_cpu=True, ld_preload=None)
     return multiprocessing.forkserver._forkserver._forkserver_pid
 
+def running(pid):  # and not a zombie: an ended worker its exiting server did not reap
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
 first, again = server(), server()
 worker = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(120,))
 worker.start()
 os.environ["HF_HUB_CACHE"] = "/elsewhere"
 other = server()
-print(first == again, other != again, os.path.exists(f"/proc/{worker.pid}"))
+print(first == again, other != again, running(worker.pid))
 os.kill(worker.pid, signal.SIGKILL)  # not worker.kill(): its handle saw its server go
 os.kill(other, signal.SIGKILL)
 """
