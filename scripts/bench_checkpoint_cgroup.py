@@ -34,6 +34,11 @@ LAYOUTS = {
     "zero3": ["strategy=zero3"],
     "zero2": ["strategy=zero2"],
     "ddp_tp2": ["strategy=ddp", "parallel.tp=2"],
+    "ddp": ["strategy=ddp"],
+    "zero1": ["strategy=zero1"],
+    "pp2": ["parallel.pp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=2"],
+    "ep2": ["parallel.ep=2", "model.n_experts=4", "model.top_k=2"],
+    "cp2": ["parallel.cp=2"],
 }
 UNCAPPED_MIB = 1 << 30  # training's own run: no cap short of the machine
 

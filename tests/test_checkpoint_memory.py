@@ -33,6 +33,16 @@ CASES = {
     "zero3": ["strategy=zero3", "launcher.nproc_per_node=2"],
     "zero2": ["strategy=zero2", "launcher.nproc_per_node=2"],
     "ddp_tp2": ["parallel.tp=2", "launcher.nproc_per_node=2"],
+    "ddp": ["launcher.nproc_per_node=2"],
+    "zero1": ["strategy=zero1", "launcher.nproc_per_node=2"],
+    "pp2": [
+        "parallel.pp=2",
+        "pipeline.schedule=1f1b",
+        "pipeline.microbatches=2",
+        "launcher.nproc_per_node=2",
+    ],
+    "ep2": ["parallel.ep=2", "model.n_experts=4", "model.top_k=2", "launcher.nproc_per_node=2"],
+    "cp2": ["parallel.cp=2", "launcher.nproc_per_node=2"],
 }
 
 
