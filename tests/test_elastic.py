@@ -59,9 +59,9 @@ RUN = [
 RDZV = "launcher.rdzv_conf={last_call_timeout:5,keep_alive_interval:2,keep_alive_max_attempt:3}"
 
 
-def test_nnodes_min_max_hands_torch_elastic_the_range_and_the_rendezvous_settings():
+def test_nnodes_min_max_hands_torch_elastic_the_range_and_the_rendezvous_settings(tmp_path):
     cfg = compose(["launcher.nnodes=1:2", *ELASTIC, "launcher.rdzv_conf={last_call_timeout:10}"])
-    config = launch_config(cfg, ParallelDims.from_config(cfg, world_size=4))
+    config = launch_config(cfg, ParallelDims.from_config(cfg, world_size=4), str(tmp_path))
     assert (config.min_nodes, config.max_nodes) == (1, 2)
     assert config.rdzv_backend == "c10d" and config.max_restarts == 1
     assert {k: config.rdzv_configs[k] for k in ("last_call_timeout", "is_host")} == {
@@ -69,7 +69,9 @@ def test_nnodes_min_max_hands_torch_elastic_the_range_and_the_rendezvous_setting
         "is_host": True,
     }
     fixed_cfg = compose(["launcher.nnodes=2", *ELASTIC])
-    fixed = launch_config(fixed_cfg, ParallelDims.from_config(fixed_cfg, world_size=4))
+    fixed = launch_config(
+        fixed_cfg, ParallelDims.from_config(fixed_cfg, world_size=4), str(tmp_path)
+    )
     assert (fixed.min_nodes, fixed.max_nodes) == (2, 2)
 
 

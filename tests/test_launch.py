@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,18 @@ def test_torchrun_runs_plait_in_place_with_the_same_losses(reference, tmp_path):
         "metrics.jsonl",
     ]
     assert not list(tmp_path.glob("**/.hydra"))
+
+
+def test_a_launch_leaves_nothing_in_the_temp_directory(tmp_path, monkeypatch):
+    """torch elastic gives each launch's workers directories (``torchelastic_*``) in the temp
+    directory and leaves them there: one tree per run, thousands on a machine that runs sweeps
+    or this suite. plait's launcher removes its own when the launch ends. (``pymp-*`` is
+    ``multiprocessing``'s directory of this process, removed when it exits.)"""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    run_training(tmp_path / "run", [*STEPS, "launcher.nproc_per_node=2"])
+    assert [p.name for p in temp.iterdir() if not p.name.startswith("pymp-")] == []
 
 
 def test_srun_environment_is_translated_for_torch(reference, tmp_path):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -205,11 +206,15 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
 
     expendable = expendable_ranks(cfg, dims, hook)
     groups = replica_groups(cfg, dims, hook)
+    # torch elastic's per-worker directories (error files; logs under redirects, which plait
+    # does not use): torch makes them in a fresh temp directory per launch and leaves them there,
+    # one tree per run; plait's is removed when the launch ends.
+    logs = tempfile.TemporaryDirectory(prefix="torchelastic_")
     try:
         if groups > 1:  # each replica group its own torch job, with its own agent
-            return launch_replica_groups(cfg, dims, groups, entrypoint, args, wrap)
+            return launch_replica_groups(cfg, dims, groups, entrypoint, args, wrap, logs.name)
         entrypoint, args = wrap(entrypoint, args)
-        launch = elastic_launch(launch_config(cfg, dims), entrypoint=entrypoint)
+        launch = elastic_launch(launch_config(cfg, dims, logs.name), entrypoint=entrypoint)
         if expendable is None:
             return launch(*args)
         from plait.plugins.launch.departures import agent_class
@@ -228,6 +233,7 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
         )
         raise SystemExit(128 + stopped.sigval) from None
     finally:
+        logs.cleanup()
         if not threads_given:
             os.environ.pop("OMP_NUM_THREADS", None)
         if "LD_PRELOAD" in environ_before:
@@ -236,8 +242,10 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
             os.environ.pop("LD_PRELOAD", None)
 
 
-def launch_config(cfg, dims):
-    """torch elastic's ``LaunchConfig`` for this node, as ``torchrun`` would build it."""
+def launch_config(cfg, dims, log_dir: str):
+    """torch elastic's ``LaunchConfig`` for this node, as ``torchrun`` would build it, its
+    workers' directories under ``log_dir``."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
     launcher = cfg.launcher
@@ -261,6 +269,7 @@ def launch_config(cfg, dims):
         start_method=launcher.start_method,
         monitor_interval=0.1,
         local_addr=launcher.local_addr,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
 
 

@@ -84,8 +84,10 @@ def group_worker(env: dict[str, str], entrypoint: Callable[..., Any], *args: Any
     return entrypoint(*args)
 
 
-def group_launch_config(cfg, size: int):
-    """torch elastic's ``LaunchConfig`` for one group: its own rendezvous on this machine."""
+def group_launch_config(cfg, size: int, log_dir: str):
+    """torch elastic's ``LaunchConfig`` for one group: its own rendezvous on this machine, its
+    workers' directories under ``log_dir``."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
     launcher = cfg.launcher
@@ -100,6 +102,7 @@ def group_launch_config(cfg, size: int):
         start_method=launcher.start_method,
         monitor_interval=0.1,
         local_addr=launcher.local_addr,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
 
 
@@ -125,12 +128,19 @@ def recorded_agents() -> Iterator[list]:
 
 
 def launch_replica_groups(
-    cfg, dims, groups: int, entrypoint: Callable[..., Any], args: tuple, wrap: Callable
+    cfg,
+    dims,
+    groups: int,
+    entrypoint: Callable[..., Any],
+    args: tuple,
+    wrap: Callable,
+    log_dir: str,
 ) -> dict[int, Any]:
     """Run this node's replica groups, each with its own agent; ``wrap(entrypoint, args)`` is
-    the launcher's own wrapping of a worker (the forkserver's). Returns what every worker of the
-    groups that finished returned, by the group's first global rank plus its rank; a group
-    that ran out of restarts is reported, and fails the launch only if every group did."""
+    the launcher's own wrapping of a worker (the forkserver's); ``log_dir`` holds the agents'
+    directories for their workers. Returns what every worker of the groups that finished
+    returned, by the group's first global rank plus its rank; a group that ran out of restarts
+    is reported, and fails the launch only if every group did."""
     from torch.distributed.launcher.api import elastic_launch
 
     size = group_size(dims, groups)
@@ -145,7 +155,9 @@ def launch_replica_groups(
             group_worker, (group_env(cfg, group, groups, size), entrypoint, *args)
         )
         try:
-            values = elastic_launch(group_launch_config(cfg, size), entrypoint=worker)(*worker_args)
+            values = elastic_launch(group_launch_config(cfg, size, log_dir), entrypoint=worker)(
+                *worker_args
+            )
         except BaseException as error:  # noqa: BLE001 - the group's end, reported below
             failed[group] = error
             print(
