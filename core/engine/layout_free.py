@@ -26,9 +26,11 @@ tensor-parallel shard. An engine may offer the same structure without joining an
 
 and is then saved and loaded from its pieces (:mod:`plait.engine.pieces`), each placed where it
 sits in the unsplit tensor, tensor-parallel shards too: no rank holds more than it trains with.
-A background save (``checkpoint.async_save``) still copies whole tensors. This module turns tensor-parallel shards into full tensors and back,
-using the placement every shard carries (Megatron's attributes ``partition_dim`` and
-``partition_stride`` on the parameter), and hands the result to ``dcp.save`` / ``dcp.load``.
+A background save (``checkpoint.async_save``) copies the same pieces to CPU memory (DCP's
+stager), so its copy too is of this rank's own shards. This module turns tensor-parallel shards
+into full tensors and back, using the placement every shard carries (Megatron's attributes
+``partition_dim`` and ``partition_stride`` on the parameter), and hands the result to
+``dcp.save`` / ``dcp.load``.
 Replicated entries (the same key on several ranks: dp replicas, tp-replicated parameters) are
 written once by DCP's planner; a rank loads only the keys it holds, so pipeline stages read
 their own parameters.
@@ -143,20 +145,23 @@ def save(engine, topology, directory: Path, group, stager=None):
     """Write the layout-free state into ``directory/layout_free``. With ``stager`` the state is
     copied to CPU memory and written in the background (``dcp.async_save``): the result is the
     future of the write; without, the write is done when this returns (None). An engine that
-    hands over its pieces (:func:`writes_pieces`) is written from them in place, nothing
-    gathered; in the background its whole tensors are copied (the copy is the point)."""
+    hands over its pieces (:func:`writes_pieces`) is written from them, nothing gathered: in
+    place, or in the background from the stager's copy of the pieces."""
     import torch.distributed.checkpoint as dcp
 
     target = directory / DIRECTORY
-    if stager is None and writes_pieces(engine):
+    pieces = writes_pieces(engine)
+    if pieces:
         state = pieces_state(engine, topology, engine.layout_free_shards())
-        dcp.save(state, checkpoint_id=target, process_group=group, planner=save_planner())
-        return None
-    state = full_state(engine, topology)
+        planner = save_planner()
+    else:
+        state, planner = full_state(engine, topology), None
     if stager is None:
-        dcp.save(state, checkpoint_id=target, process_group=group)
+        dcp.save(state, checkpoint_id=target, process_group=group, planner=planner)
         return None
-    response = dcp.async_save(state, checkpoint_id=target, process_group=group, async_stager=stager)
+    response = dcp.async_save(
+        state, checkpoint_id=target, process_group=group, async_stager=stager, planner=planner
+    )
     return getattr(response, "upload_completion", response)
 
 
