@@ -208,8 +208,9 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
     groups = replica_groups(cfg, dims, hook)
     # torch elastic's per-worker directories (error files; logs under redirects, which plait
     # does not use): torch makes them in a fresh temp directory per launch and leaves them there,
-    # one tree per run; plait's is removed when the launch ends.
-    logs = tempfile.TemporaryDirectory(prefix="torchelastic_")
+    # one tree per run; plait's is removed when the launch ends (an error removing it hides no
+    # error of the run).
+    logs = tempfile.TemporaryDirectory(prefix="torchelastic_", ignore_cleanup_errors=True)
     try:
         if groups > 1:  # each replica group its own torch job, with its own agent
             return launch_replica_groups(cfg, dims, groups, entrypoint, args, wrap, logs.name)
