@@ -193,42 +193,28 @@ def test_fp16_loss_scale_carries_over_from_zero2_to_a_ddp_pipeline(tmp_path, mon
 
 
 @pytest.mark.slow
-def test_zero0_in_bf16_resumes_from_its_layout_free_copy_exactly(tmp_path):
-    """ZeRO stage 0 in bf16: DeepSpeed's ``FP16_UnfusedOptimizer`` keeps the fp32 masters and Adam
-    steps those (no universal checkpoint covers stage 0). With ``checkpoint.async_save`` only the
-    layout-free copy is written, so a job stopped after step 2 resumes from the masters and
-    moments in it: steps 3 and 4 log the uninterrupted run's losses, exactly."""
+@pytest.mark.parametrize(
+    "layout",
+    [["strategy=zero0", "precision=bf16"], ["strategy=fsdp"], ["strategy=zero2"]],
+    ids=["zero0_bf16", "fsdp", "zero2"],
+)
+def test_a_background_save_resumes_exactly(tmp_path, layout):
+    """With ``checkpoint.async_save`` only the layout-free copy is written; a job stopped after
+    step 2 resumes from it: steps 3 and 4 log the uninterrupted run's losses, exactly.
+
+    - ZeRO stage 0 in bf16: DeepSpeed's ``FP16_UnfusedOptimizer`` keeps the fp32 masters and Adam
+      steps those (no universal checkpoint covers stage 0); the resume reads the masters and
+      moments from the copy.
+    - fsdp and ZeRO-2 hand over their shards (``layout_free_shards``): each rank's copy in CPU
+      memory holds its own shards, not the whole tensors gathered (per rank 1.00x and 1.08x of
+      training's peak where the gathered copy read 1.31x and 1.29x, docs/benchmarks.md).
+    """
     run = [
         "train.steps=4",
         "optimizer.decay_steps=4",
         "checkpoint.every=2",
         "checkpoint.keep_last=0",
-        "precision=bf16",
-        "strategy=zero0",
-        *DP2,
-        "checkpoint.async_save=true",
-    ]
-    straight = run_training(tmp_path / "straight", run)
-    stopped = run_training(tmp_path / "stopped", [*run, "train.stop_at=2"])
-    assert sorted(losses(stopped)) == [1, 2]
-    run_training(stopped, run)
-    assert losses(stopped) == losses(straight)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
-def test_a_background_save_of_shards_resumes_exactly(tmp_path, strategy):
-    """fsdp and ZeRO hand over their shards (``layout_free_shards``): with
-    ``checkpoint.async_save`` each rank's copy in CPU memory holds its own shards, not the whole
-    tensors gathered (per rank 1.00x and 1.08x of training's peak where the gathered copy read
-    1.31x and 1.29x, docs/benchmarks.md). A job stopped after step 2 resumes from that copy:
-    steps 3 and 4 log the uninterrupted run's losses, exactly."""
-    run = [
-        "train.steps=4",
-        "optimizer.decay_steps=4",
-        "checkpoint.every=2",
-        "checkpoint.keep_last=0",
-        f"strategy={strategy}",
+        *layout,
         *DP2,
         "checkpoint.async_save=true",
     ]
