@@ -195,8 +195,13 @@ def test_fp16_loss_scale_carries_over_from_zero2_to_a_ddp_pipeline(tmp_path, mon
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
-    [["strategy=zero0", "precision=bf16"], ["strategy=fsdp"], ["strategy=zero2"]],
-    ids=["zero0_bf16", "fsdp", "zero2"],
+    [
+        ["strategy=zero0", "precision=bf16"],
+        ["strategy=fsdp"],
+        ["strategy=zero2"],
+        ["parallel.tp=2"],
+    ],
+    ids=["zero0_bf16", "fsdp", "zero2", "tp2"],
 )
 def test_a_background_save_resumes_exactly(tmp_path, layout):
     """With ``checkpoint.async_save`` only the layout-free copy is written; a job stopped after
@@ -205,9 +210,10 @@ def test_a_background_save_resumes_exactly(tmp_path, layout):
     - ZeRO stage 0 in bf16: DeepSpeed's ``FP16_UnfusedOptimizer`` keeps the fp32 masters and Adam
       steps those (no universal checkpoint covers stage 0); the resume reads the masters and
       moments from the copy.
-    - fsdp and ZeRO-2 hand over their shards (``layout_free_shards``): each rank's copy in CPU
-      memory holds its own shards, not the whole tensors gathered (per rank 1.00x and 1.08x of
-      training's peak where the gathered copy read 1.31x and 1.29x, docs/benchmarks.md).
+    - fsdp, ZeRO-2 and ddp's tensor-parallel halves hand over their shards
+      (``layout_free_shards``): each rank's copy in CPU memory holds its own shards, not the
+      whole tensors gathered (per rank 1.00x, 1.08x and 1.07x of training's peak; fsdp's and
+      zero2's gathered copy read 1.31x and 1.29x, docs/benchmarks.md).
     """
     run = [
         "train.steps=4",
