@@ -150,8 +150,7 @@ def save(engine, topology, directory: Path, group, stager=None):
     import torch.distributed.checkpoint as dcp
 
     target = directory / DIRECTORY
-    pieces = writes_pieces(engine)
-    if pieces:
+    if writes_pieces(engine):
         state = pieces_state(engine, topology, engine.layout_free_shards())
         planner = save_planner()
     else:
