@@ -103,8 +103,8 @@ class LauncherConfig:
     # range; train.batch_size and train.grad_accum_steps are then those of MAX nodes.
     nnodes: Any = 1
     timeout_s: int = 300  # process-group timeout: a collective waiting longer fails the job
-    # the workers' host memory allocator on CPU runs: auto (jemalloc, else tcmalloc, else glibc)
-    # | jemalloc | tcmalloc | glibc | glibc_mmap (plait.host_memory)
+    # the workers' host memory allocator on CPU runs: auto (tcmalloc, else jemalloc, else glibc)
+    # | tcmalloc | jemalloc | glibc | glibc_mmap (plait.host_memory)
     allocator: str = "auto"
 
 

@@ -9,13 +9,16 @@ threshold at 128 KiB, which returned every block of 128 KiB and more to the kern
 then every activation is a mapping of its own, faulted in and zeroed on every step, and a DDP
 step on two CPU ranks took ~30% longer than a plain torch loop's (issue 32). Measured side by
 side (docs/benchmarks.md, "Host memory allocator"), jemalloc and tcmalloc (torch's CPU
-performance guide recommends either) kept the threshold's low resident memory at glibc's speed.
-So the choices are:
+performance guide recommends either) kept the threshold's low resident memory; on a GPT 4 x 256
+both at about glibc's speed, but on a GPT 8 x 768 jemalloc's steps took 1.11x (ddp) to 1.46x
+(zero3) glibc's (its default decay hands freed pages back and faults them in again) where
+tcmalloc's took 0.90-0.99x, for the same memory. So ``auto`` takes tcmalloc first:
 
 ==============  ====================================================================
-``auto``        jemalloc where it is installed, else tcmalloc, else glibc (the default)
-``jemalloc``    ``libjemalloc.so.2`` preloaded into the workers (Debian: libjemalloc2)
-``tcmalloc``    ``libtcmalloc_minimal.so.4`` preloaded (Debian: libtcmalloc-minimal4)
+``auto``        tcmalloc where it is installed, else jemalloc, else glibc (the default)
+``tcmalloc``    ``libtcmalloc_minimal.so.4`` preloaded into the workers (Debian:
+                libtcmalloc-minimal4)
+``jemalloc``    ``libjemalloc.so.2`` preloaded (Debian: libjemalloc2)
 ``glibc``       glibc's malloc as it is: what a plain torch loop gets
 ``glibc_mmap``  glibc with issue 20's fixed 128 KiB mmap threshold: the least resident memory
                 glibc gives, the slowest steps
@@ -36,10 +39,11 @@ import ctypes.util
 import functools
 import os
 
-ALLOCATORS = ("auto", "jemalloc", "tcmalloc", "glibc", "glibc_mmap")
+ALLOCATORS = ("auto", "tcmalloc", "jemalloc", "glibc", "glibc_mmap")
 # the shared library each preloaded allocator is, by the name ldconfig knows (Debian's packages)
-LIBRARIES = {"jemalloc": "jemalloc", "tcmalloc": "tcmalloc_minimal"}
-PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
+# in the order ``auto`` tries them
+LIBRARIES = {"tcmalloc": "tcmalloc_minimal", "jemalloc": "jemalloc"}
+PACKAGES = {"tcmalloc": "libtcmalloc-minimal4", "jemalloc": "libjemalloc2"}
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number; setting it turns the dynamic rise off
 MMAP_THRESHOLD_BYTES = 128 << 10
 JEMALLOC_ALL_ARENAS = 4096  # MALLCTL_ARENAS_ALL: "arena.4096.purge" purges every arena
@@ -47,12 +51,12 @@ JEMALLOC_ALL_ARENAS = 4096  # MALLCTL_ARENAS_ALL: "arena.4096.purge" purges ever
 
 @functools.cache
 def library_of(allocator: str) -> str | None:
-    """The installed shared library of ``jemalloc`` or ``tcmalloc`` (its soname), or None."""
+    """The installed shared library of ``tcmalloc`` or ``jemalloc`` (its soname), or None."""
     return ctypes.util.find_library(LIBRARIES[allocator])
 
 
 def resolve(choice: str) -> str:
-    """``auto`` made concrete on this machine: jemalloc, else tcmalloc, else glibc."""
+    """``auto`` made concrete on this machine: tcmalloc, else jemalloc, else glibc."""
     if choice != "auto":
         return choice
     return next((name for name in LIBRARIES if library_of(name)), "glibc")

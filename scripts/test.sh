@@ -9,7 +9,7 @@
 # System packages, where this runs as root with apt-get (elsewhere the tests that need them skip,
 # saying why): SLURM and munge for tests/test_slurm.py (a controller and a node daemon on
 # localhost), Debian's chromium for tests/test_report.py (the report opened headless), jemalloc
-# and tcmalloc for tests/test_host_memory.py (launcher.allocator; auto then takes jemalloc).
+# and tcmalloc for tests/test_host_memory.py (launcher.allocator; auto then takes tcmalloc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # DeepSpeed's CPU ops built beside the virtual environment, where tests/conftest.py looks: a

@@ -99,7 +99,7 @@ CASES = [
     ("device=tpu", ["device=tpu: choose auto, cpu or cuda"]),
     (
         "launcher.allocator=mimalloc",
-        ["launcher.allocator=mimalloc: choose one of auto, jemalloc, tcmalloc, glibc, glibc_mmap"],
+        ["launcher.allocator=mimalloc: choose one of auto, tcmalloc, jemalloc, glibc, glibc_mmap"],
     ),
     # adamw
     (
