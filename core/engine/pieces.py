@@ -202,7 +202,8 @@ def save_planner():
 def writes_one_at_a_time(data: torch.Tensor) -> bool:
     """Whether DCP's file writer resolves ``data``'s item only after writing the one before:
     its serial loader, which it uses for CPU tensors unless an accelerator is present (then it
-    resolves ahead, ``_OverlappingCpuLoader``)."""
+    resolves ahead, ``_OverlappingCpuLoader``), in one thread (plait's saves take DCP's default
+    writer, ``thread_count=1``: threads of their own would share the planner's last copy)."""
     accelerator = torch._C._get_privateuse1_backend_name()
     module = getattr(torch, accelerator, None)
     return data.is_cpu and not (
