@@ -12,7 +12,8 @@ side (docs/benchmarks.md, "Host memory allocator"), jemalloc and tcmalloc (torch
 performance guide recommends either) kept the threshold's low resident memory; on a GPT 4 x 256
 both at about glibc's speed, but on a GPT 8 x 768 jemalloc's steps took 1.11x (ddp) to 1.46x
 (zero3) glibc's (its default decay hands freed pages back and faults them in again) where
-tcmalloc's took 0.90-0.99x, for the same memory. So ``auto`` takes tcmalloc first:
+tcmalloc's took 0.90-0.99x, with each rank's peak within 5% of jemalloc's (a 4-process job's
+within 3%, but zero1 and zero2 +8%, pp2 +16%). So ``auto`` takes tcmalloc first:
 
 ==============  ====================================================================
 ``auto``        tcmalloc where it is installed, else jemalloc, else glibc (the default)
