@@ -1,6 +1,7 @@
 """The W&B tracker: one offline run per job, read back from its run file."""
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_one_offline_run_with_config_metrics_and_rank_min_max(tmp_path):
+    import_dirs = tmp_path / "import_dirs.json"
     run_dir = run_training(
         tmp_path / "r",
         [
@@ -23,6 +25,7 @@ def test_one_offline_run_with_config_metrics_and_rank_min_max(tmp_path):
             "checkpoint.every=2",
             "train.peak_flops=1e12",
         ],
+        [WandbImportDirs(import_dirs)],
     )  # a CPU has no known peak
     assert len(list(run_dir.glob("wandb/offline-run-*"))) == 1  # one run per job, not per rank
     run = read_wandb_run(run_dir)
@@ -53,6 +56,27 @@ def test_one_offline_run_with_config_metrics_and_rank_min_max(tmp_path):
         (run_dir / "checkpoints" / "step_00000004" / "trainer_state.json").read_text()
     )
     assert state["tracker_run_id"] == run["id"]
+
+    # the temporary directories W&B made in the tracking worker are gone with the worker
+    made = json.loads(import_dirs.read_text())
+    assert len(made) == 2 and not [d for d in made if Path(d).exists()]
+
+
+class WandbImportDirs:
+    """Writes to ``note`` where the W&B of the worker that imported it put the two temporary
+    directories it makes when imported (read from W&B's own module attributes)."""
+
+    def __init__(self, note: Path):
+        self.note = str(note)
+
+    @hookimpl
+    def plait_on_run_end(self):
+        if "wandb" not in sys.modules:
+            return  # a rank that does not track
+        from wandb.sdk.artifacts.artifact import Artifact
+        from wandb.sdk.data_types._private import MEDIA_TMP
+
+        Path(self.note).write_text(json.dumps([MEDIA_TMP.name, Artifact._TMP_DIR.name]))
 
 
 def test_resumed_job_continues_the_same_wandb_run(tmp_path):

@@ -22,7 +22,10 @@ logged at. An init that fails fails the run at the next logged step (or at its e
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
+import multiprocessing.util
 import secrets
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,9 +62,36 @@ def replica_run_id(cfg, topology) -> str | None:
 
 def init_wandb(**settings):
     """``wandb.init``, imported here: on the init's own thread."""
+    imported_here = "wandb" not in sys.modules
     import wandb
 
+    if imported_here:
+        remove_import_dirs_at_worker_exit()
     return wandb.init(**settings)
+
+
+# The temporary directories W&B makes when imported, as (module, attribute); wandb 0.31's
+# names (older and newer versions may lack one: it is skipped).
+IMPORT_DIRS = (
+    ("wandb.sdk.data_types._private", "MEDIA_TMP"),  # tmp*wandb-media
+    ("wandb.sdk.artifacts.artifact", "Artifact._TMP_DIR"),  # tmp*wandb-artifacts
+)
+
+
+def remove_import_dirs_at_worker_exit() -> None:
+    """W&B makes two temporary directories when it is imported and removes them with
+    ``atexit``; a worker the launcher forked ends with ``os._exit``, which runs no ``atexit``
+    handler, so every tracked run left both behind. Such a worker does run ``multiprocessing``'s
+    exit finalizers: their removal is registered there. Only for a W&B this process imported
+    (one inherited from the process it was forked from shares its directories)."""
+    if multiprocessing.parent_process() is None:
+        return  # not a multiprocessing child: the process's own exit runs W&B's atexit
+    for module_name, attribute in IMPORT_DIRS:
+        found = sys.modules.get(module_name)
+        for name in attribute.split("."):
+            found = getattr(found, name, None)
+        if found is not None:
+            multiprocessing.util.Finalize(None, found.cleanup, exitpriority=0)
 
 
 class WandbTracker:
