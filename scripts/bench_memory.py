@@ -40,7 +40,8 @@ memory figures do not depend on the load.
 ``+full``) on the ``zero1_pp`` model, keeping the largest whose peak above start fits in B MiB per
 rank, and prints its parameter count and the ratio against ddp. ``--dp N`` runs the data-parallel
 layouts on N processes (tp2/pp2 take N processes too, dp filling the rest), ``--precision bf16``
-trains in bf16.
+trains in bf16, ``--allocator`` sets ``launcher.allocator`` (the workers' host allocator: the
+largest model that fits depends on it).
 
 ``--job-mib M`` (root, Linux cgroup v1 or v2) answers the user's question instead: the whole job
 (launcher and every worker) runs in a memory cgroup capped at M MiB, swap off, and either finishes
@@ -326,6 +327,7 @@ def largest_fitting(root: Path, layout: str, args) -> tuple[int, dict | None]:
     overrides = [
         *layouts(args.dp)[name],
         f"precision={args.precision}",
+        f"launcher.allocator={args.allocator}",
         *([f"train.activation_checkpointing={recompute}"] if recompute else []),
     ]
     low, high, fitted = args.min_layers - 1, args.max_layers + 1, None
@@ -365,7 +367,7 @@ def fit(root: Path, args) -> None:
     )
     print(
         f"\n## largest GPT (width {STATE_HEAVY['n_embd']}, seq {STATE_HEAVY['seq_len']}, "
-        f"{args.precision}, {args.dp} processes) fitting {budget}\n"
+        f"{args.precision}, {args.dp} processes, allocator {args.allocator}) fitting {budget}\n"
     )
     print(
         "| layout | n_layer | parameters | x ddp | peak above start MiB (max rank) "
@@ -416,6 +418,7 @@ def main() -> None:
     )
     parser.add_argument("--dp", type=int, default=2, help="processes of each --layouts case")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--allocator", default="auto", help="plait's launcher.allocator")
     parser.add_argument(
         "--min-layers",
         type=int,
