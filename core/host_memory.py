@@ -14,11 +14,11 @@ both at about glibc's speed, but on a GPT 8 x 768 jemalloc's steps took 1.11x (d
 (zero3) glibc's (its default decay hands freed pages back and faults them in again) where
 tcmalloc's took 0.90-0.99x, with each rank's peak within 5% of jemalloc's (a 4-process job's
 within 3%, but zero1 and zero2 +8%, pp2 +16%). So ``auto`` takes tcmalloc first. What tcmalloc
-gives up: it keeps freed spans for reuse, so the largest GPT a 4 GiB job holds is 2-24% smaller
-than under ``glibc_mmap`` (issue 20's ratios between layouts still met); its aggressive decommit
-(``TCMALLOC_AGGRESSIVE_DECOMMIT=true`` in the environment, read when tcmalloc loads) gives
-``glibc_mmap``'s memory back at 1.2-1.6x the step, as ``glibc_mmap`` does. No choice here has
-both; a run that must fit a memory cap takes one of those two:
+gives up: it keeps freed spans for reuse, so the largest GPT a 4 GiB job holds has 2-23% fewer
+layers than under ``glibc_mmap`` (issue 20's ratios between layouts still met). Its aggressive
+decommit (``TCMALLOC_AGGRESSIVE_DECOMMIT=true`` in the environment, read when tcmalloc loads)
+gives ``glibc_mmap``'s memory back at 1.2-1.6x the step, as ``glibc_mmap`` does at 1.5-1.7x. No
+choice here has both; a run that must fit a memory cap takes one of those two:
 
 ==============  ====================================================================
 ``auto``        tcmalloc where it is installed, else jemalloc, else glibc (the default)
