@@ -1,24 +1,24 @@
 """The workers' host memory allocator (``launcher.allocator``), and freed memory handed back.
 
-A training process on the CPU allocates and frees every activation of every step, and under
-ZeRO-3 or FSDP every gathered parameter too. glibc's malloc, the default, serves that fast from
-its heap but keeps what was freed: its mmap threshold rises after each free of a large block (up
-to 32 MiB), after which parameter-sized blocks come from the heap and the holes between kept
-blocks stay resident (issue 20: a ZeRO-3 rank grew ~100 MiB per step). Issue 20 fixed the
-threshold at 128 KiB, which returned every block of 128 KiB and more to the kernel on free; but
-then every activation is a mapping of its own, faulted in and zeroed on every step, and a DDP
-step on two CPU ranks took ~30% longer than a plain torch loop's (issue 32). Measured side by
-side (docs/benchmarks.md, "Host memory allocator"), jemalloc and tcmalloc (torch's CPU
-performance guide recommends either) kept the threshold's low resident memory; on a GPT 4 x 256
-both at about glibc's speed, but on a GPT 8 x 768 jemalloc's steps took 1.11x (ddp) to 1.46x
-(zero3) glibc's (its default decay hands freed pages back and faults them in again) where
-tcmalloc's took 0.90-0.99x, with each rank's peak within 5% of jemalloc's (a 4-process job's
-within 3%, but zero1 and zero2 +8%, pp2 +16%). So ``auto`` takes tcmalloc first. What tcmalloc
-gives up: it keeps freed spans for reuse, so the largest GPT a 4 GiB job holds has 2-23% fewer
-layers than under ``glibc_mmap`` (issue 20's ratios between layouts still met). Its aggressive
-decommit (``TCMALLOC_AGGRESSIVE_DECOMMIT=true`` in the environment, read when tcmalloc loads)
-gives ``glibc_mmap``'s memory back at 1.2-1.6x the step, as ``glibc_mmap`` does at 1.5-1.7x. No
-choice here has both; a run that must fit a memory cap takes one of those two:
+A training process on the CPU allocates and frees every activation of every step, and under ZeRO-3
+or FSDP every gathered parameter too. glibc's malloc, the default, serves that fast from its heap
+but keeps what was freed: its mmap threshold rises after each free of a large block (up to 32 MiB),
+after which parameter-sized blocks come from the heap and the holes between kept blocks stay
+resident (issue 20: a ZeRO-3 rank grew ~100 MiB per step). Issue 20 fixed the threshold at 128 KiB,
+which returned every block of 128 KiB and more to the kernel on free; but then every activation is
+a mapping of its own, faulted in and zeroed on every step, and a DDP step on two CPU ranks took
+~30% longer than a plain torch loop's (issue 32). Measured side by side (docs/benchmarks.md, "Host
+memory allocator"), jemalloc and tcmalloc (torch's CPU performance guide recommends either) came
+within 3-7% of the threshold's resident memory per rank on a GPT 4 x 256, at about glibc's speed;
+on a GPT 8 x 768 jemalloc's steps took 1.11x (ddp) to 1.46x (zero3) glibc's (its default decay
+hands freed pages back and faults them in again) where tcmalloc's took 0.90-0.99x, with each rank's
+peak within 5% of jemalloc's (a 4-process job's within 3%, but zero1 and zero2 +8%, pp2 +16%). So
+``auto`` takes tcmalloc first. What tcmalloc gives up: it keeps freed spans for reuse, so the
+largest GPT a 4 GiB job holds has 2-23% fewer layers than under ``glibc_mmap`` (issue 20's ratios
+between layouts still met). Its aggressive decommit (``TCMALLOC_AGGRESSIVE_DECOMMIT=true`` in the
+environment, read when tcmalloc loads) gives ``glibc_mmap``'s memory back at 1.2-1.6x the step
+(``glibc_mmap``'s own: 1.5-1.7x). No choice here has both; a run that must fit a memory cap takes
+one of those two:
 
 ==============  ====================================================================
 ``auto``        tcmalloc where it is installed, else jemalloc, else glibc (the default)
