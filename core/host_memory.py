@@ -95,6 +95,22 @@ def with_preload(environ: dict[str, str], library: str | None) -> dict[str, str]
     return {**environ, "LD_PRELOAD": " ".join([library, *kept])}
 
 
+def memory_cap_advice(allocator: str) -> str | None:
+    """What a CPU run on ``allocator`` (resolved) that outgrew its memory cap may change, or None
+    where the allocator already hands freed memory back."""
+    if allocator == "glibc_mmap":
+        return None
+    decommit = " (or TCMALLOC_AGGRESSIVE_DECOMMIT=true in the environment)" * (
+        allocator == "tcmalloc"
+    )
+    return (
+        f"The workers ran on {allocator}, which keeps freed memory for reuse: "
+        f"launcher.allocator=glibc_mmap{decommit} hands it back to the kernel, at a slower step "
+        "(a 4 GiB job held 2-23% more layers than on tcmalloc, at 1.2-1.7x its step; "
+        "docs/benchmarks.md)."
+    )
+
+
 def configure_worker(choice: str) -> None:
     """In a CPU worker: ``glibc_mmap`` fixes glibc's mmap threshold at 128 KiB (unless
     ``MALLOC_MMAP_THRESHOLD_`` in the environment says otherwise); the other choices were made

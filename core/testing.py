@@ -15,8 +15,9 @@ import os
 import signal
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from omegaconf import DictConfig
 
@@ -495,3 +496,57 @@ def steps_per_s(stamps: list[float], warmup: int) -> float:
     """Steps per second between the end of step ``warmup`` and the last step."""
     timed = stamps[warmup:]
     return (len(timed) - 1) / (timed[-1] - timed[0])
+
+
+class MemoryCgroup:
+    """A memory cgroup made by :func:`memory_cgroup`: cgroup v2, or v1's memory hierarchy."""
+
+    def __init__(self, path: Path, v2: bool):
+        self.path, self.v2 = path, v2
+
+    def command(self, command: list[str]) -> list[str]:
+        """``command`` started inside this cgroup (and every process it starts)."""
+        join = f'echo $$ > {self.path / "cgroup.procs"} && exec "$@"'
+        return ["sh", "-c", join, "sh", *command]
+
+    def peak_bytes(self) -> int:
+        """The kernel's peak of the group's memory."""
+        return int(
+            (self.path / ("memory.peak" if self.v2 else "memory.max_usage_in_bytes")).read_text()
+        )
+
+    def oom_kills(self) -> int:
+        """How many of the group's processes the kernel killed for memory."""
+        events = (self.path / ("memory.events" if self.v2 else "memory.oom_control")).read_text()
+        return sum(
+            int(line.split()[1]) for line in events.splitlines() if line.startswith("oom_kill ")
+        )
+
+
+@contextmanager
+def memory_cgroup(mib: float) -> Iterator[MemoryCgroup]:
+    """A fresh memory cgroup capped at ``mib`` MiB with swap off (root, Linux); on exit every
+    process left in it is killed and the group removed."""
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    path = (
+        Path("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/memory")
+        / f"plait-{os.getpid()}-{time.monotonic_ns()}"
+    )
+    path.mkdir()
+    limit = str(int(mib * (1 << 20)))
+    try:
+        if v2:
+            (path / "memory.max").write_text(limit)
+            (path / "memory.swap.max").write_text("0")
+        else:
+            (path / "memory.limit_in_bytes").write_text(limit)
+            swap = path / "memory.memsw.limit_in_bytes"
+            if swap.exists():
+                swap.write_text(limit)
+        yield MemoryCgroup(path, v2)
+    finally:
+        for pid in (path / "cgroup.procs").read_text().split():
+            os.kill(int(pid), signal.SIGKILL)
+        while (path / "cgroup.procs").read_text().strip():
+            time.sleep(0.1)
+        path.rmdir()

@@ -61,11 +61,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from plait.plugins.models.gpt import GPT
-from plait.testing import TEST_OVERRIDES, ImportFirst, MemoryProbe, read_metrics, run_training
+from plait.testing import (
+    TEST_OVERRIDES,
+    ImportFirst,
+    MemoryProbe,
+    memory_cgroup,
+    read_metrics,
+    run_training,
+)
 
 MIB = 2**20
 
@@ -199,71 +205,43 @@ def measure(
     }
 
 
-def oom_kills(group: Path, v2: bool) -> int:
-    """How many processes of the memory cgroup ``group`` the kernel killed for memory."""
-    events = (group / ("memory.events" if v2 else "memory.oom_control")).read_text().split("\n")
-    return sum(int(line.split()[1]) for line in events if line.startswith("oom_kill "))
-
-
 def run_in_cgroup(run: Path, overrides: list[str], job_mib: float) -> float | None:
     """Run ``plait train`` (launcher and workers) inside a fresh memory cgroup capped at
     ``job_mib`` with no swap; the kernel's peak for the whole job, or None if the kernel killed
     one of its processes for memory (any other failure raises)."""
-    v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
-    group = Path("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/memory") / f"plait-bench-{os.getpid()}"
-    group.mkdir()
-    limit = str(int(job_mib * MIB))
-    try:
-        if v2:
-            (group / "memory.max").write_text(limit)
-            (group / "memory.swap.max").write_text("0")
-        else:
-            (group / "memory.limit_in_bytes").write_text(limit)
-            swap = group / "memory.memsw.limit_in_bytes"
-            if swap.exists():
-                swap.write_text(limit)
-        # ImportFirst's modules reach the command line as a plugin module of their own
-        probe = run.parent / "bench_memory_imports.py"
-        probe.write_text(
-            "from plait.testing import ImportFirst\n"
-            f"import_first = ImportFirst(*{libraries(overrides)!r})\n"
-        )
-        command = [
-            sys.executable,
-            "-m",
-            "plait",
-            "train",
-            *TEST_OVERRIDES,
-            f"run.root={run.parent}",
-            f"run.name={run.name}",
-            "+plugins=[plait.testing:memory_probe,bench_memory_imports:import_first]",
-            *overrides,
-        ]
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(
-                filter(None, [str(run.parent), os.environ.get("PYTHONPATH")])
-            ),
-        }
-        join = f'echo $$ > {group / "cgroup.procs"} && exec "$@"'
-        done = subprocess.run(
-            ["sh", "-c", join, "sh", *command], capture_output=True, text=True, env=env
-        )
-        peak = (group / ("memory.peak" if v2 else "memory.max_usage_in_bytes")).read_text()
+    # ImportFirst's modules reach the command line as a plugin module of their own
+    probe = run.parent / "bench_memory_imports.py"
+    probe.write_text(
+        "from plait.testing import ImportFirst\n"
+        f"import_first = ImportFirst(*{libraries(overrides)!r})\n"
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "plait",
+        "train",
+        *TEST_OVERRIDES,
+        f"run.root={run.parent}",
+        f"run.name={run.name}",
+        "+plugins=[plait.testing:memory_probe,bench_memory_imports:import_first]",
+        *overrides,
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(run.parent), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    with memory_cgroup(job_mib) as group:
+        done = subprocess.run(group.command(command), capture_output=True, text=True, env=env)
         if done.returncode == 0:
-            return float(peak)
-        if not oom_kills(group, v2):  # a crash or a hang is a bug, not "does not fit"
+            return float(group.peak_bytes())
+        if not group.oom_kills():  # a crash or a hang is a bug, not "does not fit"
             raise RuntimeError(
                 f"{run.name} failed without an OOM kill (exit "
                 f"{done.returncode}):\n{done.stderr[-3000:]}"
             )
         return None
-    finally:
-        for pid in (group / "cgroup.procs").read_text().split():
-            os.kill(int(pid), 9)
-        while (group / "cgroup.procs").read_text().strip():
-            time.sleep(0.1)
-        group.rmdir()
 
 
 def ratio(value, base) -> str:

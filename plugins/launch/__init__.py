@@ -164,8 +164,10 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
         return {int(os.environ["RANK"]): entrypoint(*args)}
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    from plait.plugins.launch.out_of_memory import oom_kill_count, out_of_memory
     from plait.plugins.launch.rendezvous_events import name_events_from_frames
 
     name_events_from_frames()
@@ -211,6 +213,7 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
     # one tree per run; plait's is removed when the launch ends (an error removing it hides no
     # error of the run).
     logs = tempfile.TemporaryDirectory(prefix="torchelastic_", ignore_cleanup_errors=True)
+    oom_kills_before = oom_kill_count()
     try:
         if groups > 1:  # each replica group its own torch job, with its own agent
             return launch_replica_groups(cfg, dims, groups, entrypoint, args, wrap, logs.name)
@@ -222,6 +225,15 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
 
         with agent_class(expendable):
             return launch(*args)
+    except ChildFailedError as failed:
+        # a worker the kernel killed for memory reads as a bare SIGKILL: say so, and what fits
+        allocator = launcher.allocator if on_cpu else None
+        told = out_of_memory(
+            failed, oom_kills_before, allocator, launcher.nproc_per_node, dims.world_size
+        )
+        if told is None:
+            raise
+        raise told from None
     except SignalException as stopped:
         # the agent was stopped (a scheduler, Ctrl-C, or a worker of this node that leaves an
         # elastic job: plait.plugins.fault.membership); it stopped its workers and, unlike a
