@@ -106,6 +106,9 @@ class LauncherConfig:
     # the workers' host memory allocator on CPU runs: auto (tcmalloc, else jemalloc, else glibc)
     # | tcmalloc | jemalloc | glibc | glibc_mmap (plait.host_memory)
     allocator: str = "auto"
+    # the share of the job's memory cap (its memory cgroup's, else the machine's) above which CPU
+    # workers on tcmalloc hand freed memory back at every free; 1: never (plait.memory_cap)
+    decommit_above: float = 0.8
 
 
 class NodeRange(NamedTuple):

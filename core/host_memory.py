@@ -14,11 +14,11 @@ on a GPT 8 x 768 jemalloc's steps took 1.11x (ddp) to 1.46x (zero3) glibc's (its
 hands freed pages back and faults them in again) where tcmalloc's took 0.90-0.99x, with each rank's
 peak within 5% of jemalloc's (a 4-process job's within 3%, but zero1 and zero2 +8%, pp2 +16%). So
 ``auto`` takes tcmalloc first. What tcmalloc gives up: it keeps freed spans for reuse, so the
-largest GPT a 4 GiB job holds has 2-23% fewer layers than under ``glibc_mmap`` (issue 20's ratios
-between layouts still met). Its aggressive decommit (``TCMALLOC_AGGRESSIVE_DECOMMIT=true`` in the
-environment, read when tcmalloc loads) gives ``glibc_mmap``'s memory back at 1.2-1.6x the step
-(``glibc_mmap``'s own: 1.5-1.7x). No choice here has both; a run that must fit a memory cap takes
-one of those two:
+largest GPT a 4 GiB job held had 2-23% fewer layers than under ``glibc_mmap``. Its aggressive
+decommit gives ``glibc_mmap``'s memory back at 1.2-1.6x the step (``glibc_mmap``'s own: 1.5-1.7x),
+so a worker on tcmalloc turns it on only while the job is near its memory cap
+(``launcher.decommit_above``, :mod:`plait.memory_cap`): the 4 GiB job then holds as many layers
+as under ``glibc_mmap`` or more, and a job far from its cap keeps tcmalloc's step.
 
 ==============  ====================================================================
 ``auto``        tcmalloc where it is installed, else jemalloc, else glibc (the default)
@@ -45,6 +45,8 @@ import ctypes.util
 import functools
 import os
 
+from plait.memory_cap import decommit_near_cap
+
 ALLOCATORS = ("auto", "tcmalloc", "jemalloc", "glibc", "glibc_mmap")
 # the shared library each preloaded allocator is, by the name ldconfig knows (Debian's packages)
 # in the order ``auto`` tries them
@@ -52,7 +54,8 @@ LIBRARIES = {"tcmalloc": "tcmalloc_minimal", "jemalloc": "jemalloc"}
 PACKAGES = {"tcmalloc": "libtcmalloc-minimal4", "jemalloc": "libjemalloc2"}
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number; setting it turns the dynamic rise off
 MMAP_THRESHOLD_BYTES = 128 << 10
-JEMALLOC_ALL_ARENAS = 4096  # MALLCTL_ARENAS_ALL: "arena.4096.purge" purges every arena
+JEMALLOC_ALL_ARENAS = 4096
+DECOMMIT_ABOVE = 0.8  # launcher.decommit_above's default  # MALLCTL_ARENAS_ALL: "arena.4096.purge" purges every arena
 
 
 @functools.cache
@@ -68,17 +71,24 @@ def resolve(choice: str) -> str:
     return next((name for name in LIBRARIES if library_of(name)), "glibc")
 
 
-def allocator_problems(choice: str) -> list[str]:
-    """Refusals of ``launcher.allocator`` before launch."""
+def allocator_problems(choice: str, decommit_above: float = DECOMMIT_ABOVE) -> list[str]:
+    """Refusals of ``launcher.allocator`` and ``launcher.decommit_above`` before launch."""
+    problems = []
+    if not 0 < decommit_above <= 1:
+        problems.append(
+            f"launcher.decommit_above={decommit_above}: give the share of the job's memory cap "
+            "above which tcmalloc hands freed memory back, in (0, 1] (1: never; default "
+            f"{DECOMMIT_ABOVE})"
+        )
     if choice not in ALLOCATORS:
-        return [f"launcher.allocator={choice}: choose one of {', '.join(ALLOCATORS)}"]
-    if choice in LIBRARIES and library_of(choice) is None:
-        return [
+        problems.append(f"launcher.allocator={choice}: choose one of {', '.join(ALLOCATORS)}")
+    elif choice in LIBRARIES and library_of(choice) is None:
+        problems.append(
             f"launcher.allocator={choice}: lib{LIBRARIES[choice]} is not installed on this "
             f"machine: install it (Debian: apt-get install {PACKAGES[choice]}), or set "
             "launcher.allocator=auto (the best one found) or glibc"
-        ]
-    return []
+        )
+    return problems
 
 
 def preload(choice: str) -> str | None:
@@ -95,29 +105,39 @@ def with_preload(environ: dict[str, str], library: str | None) -> dict[str, str]
     return {**environ, "LD_PRELOAD": " ".join([library, *kept])}
 
 
-def memory_cap_advice(allocator: str) -> str | None:
+def memory_cap_advice(allocator: str, decommit_above: float) -> str | None:
     """What a CPU run on ``allocator`` (resolved) that outgrew its memory cap may change, or None
-    where the allocator already hands freed memory back."""
+    where the allocator already hands every freed block back."""
     if allocator == "glibc_mmap":
         return None
-    decommit = " (or TCMALLOC_AGGRESSIVE_DECOMMIT=true in the environment)" * (
-        allocator == "tcmalloc"
-    )
+    if allocator == "tcmalloc" and decommit_above < 1:
+        return (
+            "The workers ran on tcmalloc, which hands freed memory back from "
+            f"launcher.decommit_above={decommit_above} of the cap: a lower share "
+            "(launcher.decommit_above=0.5) does so sooner, at a slower step."
+        )
+    if allocator == "tcmalloc":
+        return (
+            "The workers ran on tcmalloc with launcher.decommit_above=1, which keeps freed memory "
+            f"for reuse: launcher.decommit_above={DECOMMIT_ABOVE} (the default) hands it back "
+            "near the cap (a 4 GiB job held up to 28% more layers)."
+        )
     return (
         f"The workers ran on {allocator}, which keeps freed memory for reuse: "
-        f"launcher.allocator=glibc_mmap{decommit} hands it back to the kernel, at a slower step "
-        "(a 4 GiB job held 2-23% more layers than on tcmalloc, at 1.2-1.7x its step; "
-        "docs/benchmarks.md)."
+        "launcher.allocator=tcmalloc hands it back near the cap (launcher.decommit_above), "
+        "launcher.allocator=glibc_mmap at every free, at a slower step."
     )
 
 
-def configure_worker(choice: str) -> None:
+def configure_worker(choice: str, decommit_above: float = DECOMMIT_ABOVE) -> None:
     """In a CPU worker: ``glibc_mmap`` fixes glibc's mmap threshold at 128 KiB (unless
     ``MALLOC_MMAP_THRESHOLD_`` in the environment says otherwise); the other choices were made
-    when the worker started."""
+    when the worker started. On tcmalloc, freed memory goes back near the job's memory cap
+    (``launcher.decommit_above``, :mod:`plait.memory_cap`)."""
     libc = _glibc()
     if choice == "glibc_mmap" and libc is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    decommit_near_cap(decommit_above)
 
 
 def running_allocator() -> str:

@@ -37,7 +37,7 @@ from plait.config import (
     range_problems,
     store_core_schemas,
 )
-from plait.host_memory import allocator_problems
+from plait.host_memory import DECOMMIT_ABOVE, allocator_problems
 from plait.plugin_manager import (
     PlaitPluginManager,
     broken_problems,
@@ -299,7 +299,8 @@ def core_problems(
 ) -> list[str]:
     """``nodes``: ``launcher.nnodes`` parsed (None: it is not a node count, reported already)."""
     problems = device_problems(cfg) + allocator_problems(
-        OmegaConf.select(cfg, "launcher.allocator", default="auto")
+        OmegaConf.select(cfg, "launcher.allocator", default="auto"),
+        OmegaConf.select(cfg, "launcher.decommit_above", default=DECOMMIT_ABOVE),
     )
     if nodes is not None and nodes.max > 1 and not run_name_given and not job_id():
         problems.append(

@@ -41,7 +41,7 @@ memory figures do not depend on the load.
 rank, and prints its parameter count and the ratio against ddp. ``--dp N`` runs the data-parallel
 layouts on N processes (tp2/pp2 take N processes too, dp filling the rest), ``--precision bf16``
 trains in bf16, ``--allocator`` sets ``launcher.allocator`` (the workers' host allocator: the
-largest model that fits depends on it).
+largest model that fits depends on it) and ``--decommit-above`` ``launcher.decommit_above``.
 
 ``--job-mib M`` (root, Linux cgroup v1 or v2) answers the user's question instead: the whole job
 (launcher and every worker) runs in a memory cgroup capped at M MiB, swap off, and either finishes
@@ -306,6 +306,7 @@ def largest_fitting(root: Path, layout: str, args) -> tuple[int, dict | None]:
         *layouts(args.dp)[name],
         f"precision={args.precision}",
         f"launcher.allocator={args.allocator}",
+        f"launcher.decommit_above={args.decommit_above}",
         *([f"train.activation_checkpointing={recompute}"] if recompute else []),
     ]
     low, high, fitted = args.min_layers - 1, args.max_layers + 1, None
@@ -345,7 +346,8 @@ def fit(root: Path, args) -> None:
     )
     print(
         f"\n## largest GPT (width {STATE_HEAVY['n_embd']}, seq {STATE_HEAVY['seq_len']}, "
-        f"{args.precision}, {args.dp} processes, allocator {args.allocator}) fitting {budget}\n"
+        f"{args.precision}, {args.dp} processes, allocator {args.allocator}, decommit above "
+        f"{args.decommit_above}) fitting {budget}\n"
     )
     print(
         "| layout | n_layer | parameters | x ddp | peak above start MiB (max rank) "
@@ -397,6 +399,9 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=2, help="processes of each --layouts case")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--allocator", default="auto", help="plait's launcher.allocator")
+    parser.add_argument(
+        "--decommit-above", type=float, default=0.8, help="plait's launcher.decommit_above"
+    )
     parser.add_argument(
         "--min-layers",
         type=int,

@@ -101,6 +101,13 @@ CASES = [
         "launcher.allocator=mimalloc",
         ["launcher.allocator=mimalloc: choose one of auto, tcmalloc, jemalloc, glibc, glibc_mmap"],
     ),
+    (
+        "launcher.decommit_above=0",
+        [
+            "launcher.decommit_above=0.0: give the share of the job's memory cap above which "
+            "tcmalloc hands freed memory back, in (0, 1] (1: never; default 0.8)"
+        ],
+    ),
     # adamw
     (
         "optimizer.lr=-1 optimizer.min_lr=-1e-4 optimizer.warmup_steps=-1 optimizer.decay_steps=0 "

@@ -6,12 +6,14 @@ import os
 
 import torch
 
-from plait.host_memory import configure_worker
+from plait.host_memory import DECOMMIT_ABOVE, configure_worker
 
 
-def pick_device(requested: str, allocator: str = "auto") -> torch.device:
+def pick_device(
+    requested: str, allocator: str = "auto", decommit_above: float = DECOMMIT_ABOVE
+) -> torch.device:
     """The device this rank computes on; on the host, the allocator's in-process part
-    (``launcher.allocator``, :mod:`plait.host_memory`)."""
+    (``launcher.allocator``, ``launcher.decommit_above``, :mod:`plait.host_memory`)."""
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda":
@@ -19,5 +21,5 @@ def pick_device(requested: str, allocator: str = "auto") -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     if requested == "cpu":
-        configure_worker(allocator)
+        configure_worker(allocator, decommit_above)
     return torch.device(requested)

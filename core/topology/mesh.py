@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from plait.host_memory import DECOMMIT_ABOVE
 from plait.topology.aliases import DeprecatedGroupNames
 from plait.topology.describe import describe_rank
 from plait.topology.device import pick_device
@@ -90,7 +91,9 @@ class Topology(DeprecatedGroupNames):
         node_rank, local_rank, local_world_size = launcher_node_env(dict(os.environ))
         replica_group, replica_groups = replica_group_env(dict(os.environ))
         device = pick_device(
-            cfg.device, OmegaConf.select(cfg, "launcher.allocator", default="auto")
+            cfg.device,
+            OmegaConf.select(cfg, "launcher.allocator", default="auto"),
+            OmegaConf.select(cfg, "launcher.decommit_above", default=DECOMMIT_ABOVE),
         )
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"

@@ -229,7 +229,12 @@ def plait_launch(cfg, dims, entrypoint, args, hook) -> dict[int, Any]:
         # a worker the kernel killed for memory reads as a bare SIGKILL: say so, and what fits
         allocator = launcher.allocator if on_cpu else None
         told = out_of_memory(
-            failed, oom_kills_before, allocator, launcher.nproc_per_node, dims.world_size
+            failed,
+            oom_kills_before,
+            allocator,
+            launcher.decommit_above,
+            launcher.nproc_per_node,
+            dims.world_size,
         )
         if told is None:
             raise

@@ -1,0 +1,64 @@
+"""Near its memory cap a job's tcmalloc workers hand freed memory back (``launcher.decommit_above``,
+plait.memory_cap). The real trigger: ``plait train`` in a memory cgroup (root, Linux) sized
+between the job's peak with and without the decommit.
+
+The job: zero2 on 2 processes, GPT 16 x 512, fp32. Its whole-job peak (the cgroup's) was
+2,255 MiB with tcmalloc keeping what it frees and 1,931 MiB with the decommit on from the start;
+in a 2,100 MiB cgroup it peaked at 1,961-1,965 MiB with the decommit from 80% of the cap (four
+runs, two of them beside two busy cores; 2026-11-30), and was killed without it (two of two).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from plait.host_memory import library_of
+from plait.testing import TEST_OVERRIDES, memory_cgroup
+
+CAP_MIB = 2100
+JOB = [
+    *TEST_OVERRIDES,
+    "model.n_layer=16",
+    "model.n_embd=512",
+    "model.n_head=8",
+    "model.block_size=64",
+    "train.seq_len=64",
+    "train.batch_size=8",
+    "train.steps=2",
+    "strategy=zero2",
+    "launcher.nproc_per_node=2",
+    "launcher.allocator=tcmalloc",
+]
+
+
+def train_in_cgroup(
+    tmp_path, name: str, *overrides: str
+) -> tuple[subprocess.CompletedProcess, int]:
+    """The job run in a fresh ``CAP_MIB`` cgroup: the finished command and the kernel's count of
+    its processes killed for memory."""
+    command = [sys.executable, "-m", "plait", "train", *JOB, f"run.root={tmp_path}"]
+    with memory_cgroup(CAP_MIB) as group:
+        done = subprocess.run(
+            group.command([*command, f"run.name={name}", *overrides]),
+            capture_output=True,
+            text=True,
+            env={**os.environ, "DS_ACCELERATOR": "cpu"},
+            timeout=600,
+        )
+        return done, group.oom_kills()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes memory cgroups: needs root")
+@pytest.mark.skipif(library_of("tcmalloc") is None, reason="needs libtcmalloc-minimal4")
+def test_near_its_memory_cap_a_job_hands_freed_memory_back_and_fits(tmp_path):
+    done, killed = train_in_cgroup(tmp_path, "decommit")  # the default, 0.8
+    assert (done.returncode, killed) == (0, 0), done.stderr[-3000:]
+    assert f"of the {CAP_MIB / 1024:.1f} GiB of its memory cgroup: tcmalloc hands freed" in (
+        done.stderr
+    )
+    kept, killed = train_in_cgroup(tmp_path, "keep", "launcher.decommit_above=1")
+    assert kept.returncode != 0 and killed >= 1, kept.stderr[-3000:]
+    assert "tcmalloc hands freed" not in kept.stderr
