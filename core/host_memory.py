@@ -120,7 +120,7 @@ def memory_cap_advice(allocator: str, decommit_above: float) -> str | None:
         return (
             "The workers ran on tcmalloc with launcher.decommit_above=1, which keeps freed memory "
             f"for reuse: launcher.decommit_above={DECOMMIT_ABOVE} (the default) hands it back "
-            "near the cap (a 4 GiB job held up to 28% more layers)."
+            "near the cap (a 4 GiB job held 7-29% more layers)."
         )
     return (
         f"The workers ran on {allocator}, which keeps freed memory for reuse: "
