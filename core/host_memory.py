@@ -54,8 +54,8 @@ LIBRARIES = {"tcmalloc": "tcmalloc_minimal", "jemalloc": "jemalloc"}
 PACKAGES = {"tcmalloc": "libtcmalloc-minimal4", "jemalloc": "libjemalloc2"}
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number; setting it turns the dynamic rise off
 MMAP_THRESHOLD_BYTES = 128 << 10
-JEMALLOC_ALL_ARENAS = 4096
-DECOMMIT_ABOVE = 0.8  # launcher.decommit_above's default  # MALLCTL_ARENAS_ALL: "arena.4096.purge" purges every arena
+JEMALLOC_ALL_ARENAS = 4096  # MALLCTL_ARENAS_ALL: "arena.4096.purge" purges every arena
+DECOMMIT_ABOVE = 0.8  # launcher.decommit_above's default
 
 
 @functools.cache

@@ -96,47 +96,63 @@ def cgroup_caps() -> list[MemoryCap]:
     return found
 
 
-def decommit_near_cap(decommit_above: float) -> threading.Thread | None:
-    """Start the thread that turns tcmalloc's aggressive decommit on above ``decommit_above`` of
-    the job's memory cap (see the module's docstring); None where the process does not run on
-    tcmalloc or ``decommit_above`` is 1 (never)."""
+class DecommitNearCap:
+    """The thread that turns tcmalloc's aggressive decommit on above ``line`` of the job's memory
+    cap (see the module's docstring); one per process, its line the latest run's."""
+
+    def __init__(self, line: float, process: ctypes.CDLL):
+        self.line, self.process = line, process
+        self.cap = memory_cap()
+        self.decommitting = self.announced = False
+        self.thread = threading.Thread(target=self.watch, name="plait-decommit", daemon=True)
+        self.thread.start()
+
+    def watch(self) -> None:
+        while True:
+            try:
+                used = self.cap.used()
+            except (OSError, ValueError) as error:  # the cgroup went away, or its stat changed
+                print(f"plait: the memory cap's watcher stopped: {error}", file=sys.stderr)
+                return
+            on_at = self.line * self.cap.limit
+            if used > on_at and not self.decommitting:
+                self.decommit(True)
+                self.process.MallocExtension_ReleaseFreeMemory()
+                if not self.announced:
+                    self.announce(used)
+            elif self.decommitting and (
+                used < on_at - HYSTERESIS * self.cap.limit or self.line >= 1
+            ):
+                self.decommit(False)
+            time.sleep(NEAR_INTERVAL_S if used > on_at / 2 else FAR_INTERVAL_S)
+
+    def decommit(self, on: bool) -> None:
+        self.process.MallocExtension_SetNumericProperty(DECOMMIT_PROPERTY, ctypes.c_size_t(on))
+        self.decommitting = on
+
+    def announce(self, used: int) -> None:
+        print(
+            f"plait: rank {os.environ.get('RANK', 0)}: the job holds {used / self.cap.limit:.0%} "
+            f"of the {self.cap.limit / GIB:.1f} GiB of {self.cap.source}: tcmalloc hands freed "
+            f"memory back while it stays near (launcher.decommit_above={self.line}; slower "
+            "steps)",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.announced = True
+
+
+_watcher: DecommitNearCap | None = None
+
+
+def decommit_near_cap(decommit_above: float) -> None:
+    """Turn tcmalloc's aggressive decommit on above ``decommit_above`` of the job's memory cap
+    (1: never), by this process's one :class:`DecommitNearCap`; nothing where the process does
+    not run on tcmalloc."""
+    global _watcher
+    if _watcher is not None:
+        _watcher.line = decommit_above
+        return
     process = ctypes.CDLL(None)
-    if decommit_above >= 1 or not hasattr(process, "MallocExtension_SetNumericProperty"):
-        return None
-    thread = threading.Thread(
-        target=watch,
-        args=(memory_cap(), decommit_above, process),
-        name="plait-decommit",
-        daemon=True,
-    )
-    thread.start()
-    return thread
-
-
-def watch(cap: MemoryCap, decommit_above: float, process: ctypes.CDLL) -> None:
-    on_at, off_at = decommit_above * cap.limit, (decommit_above - HYSTERESIS) * cap.limit
-    decommitting = announced = False
-    while True:
-        try:
-            used = cap.used()
-        except (OSError, ValueError) as error:  # the cgroup went away, or a kernel without it
-            print(f"plait: the memory cap's watcher stopped: {error}", file=sys.stderr, flush=True)
-            return
-        if used > on_at and not decommitting:
-            process.MallocExtension_SetNumericProperty(DECOMMIT_PROPERTY, ctypes.c_size_t(1))
-            process.MallocExtension_ReleaseFreeMemory()
-            if not announced:
-                print(
-                    f"plait: rank {os.environ.get('RANK', 0)}: the job holds "
-                    f"{used / cap.limit:.0%} of the {cap.limit / GIB:.1f} GiB of {cap.source}: "
-                    "tcmalloc hands freed memory back while it stays near "
-                    f"(launcher.decommit_above={decommit_above}; slower steps)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                announced = True
-            decommitting = True
-        elif used < off_at and decommitting:
-            process.MallocExtension_SetNumericProperty(DECOMMIT_PROPERTY, ctypes.c_size_t(0))
-            decommitting = False
-        time.sleep(NEAR_INTERVAL_S if used > on_at / 2 else FAR_INTERVAL_S)
+    if decommit_above < 1 and hasattr(process, "MallocExtension_SetNumericProperty"):
+        _watcher = DecommitNearCap(decommit_above, process)

@@ -60,8 +60,8 @@ def out_of_memory(
     """``failed`` told as a kill for memory, when the kernel's OOM count rose since
     ``kills_before``; else None. ``allocator``: the workers' allocator (``launcher.allocator``) on
     a CPU run, None on a GPU, with ``launcher.decommit_above``; ``nproc``: the workers on this
-    node. The rank killed is named when
-    torch recorded it; often the first failure torch sees is another rank's lost connection."""
+    node. The rank killed is named when torch recorded it; often the first failure torch sees is
+    another rank's lost connection."""
     kills_after = oom_kill_count()
     if kills_before is None or kills_after is None or kills_after <= kills_before:
         return None
