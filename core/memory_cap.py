@@ -145,6 +145,14 @@ class DecommitNearCap:
 _watcher: DecommitNearCap | None = None
 
 
+def _forget_watcher() -> None:
+    global _watcher
+    _watcher = None
+
+
+os.register_at_fork(after_in_child=_forget_watcher)  # a fork has no thread: it starts its own
+
+
 def decommit_near_cap(decommit_above: float) -> None:
     """Turn tcmalloc's aggressive decommit on above ``decommit_above`` of the job's memory cap
     (1: never), by this process's one :class:`DecommitNearCap`; nothing where the process does
