@@ -104,8 +104,7 @@ class DecommitNearCap:
         self.line, self.process = line, process
         self.cap = memory_cap()
         self.decommitting = self.announced = False
-        self.thread = threading.Thread(target=self.watch, name="plait-decommit", daemon=True)
-        self.thread.start()
+        threading.Thread(target=self.watch, name="plait-decommit", daemon=True).start()
 
     def watch(self) -> None:
         while True:

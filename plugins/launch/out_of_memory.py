@@ -20,9 +20,8 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from plait.host_memory import memory_cap_advice, resolve
-from plait.memory_cap import memory_cap
+from plait.memory_cap import GIB, memory_cap
 
-GIB = 1 << 30
 VMSTAT = Path("/proc/vmstat")
 SIGKILL_EXIT = -9  # torch elastic's exitcode for a worker ended by SIGKILL
 
