@@ -147,7 +147,8 @@ def worker_entry(
 ) -> Any:
     """Run ``entrypoint(*args)`` in a forked worker as if it had been spawned by the launcher:
     its environment, thread count and standard output and error (``stdio``, the launcher's
-    as :func:`launcher_stdio` passed them), and with the server's objects frozen (see the module's docstring)."""
+    as :func:`launcher_stdio` passed them), and with the server's objects frozen (see the
+    module's docstring)."""
     gc.freeze()
     for fd, target in zip(stdio, (1, 2)):
         os.dup2(fd, target)
