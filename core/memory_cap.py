@@ -29,6 +29,7 @@ from pathlib import Path
 GIB = 1 << 30
 CGROUPS = Path("/sys/fs/cgroup")
 MEMINFO = Path("/proc/meminfo")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")  # this process's cgroup in each hierarchy
 DECOMMIT_PROPERTY = b"tcmalloc.aggressive_memory_decommit"
 HYSTERESIS = 0.1  # decommit goes off this share of the cap below the line it came on at
 FAR_INTERVAL_S, NEAR_INTERVAL_S = 0.1, 0.01
@@ -73,7 +74,7 @@ def memory_cap() -> MemoryCap:
 def cgroup_caps() -> list[MemoryCap]:
     """The memory limit of this process's cgroup and of each cgroup above it."""
     found = []
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
+    for line in PROC_SELF_CGROUP.read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(","):  # v1: the memory hierarchy's own mount
             root, limit_file, anon_key = CGROUPS / "memory", "memory.limit_in_bytes", "total_rss"
