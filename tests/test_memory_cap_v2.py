@@ -28,9 +28,9 @@ def fake_cgroups(tmp_path, monkeypatch):
     return root
 
 
-def place(root: Path, lines: str) -> None:
-    """This process's ``/proc/self/cgroup``."""
-    (root.parent / "proc_self_cgroup").write_text(lines)
+def place(lines: str) -> None:
+    """This process's ``/proc/self/cgroup`` (the stand-in the fixture put in its place)."""
+    memory_cap.PROC_SELF_CGROUP.write_text(lines)
 
 
 def group(root: Path, path: str, limit: str | None, stat: str = "") -> None:
@@ -43,7 +43,7 @@ def group(root: Path, path: str, limit: str | None, stat: str = "") -> None:
 
 def test_on_cgroup_v2_the_cap_is_the_tightest_memory_max_above_the_process(fake_cgroups):
     (fake_cgroups / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
-    place(fake_cgroups, "0::/system.slice/job.service/run\n")
+    place("0::/system.slice/job.service/run\n")
     group(fake_cgroups, "system.slice", "max", "anon 1\nfile 2\n")
     group(fake_cgroups, "system.slice/job.service", str(2 * GIB), "anon 9\nfile 3\n")
     group(fake_cgroups, "system.slice/job.service/run", str(3 * GIB), "anon 7\n")
@@ -53,12 +53,13 @@ def test_on_cgroup_v2_the_cap_is_the_tightest_memory_max_above_the_process(fake_
     assert (cap.limit, cap.source) == (2 * GIB, "its memory cgroup")
     assert cap.used() == 9  # the capping group's anonymous bytes, not its page cache
     group(fake_cgroups, "system.slice/job.service/run", str(GIB), "file 5\nanon 4\n")
-    assert (memory_cap.memory_cap().limit, memory_cap.memory_cap().used()) == (GIB, 4)
+    tighter = memory_cap.memory_cap()
+    assert (tighter.limit, tighter.used()) == (GIB, 4)
 
 
 def test_on_cgroup_v2_without_a_cap_the_job_has_the_machines_memory(fake_cgroups):
     (fake_cgroups / "cgroup.controllers").write_text("memory\n")
-    place(fake_cgroups, "0::/user.slice/session\n")
+    place("0::/user.slice/session\n")
     group(fake_cgroups, "user.slice", "max", "anon 1\n")
     group(fake_cgroups, "user.slice/session", None)  # the controller not enabled for it
 
@@ -70,7 +71,7 @@ def test_on_cgroup_v2_without_a_cap_the_job_has_the_machines_memory(fake_cgroups
 
 def test_beside_cgroup_v1_the_unified_tree_without_memory_leaves_the_cap_to_v1(fake_cgroups):
     """The hybrid layout (this machine's): v1's memory hierarchy, v2 mounted at ``unified``."""
-    place(fake_cgroups, "4:memory:/job\n1:cpu:/\n0::/job\n")
+    place("4:memory:/job\n1:cpu:/\n0::/job\n")
     (fake_cgroups / "memory" / "job").mkdir(parents=True)
     (fake_cgroups / "memory" / "job" / "memory.limit_in_bytes").write_text(f"{GIB}\n")
     (fake_cgroups / "memory" / "job" / "memory.stat").write_text("cache 5\nrss 6\ntotal_rss 8\n")
