@@ -11,6 +11,7 @@ import collections
 import json
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,11 +21,13 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from plait import cli, hookimpl
 from plait.export import export
 from plait.plan import make_plan
 from plait.plugin_manager import keep_selected, make_plugin_manager
+from plait.plugins.checkpoint.directory import publish
 from plait.plugins.planner.estimate import strategy_cost
 from plait.plugins.zero import config as zero_config
 from plait.plugins.zero.config import engine_config
@@ -49,6 +52,9 @@ COMMON = [f"train.steps={STEPS}", "train.grad_accum_steps=2"]
 # in another order), so after 20 Adam steps losses agree to ~1e-7 relative; 1e-6 leaves margin.
 LOSS_RTOL = 1e-6
 STAGES = ("zero1", "zero2", "zero3")
+# The tiny GPT's partition fits in one sub-group of plait's 2^21 floor: its runs step sub-groups
+# of its bucket B (its largest parameter) so that the sub-groups are tested.
+SUB_GROUPS = "+strategy.deepspeed.zero_optimization.sub_group_size=16384"
 GRAD_NORM_RTOL = 1e-5
 
 
@@ -91,7 +97,8 @@ def test_deepspeed_config_is_generated_from_plait_settings(stage):
 def test_deepspeed_buffers_are_sized_from_the_model_and_the_user_overrides_them(stage):
     """A GPT of width 256 and 12 layers: 9,625,088 parameters, the largest (the MLP's) 262,144
     elements; 9,625,088 / 32 = 300,784 per bucket (not DeepSpeed's 5e8); under tp=2 half of
-    that is below the largest parameter, which sets the bucket."""
+    that is below the largest parameter, which sets the bucket. The optimizer's sub-groups are
+    never below 2^21 elements."""
     model = ["model.n_embd=256", "model.n_layer=12", f"strategy=zero{stage}"]
     zero = backend_config(*model)["zero_optimization"]
     keys = (
@@ -99,7 +106,7 @@ def test_deepspeed_buffers_are_sized_from_the_model_and_the_user_overrides_them(
         if stage < 3
         else ["reduce_bucket_size", "stage3_prefetch_bucket_size", "sub_group_size"]
     )
-    assert [zero[k] for k in keys] == [300_784, 300_784, 300_784]
+    assert [zero[k] for k in keys] == [300_784, 300_784, 2**21]
     if stage == 3:
         assert zero["stage3_max_live_parameters"] == zero["stage3_max_reuse_distance"] == 601_568
     split = backend_config(*model, "parallel.tp=2", "launcher.nproc_per_node=4")
@@ -197,7 +204,7 @@ def test_passthrough_and_config_file_are_merged(tmp_path):
         "reduce_bucket_size": 2000,
         "overlap_comm": False,
         "allgather_bucket_size": 16384,  # sized by plait
-        "sub_group_size": 16384,
+        "sub_group_size": 2**21,
     }
     assert ds["wall_clock_breakdown"] is True
     assert ds["communication_data_type"] == "fp32"
@@ -359,9 +366,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         "one": ["launcher.nproc_per_node=1"],
         "ddp": [],
         "zero0": ["strategy=zero0"],
-        "zero1": ["strategy=zero1"],
-        "zero2": ["strategy=zero2"],
-        "zero3": ["strategy=zero3", "checkpoint.every=10", f"train.eval_every={STEPS}"],
+        "zero1": ["strategy=zero1", SUB_GROUPS],
+        "zero2": ["strategy=zero2", SUB_GROUPS, "checkpoint.every=10"],
+        "zero3": ["strategy=zero3", SUB_GROUPS, "checkpoint.every=10", f"train.eval_every={STEPS}"],
     }
     runs = {}
     for name, overrides in extra.items():
@@ -418,12 +425,54 @@ def test_zero3_resume_continues_with_the_same_losses(runs, tmp_path):
     checkpoint = runs["zero3"] / "checkpoints" / f"step_{k:08d}"
     assert (checkpoint / "deepspeed").is_dir()  # DeepSpeed's own sharded files
     resumed = run_training(
-        tmp_path / "resumed", [*COMMON, "strategy=zero3", f"resume={checkpoint}"]
+        tmp_path / "resumed", [*COMMON, "strategy=zero3", SUB_GROUPS, f"resume={checkpoint}"]
     )
     steps = read_metrics(resumed)
     assert [m["step"] for m in steps] == list(range(k + 1, STEPS + 1))
     uninterrupted = losses(runs["zero3"])[k:]
     assert [m["loss"] for m in steps] == pytest.approx(uninterrupted, rel=LOSS_RTOL)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_other_sub_groups_resumes_from_its_layout_free_copy(runs, tmp_path, capfd):
+    """zero2's checkpoint was written with sub-groups of 16,384 elements (as an earlier plait's
+    ``B`` made them); resumed with plait's own 2^21 (one group per weight decay), DeepSpeed's
+    files cannot be loaded (torch: ``loaded state dict contains a parameter group that doesn't
+    match``), so the layout-free copy is, and the run continues with the same losses."""
+    k = 10
+    checkpoint = runs["zero2"] / "checkpoints" / f"step_{k:08d}"
+    resumed = run_training(
+        tmp_path / "resumed", [*COMMON, "strategy=zero2", f"resume={checkpoint}"]
+    )
+    assert (
+        f"checkpoint {checkpoint} was written with "
+        "strategy.deepspeed.zero_optimization.sub_group_size=16384, which this run's engine "
+        "cannot load: loading its layout-free DCP copy"
+    ) in capfd.readouterr().out
+    steps = read_metrics(resumed)
+    assert [m["step"] for m in steps] == list(range(k + 1, STEPS + 1))
+    uninterrupted = losses(runs["zero2"])[k:]
+    assert [m["loss"] for m in steps] == pytest.approx(uninterrupted, rel=LOSS_RTOL)
+
+
+@pytest.mark.slow
+def test_other_sub_groups_without_a_layout_free_copy_are_refused_naming_the_setting(runs, tmp_path):
+    """The same checkpoint as an earlier plait wrote it, without the layout-free copy: the
+    resume stops with the setting to resume with, not DeepSpeed's error from inside its load."""
+    partial = tmp_path / "earlier"
+    shutil.copytree(runs["zero2"] / "checkpoints" / "step_00000010", partial)
+    shutil.rmtree(partial / "layout_free")
+    (partial / "complete.json").unlink()
+    layout = json.loads((partial / "layout.json").read_text())
+    (partial / "layout.json").write_text(json.dumps({**layout, "layout_free": False}))
+    checkpoint = publish(tmp_path, partial, "step_00000010")  # complete.json of these files
+    with pytest.raises(ChildFailedError) as stopped:
+        run_training(tmp_path / "resumed", [*COMMON, "strategy=zero2", f"resume={checkpoint}"])
+    assert (
+        f"ValueError: resume: checkpoint {checkpoint}'s zero2 files were written with "
+        "strategy.deepspeed.zero_optimization.sub_group_size=16384 and hold no layout-free "
+        "copy: resume with ++strategy.deepspeed.zero_optimization.sub_group_size=16384"
+    ) in str(stopped.value)
 
 
 class PlainEngine:

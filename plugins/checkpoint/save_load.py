@@ -80,6 +80,14 @@ def needs_conversion(saved: dict | None, layout: dict) -> bool:
     return not saved["engine_files"] or {k: saved.get(k, 1) for k in layout} != layout
 
 
+def own_files_mismatch(engine, path: Path) -> str | None:
+    """A setting of this run other than the layout with which the engine's own files in ``path``
+    cannot be loaded, as ``key=value`` (an engine's optional ``own_files_mismatch``: ZeRO's
+    ``sub_group_size``); None: they load. The same answer on every rank."""
+    mismatch = getattr(engine, "own_files_mismatch", None)
+    return mismatch(path) if mismatch else None
+
+
 def checkpoint_to_load(cfg, topology) -> Path | None:
     """The checkpoint this rank loads (every trainer calls this: with node-local checkpoints,
     the nodes agree on it and fetch the parts they lack first)."""
@@ -118,6 +126,19 @@ def load(cfg, engine, topology, reshardable: bool) -> TrainState | None:
             print(
                 f"plait: converting checkpoint {path} from {describe(saved)} to "
                 f"{describe(layout)} (layout-free DCP copy)",
+                flush=True,
+            )
+        layout_free.load(engine, topology, path, topology.trainer_group)
+    elif setting := own_files_mismatch(engine, path):
+        if not (saved and saved["layout_free"] and reshardable):
+            raise ValueError(
+                f"resume: checkpoint {path}'s {cfg.strategy.name} files were written with "
+                f"{setting} and hold no layout-free copy: resume with ++{setting}"
+            )
+        if topology.is_logging_rank:
+            print(
+                f"plait: checkpoint {path} was written with {setting}, which this run's "
+                "engine cannot load: loading its layout-free DCP copy",
                 flush=True,
             )
         layout_free.load(engine, topology, path, topology.trainer_group)

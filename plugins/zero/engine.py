@@ -313,6 +313,29 @@ class ZeroEngine:
                 "not written by strategy=zero*"
             )
 
+    def own_files_mismatch(self, directory: Path) -> str | None:
+        """The setting, as ``key=value``, with which DeepSpeed's files in
+        ``directory`` were written at this same layout but cannot be loaded here (None: they
+        can). DeepSpeed keeps ZeRO's optimizer state per sub-group, which ``sub_group_size``
+        makes (``sizing.py``), and its ``load_checkpoint`` fails on other groups with torch's
+        ``loaded state dict contains a parameter group that doesn't match``. Read from the
+        ``ds_config`` DeepSpeed saves in this rank's optimizer file (memory-mapped: the states
+        are not read), the same on every rank."""
+        if self.stage == 0:
+            return None
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        file = Path(self.ds._get_zero_ckpt_name(str(directory), TAG))
+        if not file.exists():
+            return None  # load_state says what is missing
+        saved = torch.load(file, map_location="cpu", mmap=True, weights_only=False)
+        default = DeepSpeedZeroConfig.model_fields["sub_group_size"].default
+        written = int(saved["ds_config"]["zero_optimization"].get("sub_group_size", default))
+        current = int(self.ds.zero_sub_group_size())
+        if written == current:
+            return None
+        return f"strategy.deepspeed.zero_optimization.sub_group_size={written}"
+
     def layout_free_state(self) -> dict:
         """The fp32 master parameters and Adam states, full over the dp group, by parameter
         name, and under fp16 the dynamic loss scaler's state (``loss_scale.py``). See
