@@ -437,7 +437,7 @@ def test_zero3_resume_continues_with_the_same_losses(runs, tmp_path):
 def test_a_checkpoint_of_other_sub_groups_resumes_from_its_layout_free_copy(runs, tmp_path, capfd):
     """zero2's checkpoint was written with sub-groups of 16,384 elements (as an earlier plait's
     ``B`` made them); resumed with plait's own 2^21 (one group per weight decay), DeepSpeed's
-    files cannot be loaded (torch: ``loaded state dict contains a parameter group that doesn't
+    files cannot be loaded (its ``The ZeRO checkpoint parameter-alignment layout does not
     match``), so the layout-free copy is, and the run continues with the same losses."""
     k = 10
     checkpoint = runs["zero2"] / "checkpoints" / f"step_{k:08d}"

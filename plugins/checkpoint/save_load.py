@@ -2,8 +2,8 @@
 finds its checkpoint and reads it back (the engine's own files, or the layout-free copy at
 another layout). The directory rules are ``directory.py``'s, the random state ``rng.py``'s.
 
-At most one background write (``checkpoint.async_save``) is in flight per worker process; ``background``
-holds it from one save to the next.
+At most one background write (``checkpoint.async_save``) is in flight per worker process;
+``background`` holds it from one save to the next.
 """
 
 from __future__ import annotations

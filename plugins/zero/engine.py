@@ -314,13 +314,14 @@ class ZeroEngine:
             )
 
     def own_files_mismatch(self, directory: Path) -> str | None:
-        """The setting, as ``key=value``, with which DeepSpeed's files in
-        ``directory`` were written at this same layout but cannot be loaded here (None: they
-        can). DeepSpeed keeps ZeRO's optimizer state per sub-group, which ``sub_group_size``
-        makes (``sizing.py``), and its ``load_checkpoint`` fails on other groups with torch's
-        ``loaded state dict contains a parameter group that doesn't match``. Read from the
-        ``ds_config`` DeepSpeed saves in this rank's optimizer file (memory-mapped: the states
-        are not read), the same on every rank."""
+        """The setting, as ``key=value``, with which DeepSpeed's files in ``directory`` were
+        written at this same layout but cannot be loaded here (None: they can). DeepSpeed keeps
+        ZeRO's optimizer state per sub-group, which ``sub_group_size`` makes (``sizing.py``),
+        and its ``load_checkpoint`` fails on other groups (ZeRO-1/2: ``The ZeRO checkpoint
+        parameter-alignment layout does not match``; ZeRO-3: torch's ``loaded state dict
+        contains a parameter group that doesn't match``). Read from the ``ds_config`` DeepSpeed
+        saves in this rank's optimizer file (memory-mapped: the states are not read), the same
+        on every rank."""
         if self.stage == 0:
             return None
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig

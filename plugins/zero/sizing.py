@@ -21,22 +21,21 @@ the config the engine gets)::
 
 ``sub_group_size`` is DeepSpeed's ZeRO-3 setting: the rank's partition is stepped in sub-groups of
 that many elements, each with its own flat gradient copy and AdamW temporaries (``3·sub_group_size``
-elements at most, where the whole partition made ``3Ψ/N``). DeepSpeed's ZeRO-1/2 have no sub-groups; they
-step one flat partition per parameter group, so plait gives them parameter groups of at most
+elements at most, where the whole partition made ``3Ψ/N``). DeepSpeed's ZeRO-1/2 have no sub-groups;
+they step one flat partition per parameter group, so plait gives them parameter groups of at most
 ``N·sub_group_size`` elements (:func:`param_groups_within`: the same weight decay, consecutive
 parameters, each group partitioned over the N dp ranks as before), which bounds the same copy and
-temporaries, and the start-up flattening, to one group at a time. AdamW is elementwise, so the
-steps are the same numbers; only the grad norm's sum runs over more groups (in fp64). Each group
-costs DeepSpeed a norm all-reduce, an all-gather and a Python pass every step, so sub-groups are
-never smaller than 2²¹ elements (24 MiB of step temporaries in fp32): at 3.2M parameters B's
-262,144 made 8 groups where the plain loop has 2, 7% of zero2's step (docs/benchmarks.md), and
-no model of issue 20's 4 GiB table has a smaller B but zero1 x pp2 (1.9M). DeepSpeed
-all-reduces each group's norm over the model-parallel ranks (every pipeline stage and tensor
-shard), so those ranks must have as many groups: a stage with fewer is cut further
-(:func:`split_to_count`; pipeline stages of 12 and 11 layers had deadlocked in the first step).
-DeepSpeed's checkpoint files hold the groups, so a checkpoint written with another
-``sub_group_size`` (an earlier plait's ``B``) loads from its layout-free copy
-(``ZeroEngine.own_files_mismatch``).
+temporaries, and the start-up flattening, to one group at a time. AdamW is elementwise, so the steps
+are the same numbers; only the grad norm's sum runs over more groups (in fp64). Each group costs
+DeepSpeed a norm all-reduce, an all-gather and a Python pass every step, so sub-groups are never
+smaller than 2²¹ elements (24 MiB of step temporaries in fp32): at 3.2M parameters B's 262,144 made
+8 groups where the plain loop has 2, 7% of zero2's step (docs/benchmarks.md), and no model of issue
+20's 4 GiB table has a smaller B but zero1 x pp2 (1.73M at its 35 layers; it still fits). DeepSpeed
+all-reduces each group's norm over the model-parallel ranks (every pipeline stage and tensor shard),
+so those ranks must have as many groups: a stage with fewer is cut further (:func:`split_to_count`;
+pipeline stages of 12 and 11 layers had deadlocked in the first step). DeepSpeed's checkpoint files
+hold the groups, so a checkpoint written with another ``sub_group_size`` (an earlier plait's ``B``)
+loads from its layout-free copy (``ZeroEngine.own_files_mismatch``).
 
 Measured (25.5M-parameter GPT, dp=4, fp32, CPU): ZeRO-3's peak above the pre-model memory falls
 from 632 to ~400 MiB with the buckets. Any of these keys in ``strategy.deepspeed.zero_optimization``
