@@ -252,6 +252,12 @@ class Engine(Protocol):
     The surface is deliberately small (Lightning Fabric's lesson): one optimizer step over the
     micro-batches of a global batch, an evaluation loss, and collective save/load of the sharded
     model and optimizer state.
+
+    Two optional attributes the checkpoint plugin reads where an engine has them (with
+    ``engine:layout_free_state``): ``saves_engine_files`` (False: its own files cannot hold this
+    layout, so only the layout-free copy is written) and ``own_files_mismatch(directory) -> str
+    | None`` (a setting other than the layout, as ``key=value``, with which its own files in a
+    checkpoint were written and cannot be loaded: the layout-free copy is loaded instead).
     """
 
     model: torch.nn.Module
