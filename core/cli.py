@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from plait import api
 from plait.export import cmd_export
+from plait.forkserver import freeze_at_exit
 from plait.plan import (
     CONFIG_NAME,
     compose_config,
@@ -223,3 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanError, HydraException, OmegaConfBaseException, ValueError) as e:
         print(f"plait: {e}", file=sys.stderr)
         return 2
+
+
+def run() -> None:
+    """The ``plait`` command (and ``python -m plait``): :func:`main` on ``sys.argv``, exiting
+    without the interpreter's final garbage collections (:func:`plait.forkserver.freeze_at_exit`).
+    Tests call :func:`main` itself, in a process that lives on."""
+    freeze_at_exit()
+    raise SystemExit(main())

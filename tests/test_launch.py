@@ -22,6 +22,7 @@ from plait.testing import (
 )
 
 pytestmark = pytest.mark.slow
+TESTS = Path(__file__).parent
 
 STEPS = ["train.steps=3", "optimizer.decay_steps=3"]
 
@@ -174,6 +175,42 @@ os.kill(other, signal.SIGKILL)
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "True True True\n", done.stdout
+
+
+def test_the_worker_server_and_the_plait_command_exit_without_the_final_collections(tmp_path):
+    """At exit, the worker server and the ``plait`` command skip the interpreter's final garbage
+    collections over torch's objects (1-2 s of CPU each here, at the end of every command that
+    launched). Shown by tests/exit_probe.py, imported into each process: the reference cycle it
+    holds is finalized at the exit of a plain interpreter, not at the server's (started by a
+    launch that declares the probe as a library to preload; it exits when the launching process
+    does) nor at the command's. In fresh processes, with tests/ on ``PYTHONPATH`` (the server
+    of Python 3.11 does not take its launcher's ``sys.path``)."""
+    launching = """
+import multiprocessing.forkserver
+from plait.forkserver import use_forkserver
+use_forkserver({"exit_probe"}, on_cpu=True, ld_preload=None)
+print(multiprocessing.forkserver._forkserver._forkserver_pid)
+"""
+
+    def marks(script: str, *args: str) -> tuple[str, list[str]]:
+        mark = tmp_path / f"mark{len(list(tmp_path.iterdir()))}"
+        done = subprocess.run(  # output read to its end: the server, which holds it, has exited
+            [sys.executable, "-c", script, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "EXIT_PROBE_MARK": str(mark), "PYTHONPATH": str(TESTS)},
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout, mark.read_text().split()
+
+    _, seen = marks("import exit_probe")
+    assert seen[::2] == ["imported", "finalized"] and seen[1] == seen[3], seen
+    printed, seen = marks(launching)
+    assert seen == ["imported", printed.strip()], seen  # the server's pid, not finalized
+    printed, seen = marks("import exit_probe; from plait.cli import run; run()")
+    assert "usage: plait <command>" in printed
+    assert seen[0] == "imported" and "finalized" not in seen, seen
 
 
 def _report_origin(rank: int, world_size: int, out: str) -> None:
