@@ -316,7 +316,50 @@ def range_problems(section: str, settings: Any, ranges: Mapping[str, Range]) -> 
     return problems
 
 
-def store_core_schemas(cs: ConfigStore) -> None:
+class SchemaStore:
+    """Hydra's ConfigStore as ``plait_register_configs`` and the core store into it, storing a
+    schema class again only when the store no longer holds what it made of it.
+
+    Every plan stores every schema (the core's and the plugins', ~55 dataclasses), and Hydra's
+    ``ConfigStore.store`` turns each into a DictConfig: 0.1 s of each plan, paid again by each
+    plan of a long-lived process (a test session, a sweep). A class stored before with the
+    same group, name, package and provider, whose node the store still holds (no one stored
+    another in its place), is the same schema: what Hydra made of it is kept. Instances and
+    dicts, which may have changed since, are stored as given. Everything else a plugin reads
+    from the ConfigStore is the ConfigStore's own."""
+
+    # (group, name) -> (node, package, provider, the ConfigNode Hydra made of it)
+    made: dict[tuple[str | None, str], tuple[Any, Any, Any, Any]] = {}
+
+    def __init__(self, cs: ConfigStore) -> None:
+        self.cs = cs
+
+    def store(
+        self,
+        name: str,
+        node: Any,
+        group: str | None = None,
+        package: str | None = None,
+        provider: str | None = None,
+    ) -> None:
+        made = self.made.get((group, name))
+        if made is not None and isinstance(node, type) and made[:3] == (node, package, provider):
+            if self.held(group, name) is made[3]:
+                return
+        self.cs.store(name=name, node=node, group=group, package=package, provider=provider)
+        self.made[(group, name)] = (node, package, provider, self.held(group, name))
+
+    def held(self, group: str | None, name: str) -> Any:
+        found: Any = self.cs.repo
+        for key in [*(group.split("/") if group else []), f"{name.removesuffix('.yaml')}.yaml"]:
+            found = found.get(key) if isinstance(found, dict) else None
+        return found
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self.cs, attribute)
+
+
+def store_core_schemas(cs: ConfigStore | SchemaStore) -> None:
     cs.store(name="base_config", node=PlaitConfig)
     for group, node in GROUP_SCHEMAS.items():
         cs.store(group=group, name=f"base_{group}", node=node)

@@ -33,6 +33,7 @@ from plait.config import (
     PRECISIONS,
     NodeRange,
     Range,
+    SchemaStore,
     node_range,
     range_problems,
     store_core_schemas,
@@ -133,7 +134,7 @@ def hydra_app(pm: PlaitPluginManager, config_dir: str | None = None) -> Iterator
     """Hydra set up as ``@hydra.main`` would set it up for plait: the plugins' schemas in the
     ConfigStore, ``plait.conf`` (and ``--config-dir``) on the search path. Both a single run
     (composed here) and ``plait train -m`` (``Hydra.multirun``) start from this."""
-    cs = ConfigStore.instance()
+    cs = SchemaStore(ConfigStore.instance())
     store_core_schemas(cs)
     pm.hook.plait_register_configs(config_store=cs)
     version.setbase("1.3")
