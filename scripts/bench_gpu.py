@@ -63,7 +63,7 @@ def run_plain(args) -> float:
     """The hand-written loop: same model, data order, bf16 autocast, fused AdamW, clipping."""
     import time
 
-    from plait.plugins.data import TokenWindows, cached_tokens, load_split, stdlib_sources
+    from plait.plugins.data import TokenWindows, load_split, stdlib_tokens
     from plait.plugins.models.gpt import GPT
 
     device = torch.device("cuda", 0)
@@ -87,7 +87,7 @@ def run_plain(args) -> float:
         betas=(0.9, 0.95),
         fused=True,
     )
-    path = cached_tokens(stdlib_sources(), Path("~/.cache/plait").expanduser(), 0)
+    path = stdlib_tokens(Path("~/.cache/plait").expanduser(), 0)
     data = TokenWindows(
         load_split(np.memmap(path, dtype=np.uint16, mode="r"), 0.01, "train"), args.seq_len
     )

@@ -56,7 +56,7 @@ def plain_worker(rank: int, args, port: int, clock: str, cfg: dict) -> None:
     """The loop a user would write by hand: DDP, AdamW, cosine LR, clipping, loss print."""
     import numpy as np
 
-    from plait.plugins.data import TokenWindows, cached_tokens, load_split, stdlib_sources
+    from plait.plugins.data import TokenWindows, load_split, stdlib_tokens
     from plait.plugins.models.gpt import GPT
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -80,7 +80,7 @@ def plain_worker(rank: int, args, port: int, clock: str, cfg: dict) -> None:
         betas=(0.9, 0.95),
         fused=cuda or None,
     )
-    path = cached_tokens(stdlib_sources(), Path(cfg["cache_dir"]).expanduser(), rank)
+    path = stdlib_tokens(Path(cfg["cache_dir"]).expanduser(), rank)
     data = TokenWindows(
         load_split(np.memmap(path, dtype=np.uint16, mode="r"), 0.01, "train"), args.seq_len
     )

@@ -121,9 +121,9 @@ def token_windows(spec: dict):
     """plait's default data (the standard library's source, byte tokens), its train split."""
     import numpy as np
 
-    from plait.plugins.data import TokenWindows, cached_tokens, load_split, stdlib_sources
+    from plait.plugins.data import TokenWindows, load_split, stdlib_tokens
 
-    path = cached_tokens(stdlib_sources(), Path(spec["cache_dir"]).expanduser(), 0)
+    path = stdlib_tokens(Path(spec["cache_dir"]).expanduser(), 0)
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
     return TokenWindows(load_split(tokens, spec["val_fraction"], "train"), spec["seq_len"])
 

@@ -24,6 +24,19 @@ def test_stdlib_default_is_tokenized_once_and_reused(tmp_path, monkeypatch):
     assert any(p.name == "os.py" for p in data_plugin.stdlib_sources())
 
 
+def test_the_stdlib_cache_is_found_without_listing_the_library(tmp_path, monkeypatch):
+    """``data=stdlib``'s cache file is keyed by the interpreter (``stdlib_key``): the library's
+    files are listed once, to write the file, not by every worker of every launch."""
+    listed = []
+    real = data_plugin.stdlib_sources
+    monkeypatch.setattr(data_plugin, "stdlib_sources", lambda: listed.append(1) or real()[:20])
+    cfg = compose([f"data.cache_dir={tmp_path}"])
+    first, _ = data_plugin.token_file(cfg, 0, "train")
+    second, _ = data_plugin.token_file(cfg, 1, "train")
+    assert first == second == tmp_path / "tokens" / f"{data_plugin.stdlib_key()}.bin"
+    assert len(listed) == 1
+
+
 def test_a_changed_source_is_tokenized_again(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("hello world\n")
