@@ -65,6 +65,29 @@ def test_every_option_of_every_group_composes_and_passes_the_checks(group, optio
     assert cfg[group] is not None
 
 
+def test_a_schema_is_stored_again_only_when_the_store_no_longer_holds_it(monkeypatch):
+    """Every plan has the core and the plugins store their schemas (``plait.config.SchemaStore``):
+    a schema class the store still holds from an earlier plan is not turned into a DictConfig
+    again, and one that something else replaced in the store is stored again."""
+    from hydra.core.config_store import ConfigStore
+
+    compose(["strategy=zero2"])
+    stored = []
+    real = ConfigStore.store
+
+    def store(self, name, node, group=None, package=None, provider=None):
+        stored.append((group, name))
+        real(self, name, node, group, package, provider)
+
+    monkeypatch.setattr(ConfigStore, "store", store)
+    compose(["strategy=zero2"])
+    assert ("strategy", "base_zero") not in stored and (None, "base_config") not in stored
+    ConfigStore.instance().store(group="strategy", name="base_zero", node={"planted": 1})
+    stored.clear()
+    cfg = compose(["strategy=zero2"])
+    assert ("strategy", "base_zero") in stored and "planted" not in cfg.strategy
+
+
 def test_unknown_option_lists_valid_choices():
     with pytest.raises(PlanError) as err:
         compose(["strategy=nosuch"])
