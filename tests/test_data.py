@@ -110,6 +110,13 @@ def test_positions_run_through_epochs_each_a_permutation():
     assert ids[:100] != ids[100:200]
 
 
+def test_an_epochs_order_is_numpys_permutation_of_its_seed():
+    """The order earlier plaits drew (``default_rng(seed + epoch).permutation``), though drawn
+    over 32-bit ids: a checkpoint they wrote resumes on the same samples."""
+    order = epoch_order_of(range(100_003), seed=5, shuffle=True)
+    assert np.array_equal(order(2), np.random.default_rng(7).permutation(100_003))
+
+
 def test_a_position_saved_at_dp2_resumes_at_dp1_without_repeats_or_gaps():
     straight = take(sampler(accum=2).steps(0), 25)
     consumed = 17 * 8  # the state after 17 steps, whatever the dp size
