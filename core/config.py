@@ -321,14 +321,14 @@ class SchemaStore:
     schema class again only when the store no longer holds what it made of it.
 
     Every plan stores every schema (the core's and the plugins', ~55 dataclasses), and Hydra's
-    ``ConfigStore.store`` turns each into a DictConfig: 0.1 s of each plan, paid again by each
+    ``ConfigStore.store`` turns each into a DictConfig: 0.15 s of each plan, paid again by each
     plan of a long-lived process (a test session, a sweep). A class stored before with the
     same group, name, package and provider, whose node the store still holds (no one stored
     another in its place), is the same schema: what Hydra made of it is kept. Instances and
     dicts, which may have changed since, are stored as given. Everything else a plugin reads
     from the ConfigStore is the ConfigStore's own."""
 
-    # (group, name) -> (node, package, provider, the ConfigNode Hydra made of it)
+    # this process's: (group, name) -> (node, package, provider, the ConfigNode Hydra made of it)
     made: dict[tuple[str | None, str], tuple[Any, Any, Any, Any]] = {}
 
     def __init__(self, cs: ConfigStore) -> None:
