@@ -110,9 +110,11 @@ def stdlib_key() -> str:
 
 
 def stdlib_tokens(cache_dir: Path, local_rank: int, group=None) -> Path:
-    """The cache file of ``data=stdlib`` (see :func:`cached_tokens`), keyed by
-    :func:`stdlib_key`: the library is listed only when the file is written."""
-    return cached_tokens(stdlib_sources, cache_dir, local_rank, group, key=stdlib_key())
+    """The cache file of ``data=stdlib``, keyed by :func:`stdlib_key`: the library is listed
+    only when the file is written (see :func:`tokens_at`)."""
+    return tokens_at(
+        cache_dir / "tokens" / f"{stdlib_key()}.bin", stdlib_sources, local_rank, group
+    )
 
 
 def text_sources(path) -> list:
@@ -169,22 +171,25 @@ def tokenize_to_cache(sources: list, cache_file: Path, text_field: str = "text")
 
 
 def cached_tokens(
-    sources: list | Callable[[], list],
-    cache_dir: Path,
+    sources: list, cache_dir: Path, local_rank: int, group=None, text_field: str = "text"
+) -> Path:
+    """The cache file for ``sources``, keyed by :func:`cache_key` (see :func:`tokens_at`)."""
+    cache_file = cache_dir / "tokens" / f"{cache_key(sources, text_field)}.bin"
+    return tokens_at(cache_file, lambda: sources, local_rank, group, text_field)
+
+
+def tokens_at(
+    cache_file: Path,
+    list_sources: Callable[[], list],
     local_rank: int,
     group=None,
     text_field: str = "text",
-    key: str | None = None,
 ) -> Path:
-    """The cache file for ``sources`` (a list, or what lists them when the file is written,
-    with its ``key``); local rank 0 (a node's first trainer) writes it if missing, the rest of
-    ``group`` (the trainers; None: every rank) wait."""
-    if key is None:
-        assert not callable(sources), "sources listed when the file is written need a key"
-        key = cache_key(sources, text_field)
-    cache_file = cache_dir / "tokens" / f"{key}.bin"
+    """``cache_file``, which local rank 0 (a node's first trainer) writes from
+    ``list_sources()`` if missing while the rest of ``group`` (the trainers; None: every rank)
+    wait."""
     if local_rank == 0 and not cache_file.exists():
-        tokenize_to_cache(sources() if callable(sources) else sources, cache_file, text_field)
+        tokenize_to_cache(list_sources(), cache_file, text_field)
     if dist.is_initialized():
         dist.barrier(group=group)
     return cache_file
