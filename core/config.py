@@ -328,8 +328,8 @@ class SchemaStore:
     dicts, which may have changed since, are stored as given. Everything else a plugin reads
     from the ConfigStore is the ConfigStore's own."""
 
-    # this process's: (group, name) -> (node, package, provider, the ConfigNode Hydra made of it)
-    made: dict[tuple[str | None, str], tuple[Any, Any, Any, Any]] = {}
+    # this process's: (group, name) -> (the class, the ConfigNode Hydra made of it)
+    made: dict[tuple[str | None, str], tuple[type, Any]] = {}
 
     def __init__(self, cs: ConfigStore) -> None:
         self.cs = cs
@@ -342,12 +342,17 @@ class SchemaStore:
         package: str | None = None,
         provider: str | None = None,
     ) -> None:
-        made = self.made.get((group, name))
-        if made is not None and isinstance(node, type) and made[:3] == (node, package, provider):
-            if self.held(group, name) is made[3]:
-                return
+        made, held = self.made.get((group, name), (None, None)), self.held(group, name)
+        if (
+            isinstance(node, type)
+            and made[0] is node
+            and made[1] is held
+            and (held.package, held.provider) == (package, provider)
+        ):
+            return
         self.cs.store(name=name, node=node, group=group, package=package, provider=provider)
-        self.made[(group, name)] = (node, package, provider, self.held(group, name))
+        if isinstance(node, type):
+            self.made[(group, name)] = (node, self.held(group, name))
 
     def held(self, group: str | None, name: str) -> Any:
         found: Any = self.cs.repo
