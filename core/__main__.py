@@ -1,3 +1,3 @@
-from plait.cli import run
+from plait.command import run
 
 run()

@@ -38,6 +38,16 @@ CUDA, and CUDA does not survive a fork. A later launch from the same process who
 module the server lacks, or another ``LD_PRELOAD`` (``launcher.allocator``), starts a new server
 (with the modules of both, so a test session does not flip between two).
 
+A process that is itself a fresh ``plait train`` command (:mod:`plait.command`) starts its
+server as a fork of itself (:func:`fork_servers_from_here`): the server then inherits torch and
+the plugins the command imported for the plan (about 3 s of CPU a command here) and imports only
+the rest. Only where that is safe: a CPU run (CUDA does not survive a fork), whose workers'
+``LD_PRELOAD`` is the one the command runs under, from a command that has started no thread since
+it was set up (a fork carries no other thread, nor the locks they held). The fork keeps only the
+descriptors the new interpreter would have been passed, takes back the default signal handlers,
+freezes what it inherited (the server's collections never visit, nor free, the command's objects)
+and ends by ``os._exit``.
+
 The server exits without the interpreter's final garbage collections (:func:`freeze_at_exit`):
 they would visit every object of torch and its compiler stack, 1-2 s of CPU here at the end of
 every command that launched, and the command's caller reads its output to the end only when the
@@ -51,12 +61,16 @@ import contextlib
 import gc
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import signal
 import sys
+import threading
+import traceback
+import warnings
 from importlib.metadata import entry_points
-from multiprocessing import reduction
-from typing import Any, Callable, Iterable
+from multiprocessing import reduction, resource_tracker
+from typing import Any, Callable, Iterable, Sequence
 
 # Set in the environment the server starts with: the server's import of this module sees it.
 SERVER_FLAG = "PLAIT_WORKER_SERVER"
@@ -85,8 +99,20 @@ PRELOAD = ("torch", "torch._dynamo", "plait.worker")
 # Hugging Face cache and offline mode): the server's imports saw the values of its start.
 IMPORT_TIME_ENV = ("DS_", "HF_", "TRANSFORMERS_")
 # The server this process started: its modules, LD_PRELOAD and import-time environment (None:
-# not started yet).
-_server: dict[str, Any] = {"modules": None, "ld_preload": None, "env": None}
+# not started yet); and, where servers may be forks of this process, the LD_PRELOAD it runs
+# under and its thread count when that was allowed (fork_servers_from_here).
+_server: dict[str, Any] = {"modules": None, "ld_preload": None, "env": None, "fork": None}
+
+
+def fork_servers_from_here(ld_preload: str | None) -> None:
+    """Let the servers this process starts be forks of it (see the module's docstring): for the
+    ``plait train`` command, set up under ``ld_preload``, before it has started any thread of its
+    own (libraries' idle pools, such as OpenBLAS's, are counted now and allowed)."""
+    _server["fork"] = (ld_preload, threads())
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
 
 
 def import_time_env() -> dict[str, str]:
@@ -121,12 +147,80 @@ def use_forkserver(declared: Iterable[str], on_cpu: bool, ld_preload: str | None
         os.environ["LD_PRELOAD"] = ld_preload
     os.environ[SERVER_FLAG] = "1"
     try:
-        multiprocessing.forkserver.ensure_running()  # the server takes this environment
+        if may_fork(on_cpu, ld_preload):
+            _ensure_running_by_fork()
+        else:
+            multiprocessing.forkserver.ensure_running()  # the server takes this environment
     finally:
         os.environ.pop(SERVER_FLAG, None)
         os.environ.pop("LD_PRELOAD", None)
         if own is not None:
             os.environ["LD_PRELOAD"] = own
+
+
+def may_fork(on_cpu: bool, ld_preload: str | None) -> bool:
+    """Whether this launch's server may be a fork of this process (the module's docstring)."""
+    if _server["fork"] is None or not on_cpu:
+        return False
+    loaded, thread_count = _server["fork"]
+    return loaded == ld_preload and threading.active_count() == 1 and threads() <= thread_count
+
+
+def _ensure_running_by_fork() -> None:
+    """``multiprocessing.forkserver.ensure_running``, with the server a fork of this process:
+    the command it would start a new interpreter with (``main(...)`` of
+    ``multiprocessing.forkserver``, and the descriptors it passes) runs in the fork instead."""
+    resource_tracker.ensure_running()  # a new interpreter, as before: not forked below
+    spawn_new = multiprocessing.util.spawnv_passfds
+    multiprocessing.util.spawnv_passfds = _fork_passfds
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        multiprocessing.util.spawnv_passfds = spawn_new
+
+
+def _fork_passfds(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int:
+    """``multiprocessing.util.spawnv_passfds(path, args, passfds)``'s process, as a fork: runs
+    the ``-c`` command of ``args`` with only ``passfds`` and standard input, output and error
+    open; returns its pid."""
+    command = str(args[list(args).index("-c") + 1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with warnings.catch_warnings():  # Python 3.12's about threads: may_fork counted them
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        _become_server(passfds)
+        exec(command, {"__name__": "__mp_forkserver__"})
+        code = 0
+    except SystemExit as end:  # the server's end: every launcher has let go of its pipe
+        code = end.code if isinstance(end.code, int) else 0
+    except BaseException:  # noqa: BLE001 - shown, then the fork ends as the interpreter would
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _become_server(passfds: Sequence[int]) -> None:
+    """In the fork: what a new interpreter would have been (see the module's docstring)."""
+    global SERVER_ENV, SERVER_PID
+    gc.freeze()
+    low = 0
+    for fd in sorted({0, 1, 2, *passfds}):
+        if low < fd:  # closerange(n, n) would close every descriptor from n (close_range(n, ~0))
+            os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+    for number in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            handler = signal.getsignal(number)
+            if callable(handler) and handler is not signal.default_int_handler:
+                signal.signal(number, signal.SIG_DFL)
+    os.environ.pop(SERVER_FLAG, None)
+    SERVER_ENV, SERVER_PID = dict(os.environ), os.getpid()
 
 
 def _stop(server: Any) -> None:

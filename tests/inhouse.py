@@ -972,6 +972,33 @@ class RecordShards:
 record_shards = RecordShards()  # for `+plugins=[inhouse:record_shards]` on a command line
 
 
+class RecordOrigin:
+    """Writes, at the run's start on the logging rank, what that worker was forked from and runs
+    under: ``origin.json`` in ``run.dir``, with its parent's (the worker server's) pid and
+    command line, the pid of the process that launched it (``PLAIT_AGENT_PID``), its
+    ``LD_PRELOAD`` and which of tcmalloc and jemalloc are mapped into it."""
+
+    @hookimpl
+    def plait_on_run_start(self, cfg):
+        server = os.getppid()
+        maps = Path("/proc/self/maps").read_text()
+        record = {
+            "server": server,
+            "server_command": Path(f"/proc/{server}/cmdline").read_text().split("\0")[:-1],
+            "server_parent": int(Path(f"/proc/{server}/stat").read_text().split(")")[1].split()[1]),
+            "launcher": int(os.environ["PLAIT_AGENT_PID"]),
+            "launcher_command": Path(f"/proc/{os.environ['PLAIT_AGENT_PID']}/cmdline")
+            .read_text()
+            .split("\0")[:-1],
+            "ld_preload": os.environ.get("LD_PRELOAD"),
+            "allocators": [a for a in ("libtcmalloc", "libjemalloc") if a in maps],
+        }
+        (Path(cfg.run.dir) / "origin.json").write_text(json.dumps(record))
+
+
+record_origin = RecordOrigin()  # for `+plugins=[inhouse:record_origin]` on a command line
+
+
 class ExpertProbe:
     """Mixture of experts, from inside every worker: the experts each rank holds (each MoE
     layer's expert indices), ZeRO's partition of each param group under ``strategy=zero*``, and

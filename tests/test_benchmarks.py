@@ -80,6 +80,10 @@ SMOKE = {
         ],
         ["| fsdp |"],
     ),
+    "bench_command": (
+        ["--repeats", "1", "--steps", "1"],
+        ["| plait |", "| before |", "before / plait: wall"],
+    ),
     "bench_comm": (
         [
             "--nproc-per-node",

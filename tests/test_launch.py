@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from plait.host_memory import library_of, preload, resolve
 from plait.plugins.launch.slurm import first_host, tasks_on_node, torch_env_from_slurm
 from plait.testing import (
     TEST_OVERRIDES,
@@ -211,6 +212,55 @@ print(multiprocessing.forkserver._forkserver._forkserver_pid)
     printed, seen = marks("import exit_probe; from plait.cli import run; run()")
     assert "usage: plait <command>" in printed
     assert seen[0] == "imported" and "finalized" not in seen, seen
+
+
+@pytest.mark.skipif(preload("auto") is None, reason="needs tcmalloc or jemalloc installed")
+def test_a_cpu_train_commands_worker_server_is_a_fork_of_it_under_the_workers_allocator(
+    tmp_path,
+):
+    """``plait train`` on the CPU runs itself again under the allocator its workers get by default
+    (``launcher.allocator=auto``) and forks its worker server from itself, which so inherits the
+    torch and plugins the command imported for its plan (plait.command, plait.forkserver); the
+    run trains as one whose server is a new interpreter (the in-process reference). With
+    ``launcher.allocator=glibc`` the workers take no library: their server is a new interpreter
+    as before, and neither it nor they carry the command's."""
+    library = library_of(resolve("auto"))
+
+    def command_run(name: str, *overrides: str) -> dict:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "plait",
+                "train",
+                *TEST_OVERRIDES,
+                *STEPS,
+                "launcher.nproc_per_node=2",
+                "+plugins=[inhouse:record_origin]",
+                f"run.root={tmp_path}",
+                f"run.name={name}",
+                *overrides,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(TESTS)},
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((tmp_path / name / "origin.json").read_text())
+
+    forked = command_run("forked")
+    assert forked["server_command"] == forked["launcher_command"], forked  # a fork: same argv
+    assert forked["server_parent"] == forked["launcher"], forked
+    assert forked["ld_preload"] == library, forked
+    assert [a for a in forked["allocators"] if library.startswith(a)] == forked["allocators"] != []
+    losses = [m["loss"] for m in read_metrics(tmp_path / "forked")]
+    reference = run_losses(tmp_path / "reference", [*STEPS, "launcher.nproc_per_node=2"])
+    assert losses == pytest.approx(reference, rel=1e-6)
+
+    new = command_run("new", "launcher.allocator=glibc")
+    assert "from multiprocessing.forkserver import main" in " ".join(new["server_command"]), new
+    assert new["ld_preload"] is None and new["allocators"] == [], new
 
 
 def _report_origin(rank: int, world_size: int, out: str) -> None:
