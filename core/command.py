@@ -8,7 +8,7 @@ s of CPU of the 9 a tiny run's command takes here. A server that is a fork of th
 inherits them; but the workers' allocator (``launcher.allocator``, tcmalloc by default on the CPU)
 is a library the dynamic loader preloads when a program starts, which a fork cannot add. So
 ``plait train`` first runs itself again under the library the CPU workers get by default
-(``os.execv``: same process, same arguments, with the library in ``LD_PRELOAD``), and gives the
+(``os.execve``: same process, same arguments, with the library in ``LD_PRELOAD``), and gives the
 caller's ``LD_PRELOAD`` back to its environment, so that nothing it starts inherits the library
 unasked. A run whose workers get that library then gets a forked server; another allocator, a
 GPU run, or a command that has started a thread since, gets a new interpreter as before.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
-# Set across the ``execv``: the caller's LD_PRELOAD ("=" + its value), or "-" where it had none.
+# Set across the ``execve``: the caller's LD_PRELOAD ("=" + its value), or "-" where it had none.
 CALLER_PRELOAD = "PLAIT_CALLER_LD_PRELOAD"
 # Set in a process of an external launcher's job (torchrun, SLURM), which may train in place:
 # its allocator is that launcher's to choose, and it is left as started.

@@ -112,6 +112,7 @@ def fork_servers_from_here(ld_preload: str | None) -> None:
 
 
 def threads() -> int:
+    """This process's threads, native ones included (a library's pool has no Python thread)."""
     return len(os.listdir("/proc/self/task"))
 
 
@@ -197,7 +198,7 @@ def _fork_passfds(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int
         exec(command, {"__name__": "__mp_forkserver__"})
         code = 0
     except SystemExit as end:  # the server's end: every launcher has let go of its pipe
-        code = end.code if isinstance(end.code, int) else 0
+        code = end.code if isinstance(end.code, int) else int(end.code is not None)
     except BaseException:  # noqa: BLE001 - shown, then the fork ends as the interpreter would
         traceback.print_exc()
     finally:
