@@ -36,7 +36,7 @@ def run() -> None:
     started_with = under_workers_allocator() if training else None
     from plait import cli, forkserver
 
-    if training:
+    if training:  # after cli's imports: the threads they start (OpenBLAS's pool) are counted
         forkserver.fork_servers_from_here(started_with)
     cli.run()
 

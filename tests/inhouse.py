@@ -983,7 +983,6 @@ class RecordOrigin:
         server = os.getppid()
         maps = Path("/proc/self/maps").read_text()
         record = {
-            "server": server,
             "server_command": Path(f"/proc/{server}/cmdline").read_text().split("\0")[:-1],
             "server_parent": int(Path(f"/proc/{server}/stat").read_text().split(")")[1].split()[1]),
             "launcher": int(os.environ["PLAIT_AGENT_PID"]),
