@@ -1,5 +1,6 @@
 """Starting workers: under torchrun, and under a SLURM-style launcher (environment only)."""
 
+import contextlib
 import gc
 import json
 import os
@@ -263,6 +264,51 @@ def test_a_cpu_train_commands_worker_server_is_a_fork_of_it_under_the_workers_al
     new = command_run("new", "launcher.allocator=glibc")
     assert "from multiprocessing.forkserver import main" in " ".join(new["server_command"]), new
     assert new["ld_preload"] is None and new["allocators"] == [], new
+
+
+def pythons() -> dict[str, str]:
+    """Each Python this machine has from 3.10 on (plait's ``requires-python``), by version: this
+    test's, and every other ``python3.N`` on PATH or among pyenv's versions that runs (a pyenv
+    shim with no version selected does not)."""
+    candidates = [sys.executable]
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        candidates += sorted(Path(directory).glob("python3.[1-9]*"))
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    candidates += sorted(pyenv.glob("versions/*/bin/python3"))
+    found: dict[str, str] = {}
+    for python in candidates:
+        if not re.fullmatch(r"python(3(\.\d+)?)?", Path(python).name):
+            continue  # python3.11-config, python3.11-gdb.py
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            said = subprocess.run(
+                [python, "-S", "-c", "import sys; print(*sys.version_info[:2])"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            if said.returncode == 0 and tuple(map(int, said.stdout.split())) >= (3, 10):
+                found.setdefault(".".join(said.stdout.split()), str(python))
+    return found
+
+
+def test_the_servers_fork_works_with_every_pythons_multiprocessing():
+    """``scripts/check_fork.py`` on every Python found, without site-packages (``-S``: neither
+    torch nor the plugins in the server, which a train command's test covers): a server forked
+    from the process by ``plait.forkserver``, its workers forked from it, and a later launch's
+    new server, on that interpreter's ``multiprocessing`` internals (the ``-c`` command the fork
+    runs), which change between versions while the other tests run on this one."""
+    failed = {}
+    for version, python in pythons().items():
+        done = subprocess.run(
+            [python, "-S", str(TESTS.parent / "scripts" / "check_fork.py")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        forked = done.stdout.count("forked from this process: True") == 2
+        if done.returncode or not forked:
+            failed[f"{version} ({python})"] = done.stdout + done.stderr
+    assert not failed, failed
 
 
 def _report_origin(rank: int, world_size: int, out: str) -> None:
