@@ -294,9 +294,11 @@ def pythons() -> dict[str, str]:
 def test_the_servers_fork_works_with_every_pythons_multiprocessing():
     """``scripts/check_fork.py`` on every Python found, without site-packages (``-S``: neither
     torch nor the plugins in the server, which a train command's test covers): a server forked
-    from the process by ``plait.forkserver``, its workers forked from it, and a later launch's
-    new server, on that interpreter's ``multiprocessing`` internals (the ``-c`` command the fork
-    runs), which change between versions while the other tests run on this one."""
+    from the process by ``plait.forkserver``, its workers forked from it with their launch's
+    standard output (a passed descriptor) and environment, and a later launch's new server, on
+    that interpreter's ``multiprocessing`` internals (the ``-c`` command the fork runs, the
+    descriptors it passes), which change between versions while the other tests run on this
+    one."""
     failed = {}
     for version, python in pythons().items():
         done = subprocess.run(
