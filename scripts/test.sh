@@ -35,7 +35,7 @@ if [ $# -gt 0 ]; then
   exec python -m pytest -q --durations=25 "$@"
 fi
 # The whole suite: two workers (pytest-xdist), then the tests marked alone (they assert on
-# timing, or run a Ray cluster: pyproject.toml's markers) with nothing beside them. The two
+# timing: pyproject.toml's markers) with nothing beside them. The two
 # workers share the cores: a run's launcher gives its workers cores / nproc_per_node threads
 # each, which two runs at once would double; one intra-op thread per process instead (a
 # one-process run's second OpenMP thread spins between operators on a core the other worker's

@@ -14,6 +14,7 @@ ends bit-identical to the uninterrupted one, in one W&B run; 2 nodes x 2 workers
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -32,10 +33,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import netns_cluster  # noqa: E402
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs Ray: pip install -e '.[ray]'")
-# alone (scripts/test.sh: after the others, with nothing beside it): once, beside another
-# pytest-xdist worker, the module's Ray head refused its driver's token (InvalidAuthToken); alone
-# it has always passed
-pytestmark = [pytest.mark.slow, pytest.mark.alone]
+# One pytest-xdist worker runs them all, one Ray at a time (Ray's token authentication, on by
+# default for local clusters, once refused a head's driver beside another worker's Ray: see
+# ray_token)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_ray")]
 
 STEPS = ["train.steps=3", "optimizer.decay_steps=3"]
 # As tests/test_fault.py: dropout on, so a resume that does not restore each rank's generators
@@ -107,6 +108,15 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ray_token(monkeypatch_module):
+    """Every Ray here (heads, nodes, plait's drivers) reads this module's token from
+    ``RAY_AUTH_TOKEN``, Ray's first source, and not the user's ``~/.ray/auth_token``: a local
+    ``ray.init()`` writes that file when it is missing, and two Rays started at once on a fresh
+    machine can each write their own, leaving a head and its driver with different tokens."""
+    monkeypatch_module.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
+
+
 @pytest.fixture(scope="module")
 def ray_head(monkeypatch_module):
     """A Ray head node on 127.0.0.1 (2 CPUs), started once for the module; yields its address."""
@@ -143,12 +153,23 @@ def monkeypatch_module():
         yield patch
 
 
-def test_two_ray_workers_match_the_local_launchers_two_processes(tmp_path):
-    """No launcher.address: plait starts a local Ray for the run and ends it afterwards."""
+def test_two_ray_workers_match_the_local_launchers_two_processes(
+    ray_head, tmp_path, monkeypatch, capfd
+):
+    """No launcher.address: plait starts a local Ray for the run and ends it afterwards, also
+    where ``RAY_ADDRESS`` names a cluster (Ray's ``ray.init()`` would join it, and refuse the
+    local Ray's ``num_cpus`` there; ``launcher.address=auto`` joins it)."""
     reference = run_losses(tmp_path / "local", [*STEPS, "launcher.nproc_per_node=2"])
+    monkeypatch.setenv("RAY_ADDRESS", ray_head)
+    # a new local Ray keeps its session under Ray's default temp directory, named after the
+    # process that started it; a driver that joins a cluster uses that cluster's session
+    sessions = Path(os.environ.get("RAY_TMPDIR", tempfile.gettempdir()), "ray")
+    before = set(sessions.glob(f"session_*_{os.getpid()}"))
     losses = run_losses(tmp_path / "ray", [*STEPS, "launcher=ray", "launcher.nproc_per_node=2"])
     assert losses == pytest.approx(reference, rel=1e-5)
     assert len(losses) == 3
+    assert len(set(sessions.glob(f"session_*_{os.getpid()}")) - before) == 1
+    assert f"RAY_ADDRESS={ray_head} is not joined (launcher.address=auto" in capfd.readouterr().err
     assert not ray.is_initialized()  # the local Ray was shut down with the run
 
 
@@ -176,10 +197,7 @@ def test_sigkilled_ray_worker_is_restarted_by_ray_and_the_run_is_bit_identical(r
 )
 def test_two_ray_nodes_in_namespaces_with_hierarchical_comm_match_the_local_launcher(tmp_path):
     reference = run_losses(tmp_path / "local", [*STEPS, "launcher.nproc_per_node=4"])
-    # Ray's token authentication off for this cluster's nodes and driver (processes of their
-    # own, in namespaces of the test's own): the worker node and the driver were refused the
-    # head's token there ("InvalidAuthToken")
-    env = ray_env(RAY_AUTH_MODE="disabled")
+    env = ray_env()
     with netns_cluster.Cluster(2) as cluster:
         head_node, worker_node = cluster.nodes
         temp_dirs = [tempfile.mkdtemp(prefix="rayn", dir="/tmp") for _ in cluster.nodes]

@@ -2,7 +2,8 @@
 
     plait train launcher=ray launcher.address=auto launcher.nnodes=2 launcher.nproc_per_node=4
     plait train launcher=ray launcher.address=ray://head:10001 launcher.max_restarts=2 ...
-    plait train launcher=ray launcher.nproc_per_node=2      # no address: a local Ray plait starts
+    plait train launcher=ray launcher.nproc_per_node=2      # no address: a local Ray plait starts,
+                                                            # even beside RAY_ADDRESS
 
 ``launcher.nnodes x launcher.nproc_per_node`` workers (``ScalingConfig.num_workers``), each a Ray
 actor holding ``launcher.resources_per_worker`` (default one CPU, or one GPU with
@@ -40,6 +41,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -182,7 +184,18 @@ def plait_launch(cfg, dims, entrypoint, args) -> dict[int, Any]:
     started = not ray.is_initialized()
     if started:
         if launcher.address is None:  # a local Ray, started in this process and ended with it
+            if os.environ.get("RAY_ADDRESS"):
+                print(
+                    "plait: launcher.address is unset, so this run starts a local Ray; "
+                    f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} is not joined (launcher.address="
+                    "auto joins it)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             ray.init(
+                # "local": a new Ray even where RAY_ADDRESS names a cluster or `ray start` left
+                # one on this machine (Ray's default joins those, and refuses num_cpus there)
+                address="local",
                 num_cpus=launcher.num_cpus
                 or max(os.cpu_count() or 1, int(workers * resources.get("CPU", 0))),
                 include_dashboard=False,
