@@ -5,10 +5,11 @@ network namespaces (scripts/netns_cluster.py), a head in one and a worker node i
 CPUs per node, a 100 MB object store, no dashboard) and stopped in teardown. Skipped, with the
 reason, where Ray is not installed (``pip install -e ".[ray]"``; scripts/setup.sh installs it).
 
-Proof: 2 Ray workers give the local launcher's 2-process losses step for step (rel 1e-5); a
-SIGKILLed Ray worker under ``launcher.max_restarts=1`` is restarted by Ray Train and the run
-ends bit-identical to the uninterrupted one, in one W&B run; 2 nodes x 2 workers with
-``comm=hierarchical`` give the local launcher's 4-process losses (rel 1e-5).
+Proof: 2 Ray workers give the local launcher's 2-process losses step for step (rel 1e-5), on a
+new local Ray even with ``RAY_ADDRESS`` naming the head; a SIGKILLed Ray worker under
+``launcher.max_restarts=1`` is restarted by Ray Train and the run ends bit-identical to the
+uninterrupted one, in one W&B run; 2 nodes x 2 workers with ``comm=hierarchical`` give the local
+launcher's 4-process losses (rel 1e-5).
 """
 
 from __future__ import annotations
