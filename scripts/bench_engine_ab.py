@@ -11,11 +11,11 @@ between sessions. Here both sides live in the same ``--nproc`` processes (gloo):
 built by plait's own hooks as ``plait train`` builds it (the strategy's ``plait_build_engine``,
 the model materialized by its plugin, plait's optimizer, the step guard's
 ``plait_check_step``), and the row's plain step from ``parity_loops.py`` (:data:`STEPS`: DDP,
-``deepspeed.initialize``, ``fully_shard``), on the same model, settings and batches
-(``bench_parity.py``'s), with the allocator ``--allocator`` names (plait's
-``launcher.allocator``, preloaded in both sides' processes alike). After ``--warmup`` steps of
-each, they take turns of ``--block-steps`` steps, ``--blocks`` times each (ABBA order), every
-turn started by a barrier; a step's time includes reading its loss (plait's
+``deepspeed.initialize``, ``fully_shard``, the experts' ``all_to_all_single`` dispatch), on the
+same model, settings and batches (``bench_parity.py``'s), with the allocator ``--allocator``
+names (plait's ``launcher.allocator``, preloaded in both sides' processes alike). After
+``--warmup`` steps of each, they take turns of ``--block-steps`` steps, ``--blocks`` times each
+(ABBA order), every turn started by a barrier; a step's time includes reading its loss (plait's
 ``StepOutput.loss``, the plain ``loss.item()``). What is not here: plait's loop around the
 engine (loader, hooks, metrics), which ``bench_parity.py`` measures.
 

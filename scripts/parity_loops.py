@@ -286,16 +286,6 @@ def fsdp_step(spec: dict, device):
     return step
 
 
-# the loops whose step stands alone (bench_engine_ab.py runs these steps beside plait's engine)
-STEPS = {
-    "ddp": ddp_step,
-    "zero1": zero_step,
-    "zero2": zero_step,
-    "zero3": zero_step,
-    "fsdp": fsdp_step,
-}
-
-
 def heads_per_rank_qkv(weight: torch.Tensor, tp: int) -> torch.Tensor:
     """The fused QKV rows ``[q; k; v]`` reordered to ``[q_0; k_0; v_0; q_1; ...]``, so that a
     contiguous split over ``tp`` ranks gives each its own heads' q, k and v."""
@@ -431,7 +421,10 @@ class Exchange(torch.autograd.Function):
         return out, None, None
 
 
-def train_ep(spec: dict, device) -> None:
+def ep_step(spec: dict, device):
+    """Expert parallelism written in the loop: each rank keeps its share of every MoE layer's
+    experts and dispatches tokens to them with ``all_to_all_single``; DDP averages the rest.
+    Returns ``step(x, y, lr) -> loss``."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -450,9 +443,9 @@ def train_ep(spec: dict, device) -> None:
     DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)  # each rank's own experts
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = adamw(spec, decay_groups(model.parameters(), spec["optimizer"]["weight_decay"]))
-    schedule, record = lr_at(spec), Record(spec)
-    for step, (x, y) in enumerate(batches(spec, rank, size, device)):
-        set_lr(opt, schedule(step))
+
+    def step(x, y, lr: float) -> torch.Tensor:
+        set_lr(opt, lr)
         loss = cross_entropy(ddp(x), y)
         loss.backward()
         for p in model.parameters():  # an expert's gradient: every rank's tokens, summed
@@ -461,8 +454,9 @@ def train_ep(spec: dict, device) -> None:
         global_norm_clip(model.parameters(), spec["grad_clip"], sharded=lambda p: id(p) in experts)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        record.step(loss.item())
-    record.close()
+        return loss
+
+    return step
 
 
 def train_cp(spec: dict, device) -> None:
@@ -491,11 +485,21 @@ def train_cp(spec: dict, device) -> None:
     record.close()
 
 
+# the loops whose step stands alone (bench_engine_ab.py runs these steps beside plait's engine)
+STEPS = {
+    "ddp": ddp_step,
+    "zero1": zero_step,
+    "zero2": zero_step,
+    "zero3": zero_step,
+    "fsdp": fsdp_step,
+    "ep2": ep_step,
+}
+
+
 LOOPS = {
     **dict.fromkeys(STEPS, train_stepwise),
     "tp2": train_tp,
     "pp2": train_pp,
-    "ep2": train_ep,
     "cp2": train_cp,
 }
 

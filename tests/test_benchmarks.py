@@ -151,6 +151,7 @@ SMOKE = {
         [
             "--rows",
             "fsdp",
+            "ep2",
             "--blocks",
             "2",
             "--block-steps",
@@ -168,7 +169,7 @@ SMOKE = {
             "--batch-size",
             "4",
         ],
-        ["| fsdp |", "plain/plait: turns median"],
+        ["| fsdp |", "| ep2 |", "plain/plait: turns median"],
     ),
     "bench_eval": (
         [
