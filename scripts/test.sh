@@ -35,11 +35,11 @@ if [ $# -gt 0 ]; then
   exec python -m pytest -q --durations=25 "$@"
 fi
 # The whole suite: two workers (pytest-xdist), then the tests marked alone (they assert on
-# timing: pyproject.toml's markers) with nothing beside them. The two
-# workers share the cores: a run's launcher gives its workers cores / nproc_per_node threads
-# each, which two runs at once would double; one intra-op thread per process instead (a
-# one-process run's second OpenMP thread spins between operators on a core the other worker's
-# run needs: 16% longer, measured on two test files).
+# timing: pyproject.toml's markers) with nothing beside them. The two workers share the cores:
+# a run's launcher gives its workers cores / nproc_per_node threads each, which two runs at
+# once would double; one intra-op thread per process instead (a one-process run's second
+# OpenMP thread spins between operators on a core the other worker's run needs: 16% longer,
+# measured on two test files).
 failed=0
 OMP_NUM_THREADS=1 python -m pytest -q -n 2 --dist loadgroup -m "not alone" --durations=25 ||
   failed=$?

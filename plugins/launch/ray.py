@@ -184,11 +184,10 @@ def plait_launch(cfg, dims, entrypoint, args) -> dict[int, Any]:
     started = not ray.is_initialized()
     if started:
         if launcher.address is None:  # a local Ray, started in this process and ended with it
-            if os.environ.get("RAY_ADDRESS"):
+            if named := os.environ.get("RAY_ADDRESS"):
                 print(
                     "plait: launcher.address is unset, so this run starts a local Ray; "
-                    f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} is not joined (launcher.address="
-                    "auto joins it)",
+                    f"RAY_ADDRESS={named} is not joined (launcher.address=auto joins it)",
                     file=sys.stderr,
                     flush=True,
                 )
