@@ -14,25 +14,69 @@ from plait import hookimpl
 from plait.types import CommSpec
 
 
-class DoubleCompute:
-    """Global ranks ``ranks`` compute every forward twice and average the two (the same values
-    bit for bit: ``(y + y) / 2 == y``), so their forward and backward take twice the work and
-    the math is unchanged. Registered on every rank; only those ranks change."""
+def busy(seconds: float) -> None:
+    """Keep this thread on the CPU for ``seconds`` of its own CPU time."""
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        pass
+
+
+class TwiceAsLong:
+    """Hooks that make one engine's step compute twice as long on its rank's own CPU clock
+    (``time.thread_time``, what the straggler detector judges on a CPU): at its last gradient the
+    thread stays busy for as long again as its forward and backward took, and after the optimizer
+    step for as long again as that took. The math is unchanged.
+
+    Not twice the work, and not busy after the forward: where the ranks share a host's cores, a
+    rank's CPU time for the same work depends on what the other cores run. Work (or a busy loop)
+    beside the other rank's forward slows that rank, and the slow rank's own work, when it runs
+    while the other waits, runs faster: a rank computing every forward twice read 1.74-2.08x here
+    and under 1.5x for 7 logged steps on a CI host (2026-12-01); busy after its forward and after
+    its backward, 1.46-2.08x. Here both ranks' forward and backward run side by side, and the
+    extra time falls while the other rank waits for the gradients' all-reduce. Registered inside
+    the phase clock's ``plait_build_engine`` wrapper (``plugins/fault/phases.py``, the
+    outermost), so these hooks run before the clock's: the extra time falls before the last
+    gradient and inside the optimizer step, on both clocks."""
+
+    def __init__(self, engine):
+        self.params = [p for p in engine.model.parameters() if p.requires_grad]
+        self.started, self.grads = 0.0, 0
+        engine.model.register_forward_pre_hook(self._forward_start)
+        for param in self.params:
+            param.register_post_accumulate_grad_hook(self._grad_ready)
+        engine.optimizer.register_step_pre_hook(self._start)
+        engine.optimizer.register_step_post_hook(self._again)
+
+    def _start(self, *hook_args) -> None:
+        self.started = time.thread_time()
+
+    def _again(self, *hook_args) -> None:
+        busy(time.thread_time() - self.started)
+
+    def _forward_start(self, module, args) -> None:
+        if torch.is_grad_enabled():
+            self._start()
+            self.grads = 0
+
+    def _grad_ready(self, param) -> None:
+        self.grads += 1
+        if self.grads == len(self.params):
+            self._again()
+
+
+class SlowRanks:
+    """Global ranks ``ranks`` compute twice as long (``TwiceAsLong``). Registered on every rank;
+    only those ranks change."""
 
     def __init__(self, ranks):
         self.ranks = set(ranks)
 
-    @hookimpl
-    def plait_apply_tensor_parallel(self, model, topology):
+    @hookimpl(wrapper=True)
+    def plait_build_engine(self, topology):
+        engine = yield
         if topology.rank in self.ranks:
-            model.register_forward_hook(self._again)
-
-    @staticmethod
-    def _again(module, args, output):
-        return (output + module.forward(*args)) / 2
-
-
-double_rank1 = DoubleCompute([1])  # +plugins=[stragglers:double_rank1]
+            TwiceAsLong(engine)
+        return engine
 
 
 class DelayedReducer:
@@ -96,15 +140,17 @@ stop_rank1_at_step3 = StopEntering(1, 3)  # +plugins=[stragglers:stop_rank1_at_s
 
 
 class SlowNode:
-    """Every rank of node ``node`` (``GROUP_RANK``) computes twice: a straggling node."""
+    """Every rank of node ``node`` (``GROUP_RANK``) computes twice as long: a straggling node."""
 
     def __init__(self, node: int):
         self.node = node
 
-    @hookimpl
-    def plait_apply_tensor_parallel(self, model, topology):
+    @hookimpl(wrapper=True)
+    def plait_build_engine(self, topology):
+        engine = yield
         if topology.node_rank == self.node:
-            model.register_forward_hook(DoubleCompute._again)
+            TwiceAsLong(engine)
+        return engine
 
 
 slow_node1 = SlowNode(1)  # +plugins=[stragglers:slow_node1]

@@ -12,8 +12,8 @@ two nodes, a straggling node excluded from an elastic job.
   ``launcher.nnodes=1:2 launcher.max_restarts=1`` node 1 ends the same way and node 0's attempt
   ends within T + MARGIN, then it goes on alone from the step-4 checkpoint to the last step, the
   global batch kept (accumulation 2 at dp 1).
-- ``fault.straggler_action=exclude`` in the same elastic job, node 1 computing every forward
-  twice (``stragglers.SlowNode``): node 1 is named, leaves after the next checkpoint, and node 0
+- ``fault.straggler_action=exclude`` in the same elastic job, node 1 computing twice as long
+  (``stragglers.SlowNode``): node 1 is named, leaves after the next checkpoint, and node 0
   finishes alone; every step's global batch (its input rows) and loss equal one process that
   accumulates the same 2 micro-batches per step, never interrupted. Its report shows the
   straggler, the restart and the membership change as markers.
@@ -226,9 +226,9 @@ def global_batches(rows: Path, ranks: range, attempt: int) -> list[list[str]]:
 def test_exclude_takes_the_straggling_node_out_and_keeps_the_global_batch(tmp_path):
     steps = 12
     # micro-batches of 8 x 64 tokens through a GPT 256 wide (tests/test_report.py's slow run):
-    # what SlowNode does not double (the optimizer, the hooks' fixed costs) is then a small part
-    # of a step, so node 1 reads about 2x; on gpt_tiny it read 1.5-1.8 and, on a slow host,
-    # fell below fault.straggler_factor=1.5 one logged step after it was named
+    # a step's compute long enough (~0.2 s) that the hooks' fixed costs are a small part of it;
+    # on gpt_tiny a node computing every forward twice read 1.5-1.8 and, on a slow host, fell
+    # below fault.straggler_factor=1.5 one logged step after it was named
     run = [
         *RUN,
         f"train.steps={steps}",
