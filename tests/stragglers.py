@@ -3,15 +3,20 @@ tests/test_lost_nodes.py); loaded as users load theirs (objects, dotted paths)."
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
 
 from plait import hookimpl
 from plait.types import CommSpec
+
+RECENT = 5  # steps of the others' compute a slow rank takes the median of
 
 
 def busy(seconds: float) -> None:
@@ -22,36 +27,45 @@ def busy(seconds: float) -> None:
 
 
 class TwiceAsLong:
-    """Hooks that make one engine's step compute twice as long on its rank's own CPU clock
-    (``time.thread_time``, what the straggler detector judges on a CPU): at its last gradient the
-    thread stays busy for as long again as its forward and backward took, and after the optimizer
-    step for as long again as that took. The math is unchanged.
+    """Hooks on one rank's engine that make a slow rank compute twice as long as the others, on
+    the clock the straggler detector reads on a CPU: the CPU time of the rank's thread.
 
-    Not twice the work, and not busy after the forward: where the ranks share a host's cores, a
-    rank's CPU time for the same work depends on what the other cores run. Work (or a busy loop)
-    beside the other rank's forward slows that rank, and the slow rank's own work, when it runs
-    while the other waits, runs faster: a rank computing every forward twice read 1.74-2.08x here
-    and under 1.5x for 7 logged steps on a CI host (2026-12-01); busy after its forward and after
-    its backward, 1.46-2.08x. Here both ranks' forward and backward run side by side, and the
-    extra time falls while the other rank waits for the gradients' all-reduce. Registered inside
-    the phase clock's ``plait_build_engine`` wrapper (``plugins/fault/phases.py``, the
-    outermost), so these hooks run before the clock's: the extra time falls before the last
-    gradient and inside the optimizer step, on both clocks."""
+    Every rank reads its thread's CPU time for each forward and backward (the forward's start to
+    the last gradient) and for each optimizer step; every rank but the slow ones writes its last
+    ``RECENT`` steps' figures, its first step left out (one-time costs), into
+    ``folder/compute_rank<r>`` (a test's ranks share a filesystem, network namespaces included).
+    At its last gradient and after its optimizer step, a slow rank stays busy for as long as the
+    others' median figure for that part (its own time, before any is written): its own work,
+    then the others' time again. The math is unchanged.
 
-    def __init__(self, engine):
+    Not twice the work: on a host whose ranks share cores, the second half of a rank's doubled
+    forward and backward runs partly while the other rank waits in the all-reduce, with the cores
+    to itself, and so faster. A rank computing every forward twice read 1.74-2.08x here and under
+    1.5x for 7 logged steps on a CI host (2026-12-01). Nor twice its own time: the same work took
+    one process up to a fifth more CPU time than another, for the process's life (1.52-2.37x in
+    25 runs here). Nor twice the others' recent median: a rank's time for a step moves by a third
+    from one step to the next and falls over the first steps (a 3-step window read 2.53x in 1 of
+    3 runs of tests/test_lost_nodes.py). Its own time plus the others' halves both errors. The
+    extra time falls while the others wait for the gradients' all-reduce (not after the forward,
+    where a busy loop beside the others' backward slowed them). Registered inside the phase
+    clock's ``plait_build_engine`` wrapper (``plugins/fault/phases.py``, the outermost), so these
+    hooks run before the clock's: the extra time is inside the backward and the optimizer step.
+    """
+
+    def __init__(self, engine, folder: Path, rank: int, slow: bool):
         self.params = [p for p in engine.model.parameters() if p.requires_grad]
-        self.started, self.grads = 0.0, 0
+        self.mine, self.folder, self.slow = folder / f"compute_rank{rank}", folder, slow
+        self.started, self.grads, self.steps = 0.0, 0, 0
+        self.recent = {part: deque(maxlen=RECENT) for part in ("forward_backward", "optimizer")}
+        folder.mkdir(parents=True, exist_ok=True)
         engine.model.register_forward_pre_hook(self._forward_start)
         for param in self.params:
             param.register_post_accumulate_grad_hook(self._grad_ready)
         engine.optimizer.register_step_pre_hook(self._start)
-        engine.optimizer.register_step_post_hook(self._again)
+        engine.optimizer.register_step_post_hook(self._optimizer_end)
 
     def _start(self, *hook_args) -> None:
         self.started = time.thread_time()
-
-    def _again(self, *hook_args) -> None:
-        busy(time.thread_time() - self.started)
 
     def _forward_start(self, module, args) -> None:
         if torch.is_grad_enabled():
@@ -61,22 +75,46 @@ class TwiceAsLong:
     def _grad_ready(self, param) -> None:
         self.grads += 1
         if self.grads == len(self.params):
-            self._again()
+            self._took("forward_backward")
+
+    def _optimizer_end(self, *hook_args) -> None:
+        self._took("optimizer")
+        self.steps += 1
+        if not self.slow and self.steps > 1:
+            written = self.mine.with_suffix(".new")
+            written.write_text(json.dumps({part: list(v) for part, v in self.recent.items()}))
+            os.replace(written, self.mine)
+
+    def _took(self, part: str) -> None:
+        took = time.thread_time() - self.started
+        if self.slow:
+            others = [
+                seconds
+                for path in self.folder.glob("compute_rank*")
+                if path.suffix == "" and path != self.mine
+                for seconds in json.loads(path.read_text())[part]
+            ]
+            busy(statistics.median(others) if others else took)
+        elif self.steps > 0:
+            self.recent[part].append(took)
+
+
+def slowed(engine, cfg, topology, slow: bool):
+    """``engine`` with ``TwiceAsLong``'s hooks, its folder in the run's directory."""
+    TwiceAsLong(engine, Path(cfg.run.dir) / "step_compute", topology.rank, slow)
+    return engine
 
 
 class SlowRanks:
-    """Global ranks ``ranks`` compute twice as long (``TwiceAsLong``). Registered on every rank;
-    only those ranks change."""
+    """Global ranks ``ranks`` compute twice as long as the others (``TwiceAsLong``). Registered
+    on every rank."""
 
     def __init__(self, ranks):
         self.ranks = set(ranks)
 
     @hookimpl(wrapper=True)
-    def plait_build_engine(self, topology):
-        engine = yield
-        if topology.rank in self.ranks:
-            TwiceAsLong(engine)
-        return engine
+    def plait_build_engine(self, cfg, topology):
+        return slowed((yield), cfg, topology, topology.rank in self.ranks)
 
 
 class DelayedReducer:
@@ -140,17 +178,15 @@ stop_rank1_at_step3 = StopEntering(1, 3)  # +plugins=[stragglers:stop_rank1_at_s
 
 
 class SlowNode:
-    """Every rank of node ``node`` (``GROUP_RANK``) computes twice as long: a straggling node."""
+    """Every rank of node ``node`` (``GROUP_RANK``) computes twice as long as the others: a
+    straggling node."""
 
     def __init__(self, node: int):
         self.node = node
 
     @hookimpl(wrapper=True)
-    def plait_build_engine(self, topology):
-        engine = yield
-        if topology.node_rank == self.node:
-            TwiceAsLong(engine)
-        return engine
+    def plait_build_engine(self, cfg, topology):
+        return slowed((yield), cfg, topology, topology.node_rank == self.node)
 
 
 slow_node1 = SlowNode(1)  # +plugins=[stragglers:slow_node1]

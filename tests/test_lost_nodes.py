@@ -12,8 +12,8 @@ two nodes, a straggling node excluded from an elastic job.
   ``launcher.nnodes=1:2 launcher.max_restarts=1`` node 1 ends the same way and node 0's attempt
   ends within T + MARGIN, then it goes on alone from the step-4 checkpoint to the last step, the
   global batch kept (accumulation 2 at dp 1).
-- ``fault.straggler_action=exclude`` in the same elastic job, node 1 computing twice as long
-  (``stragglers.SlowNode``): node 1 is named, leaves after the next checkpoint, and node 0
+- ``fault.straggler_action=exclude`` in the same elastic job, node 1 computing twice as long as
+  node 0 (``stragglers.SlowNode``): node 1 is named, leaves after the next checkpoint, and node 0
   finishes alone; every step's global batch (its input rows) and loss equal one process that
   accumulates the same 2 micro-batches per step, never interrupted. Its report shows the
   straggler, the restart and the membership change as markers.

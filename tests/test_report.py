@@ -10,15 +10,14 @@ Runs (2 ranks, gpt_tiny, fp32, DDP unless said):
   18 ms of compute a step drifted between the ranks for a dozen steps at a time on a 2-core
   host: the largest 5-step median of a rank's ratio read 1.30 in one run and 1.57 in one of four
   (rank 0 named from step 63); on a 4 x 128 GPT 1.40; on this one (170 ms) 1.03-1.09.
-- ``slow``: rank 1's step computes twice as long on its own CPU clock (``stragglers.SlowRanks``:
-  busy for as long again as its forward and backward took, at its last gradient, and as its
-  optimizer step took, after it; the same values), W&B on: the detector names rank 1 within 10
-  steps with a slowdown within 25% of 2. On a wider GPT than the others' (``SLOW_MODEL``), as
-  when rank 1 computed every forward twice: on gpt_tiny the parts of a step that were not
-  doubled read 1.5-1.8. Twice the work read 1.74-2.08 on this GPT here, and under 1.5 in a CI
-  run (the extra work ran partly while rank 0 waited, faster; ``stragglers.TwiceAsLong``); twice
-  the time, 15 runs here: named at step 6 or 7, every verdict 1.54-2.37 (the same work takes
-  one process up to a fifth more CPU time than another on this host).
+- ``slow``: rank 1 computes twice as long as rank 0 on its own CPU clock (``stragglers.SlowRanks``:
+  at its last gradient and after its optimizer step it stays busy for as long as rank 0's recent
+  median for that part; the same values), W&B on: the detector names rank 1 within 10 steps with
+  a slowdown within 25% of 2. On a wider GPT than the others' (``SLOW_MODEL``): a step's compute
+  of ~0.2 s, whose CPU time varies less from step to step than gpt_tiny's 18 ms. Rank 1
+  computing every forward twice read 1.74-2.08 here and under 1.5 in a CI run; twice its own
+  time, 1.52-2.37 (``stragglers.TwiceAsLong`` says why); its own time plus rank 0's, 6 runs:
+  named at step 6, every verdict 1.64-2.18.
 - ``other_lr``: the sweep's ddp job with another learning rate, 12 steps: ``plait compare``
   "differs at step k", k the first step whose loss differs by more than 1e-4.
 - ``victim``: rank 1's gradient all-reduce hands its result over 0.1 s late
