@@ -43,9 +43,10 @@ class TwiceAsLong:
     to itself, and so faster. A rank computing every forward twice read 1.74-2.08x here and under
     1.5x for 7 logged steps on a CI host (2026-12-01). Nor twice its own time: the same work took
     one process up to a fifth more CPU time than another, for the process's life (1.52-2.37x in
-    25 runs here). Nor twice the others' recent median: a rank's time for a step moves by a third
-    from one step to the next and falls over the first steps (a 3-step window read 2.53x in 1 of
-    3 runs of tests/test_lost_nodes.py). Its own time plus the others' halves both errors. The
+    25 runs here). Nor twice the others' recent figures: a rank's time for a step moves by a
+    third from one step to the next and falls over the first steps (tests/test_lost_nodes.py's
+    exclude test read 2.50-2.54x in 3 of 5 runs). Its own time plus the others' halves both
+    errors (1.64-2.18x in 7 runs of tests/test_report.py, 1.90-1.98x in 4 of the exclude test). The
     extra time falls while the others wait for the gradients' all-reduce (not after the forward,
     where a busy loop beside the others' backward slowed them). Registered inside the phase
     clock's ``plait_build_engine`` wrapper (``plugins/fault/phases.py``, the outermost), so these
