@@ -54,13 +54,14 @@ class TwiceAsLong:
     """
 
     def __init__(self, engine, folder: Path, rank: int, slow: bool):
-        self.params = [p for p in engine.model.parameters() if p.requires_grad]
+        params = [p for p in engine.model.parameters() if p.requires_grad]
+        self.total_grads = len(params)
         self.mine, self.folder, self.slow = folder / f"compute_rank{rank}", folder, slow
         self.started, self.grads, self.steps = 0.0, 0, 0
         self.recent = {part: deque(maxlen=RECENT) for part in ("forward_backward", "optimizer")}
         folder.mkdir(parents=True, exist_ok=True)
         engine.model.register_forward_pre_hook(self._forward_start)
-        for param in self.params:
+        for param in params:
             param.register_post_accumulate_grad_hook(self._grad_ready)
         engine.optimizer.register_step_pre_hook(self._start)
         engine.optimizer.register_step_post_hook(self._optimizer_end)
@@ -75,7 +76,7 @@ class TwiceAsLong:
 
     def _grad_ready(self, param) -> None:
         self.grads += 1
-        if self.grads == len(self.params):
+        if self.grads == self.total_grads:
             self._took("forward_backward")
 
     def _optimizer_end(self, *hook_args) -> None:
