@@ -6,6 +6,7 @@ the command to the first finished step, and the whole job's peak memory, each as
     DS_ACCELERATOR=cpu python scripts/bench_parity.py --check-losses --tiny   # losses only
     python scripts/bench_parity.py --device cuda                     # one GPU: GPT-2 small, bf16
     DS_ACCELERATOR=cpu python scripts/bench_parity.py --rows cp2 --steps 200 --alternate 5
+    DS_ACCELERATOR=cpu python scripts/bench_parity.py --rows ep2 --repeats 3 --threads
 
 Rows (``--rows``; plait's override | the plain loop, ``scripts/parity_loops.py``)::
 
@@ -38,6 +39,10 @@ that order or the reverse, alternating, ``--repeats`` times each (interleaved). 
   the run when run as root (``memory.max_usage_in_bytes`` / ``memory.peak``), else the largest
   sum of the job's processes' resident sizes, sampled every 20 ms; on CUDA also the largest
   rank's ``torch.cuda.max_memory_allocated``.
+- with ``--threads``, rank 0's CPU time per steady step by thread (``main``, ``gloo_tcp_loop``,
+  ``plait-decommit``, ...), the main thread's split into the step itself and the loop around it
+  (:class:`parity_loops.ThreadTimes`): what plait adds and in which thread, a figure the host's
+  speed moves far less than the wall clock's.
 
 It prints one line per run, then the table of medians over the repeats with the ratios
 (plait / plain for time to first step and memory; plain / plait for step time, i.e. plait's
@@ -288,7 +293,14 @@ def run(command: list[str], env: dict, name: str, clock: Path) -> dict:
     if process.returncode != 0:
         raise RuntimeError(f"{name} failed (exit {process.returncode}):\n{output[-4000:]}")
     ends, cpu = read_clock(clock)
-    return {"ends": ends, "cpu": cpu, "first": ends[0] - started, "peak": peak}
+    threads = Path(f"{clock}.threads")
+    return {
+        "ends": ends,
+        "cpu": cpu,
+        "first": ends[0] - started,
+        "peak": peak,
+        "threads": json.loads(threads.read_text()) if threads.exists() else {},
+    }
 
 
 def steady(ends: list[float], warmup: int) -> float:
@@ -365,6 +377,7 @@ def environment(args) -> dict:
         "OMP_NUM_THREADS": threads,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")])),
         "WANDB_MODE": "offline",
+        **({"PARITY_THREADS": str(args.warmup)} if args.threads else {}),
     }
     plain = with_preload(env, preload(args.allocator) if args.device == "cpu" else None)
     return {"plait": env, "plain": plain}
@@ -549,6 +562,34 @@ def print_table(args, results: dict[str, dict]) -> None:
         )
 
 
+def print_threads(args, results: dict[str, dict]) -> None:
+    """Rank 0's CPU time per steady step by thread, medians over the repeats: where each side's
+    CPU goes, and so what the layer adds and where (the main thread's loop around the step:
+    data, hooks, metrics; threads of its own)."""
+    print(f"\nrank 0's CPU ms per steady step by thread, medians of {args.repeats} repeats\n")
+    print("| row | side | main thread | in the step | around it | other threads | all threads |")
+    print("| --- | --- | ---: | ---: | ---: | --- | ---: |")
+    for row, got in results.items():
+        for side in ("plait", "plain"):
+            runs = [r["threads"] for r in got[side] if r["threads"]]
+            if not runs:
+                continue
+            names = {n for r in runs for n in r}
+            ms = {n: 1000 * statistics.median(r.get(n, 0.0) for r in runs) for n in names}
+            main, in_step = ms.pop("main", 0.0), ms.pop("main: in the step", None)
+            split = "- | -" if in_step is None else f"{in_step:.1f} | {main - in_step:.1f}"
+            others = ", ".join(
+                f"{n} {v:.1f}" for n, v in sorted(ms.items(), key=lambda kv: -kv[1]) if v >= 0.05
+            )
+            total = 1000 * statistics.median(
+                sum(v for n, v in r.items() if n != "main: in the step") for r in runs
+            )
+            print(
+                f"| {row} | {side} | {main:.1f} | {split} | {others or '-'} | {total:.1f} |",
+                flush=True,
+            )
+
+
 def pair_ratios(args, numerators: list[dict], denominators: list[dict]) -> list[float]:
     """Each repeat's steady step time of one side over the other's: runs next to each other in
     time, so that the host's slow and fast spells mostly fall on both."""
@@ -632,6 +673,12 @@ def main() -> int:
         help="run a row's sides at once, taking turns of SECONDS on the cores (root; with "
         "--steps 200 or so): the host's spells fall on both",
     )
+    parser.add_argument(
+        "--threads",
+        action="store_true",
+        help="also rank 0's CPU time per steady step by thread, and the main thread's inside "
+        "the step against around it (the loop's own cost)",
+    )
     parser.add_argument("--check-losses", action="store_true")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest relative loss gap")
     parser.add_argument("--tiny", action="store_true", help="1 layer x 32, batch 4 x 16")
@@ -679,6 +726,8 @@ def main() -> int:
     if args.check_losses:
         return 0 if check_losses(args, results) else 1
     print_table(args, results)
+    if args.threads:
+        print_threads(args, results)
     return 0
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -76,22 +77,101 @@ class StepProfile:
             self.profiler = None
 
 
+def thread_cpu() -> dict[str, float]:
+    """This process's CPU seconds so far, per thread, by name: ``main``, a Python thread's name
+    (``plait-loader``), else the kernel's (``gloo_tcp_loop``); threads of one name summed. From
+    the scheduler's nanosecond count (``/proc/self/task/*/schedstat``), else the clock ticks of
+    ``stat``."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    names[threading.main_thread().native_id] = "main"
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = names.get(int(task.name)) or (task / "comm").read_text().strip()
+            if (task / "schedstat").exists():
+                used = int((task / "schedstat").read_text().split()[0]) / 1e9
+            else:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                used = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError):  # the thread ended meanwhile
+            continue
+        seconds[name] = seconds.get(name, 0.0) + used
+    return seconds
+
+
+class ThreadTimes:
+    """With ``$PARITY_THREADS`` set to the warm-up steps (``bench_parity.py --threads``): rank
+    0's CPU time per thread from the end of that step to the end of the last, and the main
+    thread's inside the step function (plait's ``engine.train_step``, the plain loop's ``step``),
+    written per step as ``<clock>.threads``. Main minus in-step is the loop around the step:
+    data, hooks, metrics. Both sides are measured the same way, at two points only."""
+
+    def __init__(self) -> None:
+        warmup = os.environ.get("PARITY_THREADS")
+        self.warmup = int(warmup) if warmup else None
+        self.finished, self.in_step = 0, 0.0
+        self.start: dict[str, float] = {}
+        self.steps_timed = False  # a loop with no step function of its own (tp2, pp2, cp2)
+
+    def timed(self, step):
+        """``step``, its main-thread CPU time after the warm-up added up."""
+        if self.warmup is None:
+            return step
+        self.steps_timed = True
+
+        def timed_step(*args, **kwargs):
+            counted, began = self.finished >= self.warmup, time.thread_time()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                if counted:
+                    self.in_step += time.thread_time() - began
+
+        return timed_step
+
+    def step_end(self, finished: int) -> None:
+        self.finished = finished
+        if finished == self.warmup:
+            self.start = thread_cpu()
+
+    def write(self, clock: str) -> None:
+        if self.warmup is None or self.finished <= self.warmup:
+            return
+        steps = self.finished - self.warmup
+        used = {n: (s - self.start.get(n, 0.0)) / steps for n, s in thread_cpu().items()}
+        if self.steps_timed:
+            used["main: in the step"] = self.in_step / steps
+        Path(f"{clock}.threads").write_text(json.dumps(used))
+
+
 class ParityClock:
     """plait's side of the record: rank 0's wall clock and its process's CPU time at the end of
-    each step, written at the end of the run to ``$PARITY_CLOCK`` (nothing during the steps)."""
+    each step, written at the end of the run to ``$PARITY_CLOCK`` (nothing during the steps);
+    with ``$PARITY_THREADS``, its CPU time by thread (:class:`ThreadTimes`)."""
 
     def __init__(self) -> None:
         self.ends: list[float] = []
         self.profile = StepProfile()
+        self.threads = ThreadTimes()
+
+    # outermost, after the phase clock's: the step as plait's loop calls it
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_build_engine(self):
+        engine = yield
+        engine.train_step = self.threads.timed(engine.train_step)
+        return engine
 
     @hookimpl
     def plait_on_step_end(self, step) -> None:
         self.ends.append((time.time(), time.process_time()))
         self.profile.step(len(self.ends))
+        self.threads.step_end(len(self.ends))
 
     @hookimpl
     def plait_on_run_end(self) -> None:
         Path(os.environ["PARITY_CLOCK"]).write_text(json.dumps(self.ends))
+        self.threads.write(os.environ["PARITY_CLOCK"])
 
 
 clock = ParityClock()
@@ -177,22 +257,26 @@ def cross_entropy(logits, targets):
 
 
 class Record:
-    """Rank 0's clock at each step's end; each rank's losses where asked (``spec["losses"]``)."""
+    """Rank 0's clock at each step's end (with ``$PARITY_THREADS``, its CPU time by thread:
+    :class:`ThreadTimes`); each rank's losses where asked (``spec["losses"]``)."""
 
     def __init__(self, spec: dict):
         self.spec, self.ends, self.losses = spec, [], []
         self.rank = dist.get_rank()
         self.profile = StepProfile() if self.rank == 0 else None
+        self.threads = ThreadTimes()
 
     def step(self, loss: float | None) -> None:
         self.ends.append((time.time(), time.process_time()))
         self.losses.append(loss)
         if self.profile is not None:
             self.profile.step(len(self.ends))
+        self.threads.step_end(len(self.ends))
 
     def close(self) -> None:
         if self.rank == 0:
             Path(self.spec["clock"]).write_text(json.dumps(self.ends))
+            self.threads.write(self.spec["clock"])
         if self.spec.get("losses"):
             Path(f"{self.spec['losses']}.rank{self.rank}").write_text(json.dumps(self.losses))
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
@@ -210,8 +294,8 @@ def set_lr(optimizer, lr: float) -> None:
 def train_stepwise(spec: dict, device) -> None:
     """The loop around the row's step (:data:`STEPS`): this rank's batches in plait's order,
     the schedule's learning rate, the loss read every step (as plait logs it)."""
-    step = STEPS[spec["loop"]](spec, device)
     schedule, record = lr_at(spec), Record(spec)
+    step = record.threads.timed(STEPS[spec["loop"]](spec, device))
     data = batches(spec, dist.get_rank(), dist.get_world_size(), device)
     for i, (x, y) in enumerate(data):
         record.step(step(x, y, schedule(i)).item())

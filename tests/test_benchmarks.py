@@ -294,8 +294,15 @@ SMOKE = {
             "--warmup",
             "1",
             "--control",
+            "--threads",
         ],
-        ["| fsdp |", "speed plain/plait", "control plain/plain"],
+        [
+            "| fsdp |",
+            "speed plain/plait",
+            "control plain/plain",
+            "| fsdp | plait |",
+            "| fsdp | plain |",
+        ],
     ),
     "bench_pipeline": (
         [
