@@ -45,7 +45,7 @@ def test_on_cgroup_v2_the_cap_is_the_tightest_memory_max_above_the_process(fake_
     (fake_cgroups / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
     place("0::/system.slice/job.service/run\n")
     group(fake_cgroups, "system.slice", "max", "anon 1\nfile 2\n")
-    group(fake_cgroups, "system.slice/job.service", str(2 * GIB), "anon 9\nfile 3\n")
+    group(fake_cgroups, "system.slice/job.service", str(2 * GIB), "anon_thp 2\nanon 9\nfile 3\n")
     group(fake_cgroups, "system.slice/job.service/run", str(3 * GIB), "anon 7\n")
 
     cap = memory_cap.memory_cap()
@@ -66,7 +66,7 @@ def test_on_cgroup_v2_without_a_cap_the_job_has_the_machines_memory(fake_cgroups
     cap = memory_cap.memory_cap()
 
     assert cap.source == "this machine"
-    assert cap.limit == memory_cap.meminfo()["MemTotal"]
+    assert cap.limit == memory_cap.figure(memory_cap.MEMINFO, "MemTotal:") * 1024
 
 
 def test_beside_cgroup_v1_the_unified_tree_without_memory_leaves_the_cap_to_v1(fake_cgroups):
