@@ -103,9 +103,10 @@ def thread_cpu() -> dict[str, float]:
 class ThreadTimes:
     """With ``$PARITY_THREADS`` set to the warm-up steps (``bench_parity.py --threads``): rank
     0's CPU time per thread from the end of that step to the end of the last, and the main
-    thread's inside the step function (plait's ``engine.train_step``, the plain loop's ``step``),
-    written per step as ``<clock>.threads``. Main minus in-step is the loop around the step:
-    data, hooks, metrics. Both sides are measured the same way, at two points only."""
+    thread's inside the step function (plait's ``engine.train_step`` within the phase clock's
+    wrapper, the plain loop's ``step``), written per step as ``<clock>.threads``. Main minus
+    in-step is the loop around the step: data, hooks, metrics, the phase clock. Both sides are
+    measured the same way, at two points only."""
 
     def __init__(self) -> None:
         warmup = os.environ.get("PARITY_THREADS")
@@ -155,11 +156,13 @@ class ParityClock:
         self.profile = StepProfile()
         self.threads = ThreadTimes()
 
-    # outermost, after the phase clock's: the step as plait's loop calls it
+    # outside every other engine wrapper but the phase clock's (also tryfirst, registered
+    # later, so outermost): the phase clock's bookkeeping counts with the loop around the step
     @hookimpl(wrapper=True, tryfirst=True)
     def plait_build_engine(self):
         engine = yield
-        engine.train_step = self.threads.timed(engine.train_step)
+        if self.threads.warmup is not None:
+            engine.train_step = self.threads.timed(engine.train_step)
         return engine
 
     @hookimpl
