@@ -11,7 +11,11 @@ without a cgroup cap below the machine's memory, MemTotal - MemAvailable) and tu
 ``tcmalloc.aggressive_memory_decommit`` on above ``decommit_above`` of the cap (handing back what
 is free at that moment too), and off again below ``decommit_above - 0.1``. It reads every
 ``FAR_INTERVAL_S`` while the job holds less than half of that line and every ``NEAR_INTERVAL_S``
-above it: a file read of ~27 us, off the step's critical path. The cap is the tightest
+above it: a file read of ~27 us, off the step's critical path. Half a second far from the line:
+a job here grew by at most 219 MiB in 0.1 s, 361 MiB in 0.5 s and 552 MiB in 1 s (an 8 x 1024
+GPT under fsdp: its build, steps and save; docs/benchmarks.md), where half the default line is
+0.4 of the cap, 1.6 GiB of a 4 GiB one; each wake cost a worker ~0.3 ms of CPU on a busy host
+(``bench_parity.py --threads``), ten a second at 0.1 s. The cap is the tightest
 ``memory.limit_in_bytes`` (v1) or ``memory.max`` (v2) on the way from this process's cgroup to
 the root: the one whose kill would end the job.
 """
@@ -32,7 +36,7 @@ MEMINFO = Path("/proc/meminfo")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")  # this process's cgroup in each hierarchy
 DECOMMIT_PROPERTY = b"tcmalloc.aggressive_memory_decommit"
 HYSTERESIS = 0.1  # decommit goes off this share of the cap below the line it came on at
-FAR_INTERVAL_S, NEAR_INTERVAL_S = 0.1, 0.01
+FAR_INTERVAL_S, NEAR_INTERVAL_S = 0.5, 0.01
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,8 @@ class MemoryCap:
 
 def figure(path: Path, name: str) -> int:
     """The number on the line of ``path`` that starts with ``name`` (``memory.stat``'s
-    ``anon``; ``/proc/meminfo``'s ``MemAvailable:``, in kB). Read ten times a second by the
-    watcher below: one line found is ~27 us here, the whole file parsed ~135 us (at which
+    ``anon``; ``/proc/meminfo``'s ``MemAvailable:``, in kB), for the watcher below: one line
+    found is ~27 us here, the whole file parsed ~135 us (at which, ten reads a second,
     ``bench_parity.py --threads`` read the watcher at 0.4-0.5% of a core)."""
     prefix = (name if name.endswith(":") else f"{name} ").encode()
     for line in path.read_bytes().splitlines():
