@@ -23,9 +23,9 @@ from hydra.core.config_search_path import SearchPathQuery
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import MissingConfigException
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from plait.composed import COMPOSED
 from plait.config import (
     ACTIVATION_CHECKPOINTING,
     AT_LEAST_1,
@@ -168,17 +168,12 @@ def unknown_option(error: MissingConfigException) -> PlanError | None:
 def compose_config(overrides: Iterable[str], pm: PlaitPluginManager) -> DictConfig:
     """Compose ``plait.conf/config.yaml`` with the user's overrides, as Hydra's compose API does
     (no output directory, no logging set-up, no ``hydra`` node); renamed settings are read by
-    their new names (:mod:`plait.renames`)."""
+    their new names (:mod:`plait.renames`). Each choice of config options is merged once per
+    process (:mod:`plait.composed`)."""
     overrides = rename_overrides(overrides, renamed_settings(pm))
     with hydra_app(pm) as hydra:
         try:
-            cfg = hydra.compose_config(
-                CONFIG_NAME,
-                overrides,
-                run_mode=RunMode.RUN,
-                from_shell=False,
-                with_log_configuration=False,
-            )
+            cfg = COMPOSED.compose(hydra, CONFIG_NAME, overrides)
         except MissingConfigException as e:
             raise unknown_option(e) or e from None
     with open_dict(cfg):

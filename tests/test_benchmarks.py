@@ -84,6 +84,10 @@ SMOKE = {
         ["--repeats", "1", "--steps", "1"],
         ["| plait |", "| before |", "before / plait: wall"],
     ),
+    "bench_compose": (
+        ["--rounds", "1", "--strategies", "ddp"],
+        ["| 1 |", "hydra / plait over 2 configs"],
+    ),
     "bench_comm": (
         [
             "--nproc-per-node",

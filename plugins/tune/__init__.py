@@ -41,7 +41,7 @@ def plait_declare() -> PluginInfo:
 def plait_register_configs(config_store) -> None:
     from hydra_plugins.plait_tune import register_with_hydra
 
-    config_store.store(group="tune", name="base_tune", node=ObjectiveConfig)
+    config_store.store(group="tune", name="base_objective", node=ObjectiveConfig)
     register_with_hydra(config_store)
 
 
