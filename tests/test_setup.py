@@ -67,3 +67,16 @@ def test_uv_finds_a_wheel_from_the_folder_pip_conf_names(tmp_path):
     assert "plait-probe==1.0" in found.stderr
     unfound = subprocess.run([*command, "--index-url", f"file://{index}"], capture_output=True)
     assert unfound.returncode != 0  # only pip's folder has it
+
+
+@pytest.mark.parametrize("package", ["torch", "deepspeed", "transformers", "hydra"])
+def test_the_installed_packages_are_compiled(package):
+    """Set-up compiles what it installs (pip does; uv only when told): where
+    PYTHONDONTWRITEBYTECODE is set, as on this project's machines, no process writes a module's
+    compiled file, and every fresh interpreter would compile torch's again."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        pytest.skip(f"{package} is not installed")
+    assert Path(importlib.util.cache_from_source(spec.origin)).is_file()
