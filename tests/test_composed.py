@@ -69,10 +69,13 @@ def test_a_node_stored_again_is_merged_again():
     """A config of the user's own, stored in Hydra's ConfigStore and then replaced, is read
     afresh: the remembered merge names the nodes it was read from."""
     store = ConfigStore.instance()
-    store.store(group="model", name="mine_for_test", node={"_target_": "mine.First"})
-    assert compose_config(["model=mine_for_test"], PM).model._target_ == "mine.First"
-    store.store(group="model", name="mine_for_test", node={"_target_": "mine.Second"})
-    assert compose_config(["model=mine_for_test"], PM).model._target_ == "mine.Second"
+    try:
+        store.store(group="model", name="mine_for_test", node={"_target_": "mine.First"})
+        assert compose_config(["model=mine_for_test"], PM).model._target_ == "mine.First"
+        store.store(group="model", name="mine_for_test", node={"_target_": "mine.Second"})
+        assert compose_config(["model=mine_for_test"], PM).model._target_ == "mine.Second"
+    finally:  # the store is the process's: later tests list every model option in it
+        del store.repo["model"]["mine_for_test.yaml"]
 
 
 def test_a_search_path_given_as_a_hydra_setting_is_read(tmp_path):
