@@ -18,7 +18,7 @@ python -m pip install -q --upgrade pip uv
 # torch and the test extras in 92-107 s here against 198-245 s with pip. Where uv fails, pip
 # installs.
 install() {
-  local options=() cert=() line
+  local options=() cert=() line parts
   while read -r line; do
     case $line in
       SSL_CERT_FILE=*) cert=("$line") ;;
